@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with torch 2.13.0 (the CPU build that lies
+# on this machine's disk, not a multi-GB CUDA build), attnlab (editable) and its test dependencies.
+# Re-running it does nothing once the environment matches pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.attnlab-setup
+want="$(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import attnlab, torch, transformers" 2>/dev/null; then
+    exit 0
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+# torch first and pinned, so nothing later pulls an unpinned (CUDA) build
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+echo "$want" > "$stamp"

@@ -1,0 +1,173 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al. 2017).
+
+    src ids -> Embedding * sqrt(E) + sinusoidal PE -> N x EncoderLayer -> memory
+    tgt ids -> Embedding * sqrt(E) + sinusoidal PE -> N x DecoderLayer(memory) -> Linear -> logits
+
+Masks: padding masks are (B, L) booleans, True for real tokens. The encoder's
+self-attention and the decoder's cross-attention ignore padded source positions; the
+decoder's self-attention is causal. ``encode`` / ``decode`` split the model so that a
+decoder can run one token at a time with a cache (see attnlab.nn.cache).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ..nn.block import DecoderLayer, EncoderLayer
+from ..nn.cache import LayerCaches
+from ..nn.norm import make_norm
+from ..nn.position import PositionalEncoding
+
+__all__ = ["TransformerConfig", "Transformer"]
+
+
+@dataclass
+class TransformerConfig:
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: int = 2048
+    max_seq_len: int = 5000
+    dropout: float = 0.1
+    norm_first: bool = False          # Pre-Norm if True; the paper is Post-Norm
+    final_norm: bool | None = None    # norm after each stack; default: only for Pre-Norm
+    activation: str = "relu"
+    layer_norm_eps: float = 1e-5
+    tie_output: bool = False          # output projection shares the target embedding
+    share_embeddings: bool = False    # source and target share one embedding (one vocabulary)
+    pad_id: int | None = None         # if set, padding masks are derived from the ids
+
+    def __post_init__(self):
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig: {name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"TransformerConfig: d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads})")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError("TransformerConfig: share_embeddings needs src_vocab_size == tgt_vocab_size "
+                             f"({self.src_vocab_size} != {self.tgt_vocab_size})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"TransformerConfig: dropout must be in [0, 1), got {self.dropout}")
+        if self.final_norm is None:
+            self.final_norm = self.norm_first
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; the constructor takes the chapter's arguments.
+
+    forward(src (B, S), tgt (B, T), src_padding_mask (B, S), tgt_padding_mask (B, T))
+    -> logits (B, T, tgt_vocab_size). Teacher forcing: ``tgt`` is the shifted-right target.
+    """
+
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 512, num_heads: int = 8,
+                 num_encoder_layers: int = 6, num_decoder_layers: int = 6, d_ff: int = 2048,
+                 max_seq_len: int = 5000, dropout: float = 0.1, **options):
+        super().__init__()
+        cfg = TransformerConfig(src_vocab_size, tgt_vocab_size, d_model, num_heads, num_encoder_layers,
+                                num_decoder_layers, d_ff, max_seq_len, dropout, **options)
+        self.config = cfg
+        self.gradient_checkpointing = False
+        layer_args = dict(norm_first=cfg.norm_first, activation=cfg.activation, eps=cfg.layer_norm_eps)
+
+        self.tgt_embedding = nn.Embedding(cfg.tgt_vocab_size, cfg.d_model)
+        self.src_embedding = self.tgt_embedding if cfg.share_embeddings else nn.Embedding(cfg.src_vocab_size, cfg.d_model)
+        self.pos_encoding = PositionalEncoding(cfg.d_model, cfg.max_seq_len, cfg.dropout)
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(cfg.d_model, cfg.num_heads, cfg.d_ff, cfg.dropout, **layer_args)
+            for _ in range(cfg.num_encoder_layers))
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(cfg.d_model, cfg.num_heads, cfg.d_ff, cfg.dropout, **layer_args)
+            for _ in range(cfg.num_decoder_layers))
+        self.encoder_norm = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps) if cfg.final_norm else nn.Identity()
+        self.decoder_norm = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps) if cfg.final_norm else nn.Identity()
+        self.output_projection = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=not cfg.tie_output)
+        self.reset_parameters()
+        if cfg.tie_output:
+            self.output_projection.weight = self.tgt_embedding.weight
+
+    @classmethod
+    def from_config(cls, cfg: TransformerConfig | dict) -> "Transformer":
+        d = asdict(cfg) if isinstance(cfg, TransformerConfig) else dict(cfg)
+        return cls(**d)
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform for every matrix, as the reference implementations do.
+
+        The embeddings get it too: PyTorch's default N(0, 1) embedding, scaled by sqrt(E) and
+        tied to the output, gives huge logits whose backward fills with denormals.
+        """
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    # ------------------------------------------------------------------ pieces
+    def _padding(self, ids: Tensor, mask: Tensor | None) -> Tensor | None:
+        if mask is None and self.config.pad_id is not None:
+            mask = ids != self.config.pad_id
+        if mask is not None and (mask.shape != ids.shape or mask.dtype != torch.bool):
+            raise ValueError(f"Transformer: padding mask must be bool {tuple(ids.shape)} (True = real token), "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+        return mask
+
+    def _embed(self, ids: Tensor, embedding: nn.Embedding, offset: int = 0) -> Tensor:
+        if ids.dim() != 2:
+            raise ValueError(f"Transformer: token ids must be (batch, seq), got shape {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= embedding.num_embeddings):
+            raise ValueError(f"Transformer: token id out of range [0, {embedding.num_embeddings}): "
+                             f"min {int(ids.min())}, max {int(ids.max())}")
+        return self.pos_encoding(embedding(ids) * math.sqrt(self.config.d_model), offset=offset)
+
+    def _run(self, layer: nn.Module, *args, **kwargs):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        return layer(*args, **kwargs)
+
+    def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
+        """Source ids (B, S) -> memory (B, S, E)."""
+        src_padding_mask = self._padding(src, src_padding_mask)
+        x = self._embed(src, self.src_embedding)
+        for layer in self.encoder_layers:
+            x, _ = self._run(layer, x, src_padding_mask)
+        return self.encoder_norm(x)
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None,
+               tgt_padding_mask: Tensor | None = None, *, cache: LayerCaches | None = None,
+               return_weights: bool = False) -> tuple[Tensor, list | None]:
+        """Target ids (B, T) and memory (B, S, E) -> (logits (B, T, V), weights or None).
+
+        With ``cache`` (``new_cache()``), pass only the new tokens each step: positions are
+        offset by the cache length and earlier keys/values are reused. ``weights`` is, per
+        layer, the pair (self-attention, cross-attention) weights (B, H, T, ·).
+        """
+        offset = 0 if cache is None else cache.length
+        if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != self.config.d_model:
+            raise ValueError(f"Transformer.decode: memory must be (batch={tgt.size(0)}, S, {self.config.d_model}), "
+                             f"got {tuple(memory.shape)}")
+        tgt_padding_mask = self._padding(tgt, tgt_padding_mask) if cache is None else tgt_padding_mask
+        x = self._embed(tgt, self.tgt_embedding, offset)
+        weights = [] if return_weights else None
+        for i, layer in enumerate(self.decoder_layers):
+            layer_cache = None if cache is None else (cache.self_attn[i], cache.cross_attn[i])
+            x, w_self, w_cross = self._run(layer, x, memory, src_padding_mask, tgt_key_padding_mask=tgt_padding_mask,
+                                           cache=layer_cache, return_weights=return_weights)
+            if return_weights:
+                weights.append((w_self, w_cross))
+        return self.output_projection(self.decoder_norm(x)), weights
+
+    def new_cache(self) -> LayerCaches:
+        """An empty cache for step-by-step decoding with :meth:`decode`."""
+        return LayerCaches(len(self.decoder_layers), cross=True)
+
+    def forward(self, src: Tensor, tgt: Tensor, src_padding_mask: Tensor | None = None,
+                tgt_padding_mask: Tensor | None = None) -> Tensor:
+        src_padding_mask = self._padding(src, src_padding_mask)
+        memory = self.encode(src, src_padding_mask)
+        logits, _ = self.decode(tgt, memory, src_padding_mask, tgt_padding_mask)
+        return logits
