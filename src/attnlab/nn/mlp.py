@@ -1,0 +1,238 @@
+"""Position-wise feed-forward blocks: the classic FFN, the gated MLP (SwiGLU/GeGLU) and a
+sparse mixture of experts with its load-balancing loss.
+
+Shapes: (B, T, E) -> (B, T, E), with E = d_model and F = d_ff the hidden width;
+N = B*T flattened tokens, X = number of experts, k = experts per token.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts"]
+
+
+def _activation(owner: str, name: str, valid: tuple[str, ...]) -> nn.Module:
+    if name not in valid:
+        raise ValueError(f"{owner}: unknown activation {name!r}; valid activations are {', '.join(valid)}")
+    return {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU,
+            "gelu_tanh": partial(nn.GELU, approximate="tanh")}[name]()
+
+
+def _check_sizes(owner: str, d_model: int, d_ff: int, dropout: float) -> None:
+    if d_model <= 0 or d_ff <= 0:
+        raise ValueError(f"{owner}: d_model ({d_model}) and d_ff ({d_ff}) must be positive")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{owner}: dropout must be in [0, 1), got {dropout}")
+
+
+def _check_input(owner: str, x: Tensor, d_model: int) -> None:
+    if x.size(-1) != d_model:
+        raise ValueError(f"{owner}: input last dim {x.size(-1)} != d_model {d_model} (shape {tuple(x.shape)})")
+
+
+class FeedForward(nn.Module):
+    r"""FFN(x) = act(x W_1 + b_1) W_2 + b_2, applied to every position alone.
+
+    Vaswani et al. 2017, section 3.3 (ReLU); GELU as in BERT/GPT-2 ("gelu_tanh" is GPT-2's
+    tanh approximation). Dropout sits after the activation, where
+    ``torch.nn.TransformerEncoderLayer`` puts it (linear1 -> act -> dropout -> linear2); the
+    residual dropout belongs to the block. ``linear1`` (E -> F) and ``linear2`` (F -> E)
+    map 1:1 onto that layer's weights.
+
+    Shapes: (..., E) -> (..., E).
+    """
+
+    ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu",
+                 bias: bool = True):
+        super().__init__()
+        _check_sizes("FeedForward", d_model, d_ff, dropout)
+        self.d_model, self.d_ff = d_model, d_ff
+        self.act = _activation("FeedForward", activation, self.ACTIVATIONS)
+        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input("FeedForward", x, self.d_model)
+        return self.linear2(self.dropout(self.act(self.linear1(x))))
+
+
+class GatedMLP(nn.Module):
+    r"""GatedMLP(x) = (act(x W_gate) * (x W_up)) W_down   (GLU variants, Shazeer 2020).
+
+    act = SiLU gives SwiGLU (LLaMA, Mistral, Mixtral experts), GELU gives GeGLU (Gemma uses
+    "gelu_tanh"). Submodules ``gate_proj``, ``up_proj`` (E -> F) and ``down_proj`` (F -> E),
+    named as in Hugging Face's LlamaMLP. Dropout, if any, acts on the gated hidden (..., F).
+
+    Shapes: (..., E) -> (..., E).
+    """
+
+    ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False,
+                 dropout: float = 0.0):
+        super().__init__()
+        _check_sizes("GatedMLP", d_model, d_ff, dropout)
+        self.d_model, self.d_ff = d_model, d_ff
+        self.act = _activation("GatedMLP", activation, self.ACTIVATIONS)
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input("GatedMLP", x, self.d_model)
+        return self.down_proj(self.dropout(self.act(self.gate_proj(x)) * self.up_proj(x)))
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+def _route(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, X) logits -> fp32 probabilities (N, X), renormalised top-k weights (N, k), indices (N, k)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    return probs, top_w / top_w.sum(dim=-1, keepdim=True), top_i
+
+
+def _flat_mask(owner: str, padding_mask: Tensor | None, rows: int) -> Tensor | None:
+    if padding_mask is None:
+        return None
+    if padding_mask.numel() != rows:
+        raise ValueError(f"{owner}: padding_mask of shape {tuple(padding_mask.shape)} does not cover "
+                         f"the {rows} routed tokens")
+    return padding_mask.reshape(-1).bool()
+
+
+class SparseMoE(nn.Module):
+    r"""Sparse mixture of experts: y = sum_{e in TopK(p)} g_e(x) * Expert_e(x).
+
+    p = softmax(x W_gate) over X experts (in fp32); each token goes to its k most probable
+    experts, whose probabilities are renormalised to sum to 1 (g_e), as in Mixtral
+    (Jiang et al. 2024, section 2.1; Shazeer et al. 2017). Every expert is a SwiGLU
+    :class:`GatedMLP`. Tokens are dispatched per expert (gather, run, scatter-add), so the
+    cost is k expert passes per token, never X.
+
+    Args:
+        num_experts: X; top_k: k (1 <= k <= X).
+        router_jitter: in training, multiply the router input by U(1 - j, 1 + j) noise
+            (Switch Transformer's jitter, Fedus et al. 2021); 0 disables it.
+
+    ``forward(x (B, T, E), padding_mask (B, T) bool, True = real token, optional)`` returns
+    ``(y (B, T, E), router_logits (B*T, X))``. Padding tokens are not sent to any expert and
+    get y = 0; their router logits are still returned (mask them in the loss).
+    Weights: ``gate`` (X, E) router, ``experts[e].{gate,up,down}_proj``.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
+                 activation: str = "silu", router_jitter: float = 0.0):
+        super().__init__()
+        _check_sizes("SparseMoE", d_model, d_ff, 0.0)
+        if num_experts <= 0:
+            raise ValueError(f"SparseMoE: num_experts must be positive, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"SparseMoE: top_k ({top_k}) must be between 1 and num_experts ({num_experts})")
+        if router_jitter < 0:
+            raise ValueError(f"SparseMoE: router_jitter must be >= 0, got {router_jitter}")
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.router_jitter = router_jitter
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(d_model, d_ff, activation) for _ in range(num_experts))
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        _check_input("SparseMoE", x, self.d_model)
+        if x.dim() != 3:
+            raise ValueError(f"SparseMoE: input must be (batch, seq, d_model), got shape {tuple(x.shape)}")
+        B, T, E = x.shape
+        flat = x.reshape(B * T, E)                                        # (N, E)
+        keep = _flat_mask("SparseMoE", padding_mask, B * T)
+        router_in = flat
+        if self.training and self.router_jitter > 0:
+            j = self.router_jitter
+            router_in = flat * torch.empty_like(flat).uniform_(1.0 - j, 1.0 + j)
+        router_logits = self.gate(router_in)                              # (N, X)
+        _, top_w, top_i = _route(router_logits, self.top_k)              # (N, k) each
+
+        # Sort the N*k (token, expert) assignments by expert; padding goes to a dummy bin X.
+        if keep is not None:
+            top_i = top_i.masked_fill(~keep[:, None], self.num_experts)
+        flat_e = top_i.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        tokens = order // self.top_k                                      # token of each assignment
+        weights = top_w.reshape(-1)[order]
+        counts = torch.bincount(flat_e, minlength=self.num_experts + 1).tolist()  # one host sync
+
+        y = torch.zeros_like(flat)
+        start = 0
+        for e in range(self.num_experts):
+            n = counts[e]
+            if n:
+                idx = tokens[start:start + n]
+                out = self.experts[e](flat.index_select(0, idx)) * weights[start:start + n, None]
+                y.index_add_(0, idx, out.to(y.dtype))
+            start += n
+        return y.view(B, T, E), router_logits
+
+
+def _as_rows(owner: str, router_logits: Tensor | Sequence[Tensor], padding_mask: Tensor | None,
+             num_experts: int | None, top_k: int) -> tuple[Tensor, Tensor | None]:
+    """Concatenate per-layer (N, X) logits into (L*N, X) and repeat the flat mask per layer."""
+    layers = [router_logits] if isinstance(router_logits, Tensor) else list(router_logits)
+    if not layers or any(t.dim() != 2 or t.shape != layers[0].shape for t in layers):
+        raise ValueError(f"{owner}: router_logits must be one (tokens, num_experts) tensor or a "
+                         f"sequence of equal-shaped ones, got {[tuple(t.shape) for t in layers]}")
+    X = layers[0].size(-1)
+    if num_experts is not None and X != num_experts:
+        raise ValueError(f"{owner}: router_logits have {X} experts, num_experts is {num_experts}")
+    if not 1 <= top_k <= X:
+        raise ValueError(f"{owner}: top_k ({top_k}) must be between 1 and num_experts ({X})")
+    keep = _flat_mask(owner, padding_mask, layers[0].size(0))
+    if keep is not None:
+        keep = keep.to(layers[0].device).repeat(len(layers))
+    return torch.cat(layers, dim=0), keep
+
+
+def expert_counts(router_logits: Tensor | Sequence[Tensor], top_k: int,
+                  padding_mask: Tensor | None = None) -> Tensor:
+    """Tokens routed to each expert: (X,) int64, each token counted once per top-k choice.
+
+    ``router_logits``: (N, X) from :class:`SparseMoE` (or a sequence of them, one per layer,
+    summed); ``padding_mask``: (B, T) or (N,) bool, True = real token; padding is not counted.
+    """
+    logits, keep = _as_rows("expert_counts", router_logits, padding_mask, None, top_k)
+    _, _, top_i = _route(logits, top_k)
+    if keep is not None:
+        top_i = top_i[keep]
+    return torch.bincount(top_i.reshape(-1), minlength=logits.size(-1))
+
+
+def load_balancing_loss(router_logits: Tensor | Sequence[Tensor], num_experts: int, top_k: int,
+                        padding_mask: Tensor | None = None) -> Tensor:
+    r"""Switch/Mixtral auxiliary loss: L = X * sum_e f_e * P_e.
+
+    f_e = share of the N*k top-k assignments that go to expert e (sums to 1 over experts, so
+    perfectly uniform routing gives L = 1 for any k), P_e = mean router probability of expert
+    e over tokens (Fedus et al. 2021, eqs. 4-6). Padding tokens are excluded from both.
+    Hugging Face's ``load_balancing_loss_func`` does not divide f by k; its value is k * L.
+
+    ``router_logits``: (N, X), or a sequence of them (one per MoE layer, pooled);
+    ``padding_mask``: (B, T) or (N,) bool, True = real token. Returns a scalar fp32 tensor.
+    """
+    logits, keep = _as_rows("load_balancing_loss", router_logits, padding_mask, num_experts, top_k)
+    probs, _, top_i = _route(logits, top_k)                              # (R, X), (R, k)
+    chosen = torch.zeros_like(probs).scatter_(1, top_i, 1.0)             # (R, X) one-hot of top-k
+    if keep is not None:
+        w = keep.to(probs.dtype)[:, None]
+        chosen, probs = chosen * w, probs * w
+        tokens = w.sum().clamp(min=1.0)
+    else:
+        tokens = torch.tensor(float(probs.size(0)), device=probs.device).clamp(min=1.0)
+    f = chosen.sum(0) / (tokens * top_k)
+    P = probs.sum(0) / tokens
+    return num_experts * torch.sum(f * P)

@@ -1,0 +1,124 @@
+"""Normalisation layers: LayerNorm, RMSNorm and DyT (a normalisation-free replacement).
+
+All take (..., E) and return (..., E), normalising over the last axis. Statistics are
+computed in fp32 even for bf16/fp16 inputs (low precision sums lose the small variance
+terms; transformers PR#29285).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["LayerNorm", "RMSNorm", "DyT", "make_norm", "NORM_KINDS"]
+
+
+def _check_width(name: str, d: int, x: Tensor | None = None) -> None:
+    if x is None:
+        if d <= 0:
+            raise ValueError(f"{name}: width d must be positive, got {d}")
+    elif x.size(-1) != d:
+        raise ValueError(f"{name}: input last dim {x.size(-1)} != normalised width {d} (shape {tuple(x.shape)})")
+
+
+class LayerNorm(nn.Module):
+    r"""LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias.
+
+    Mean and (biased) variance over the last axis E. Ba, Kiros, Hinton 2016.
+    Parameters ``weight`` (E,) and ``bias`` (E,) (None with ``bias=False``), named as in
+    ``torch.nn.LayerNorm`` so state dicts load unchanged.
+
+    Shapes: (..., E) -> (..., E), in the input's dtype; half-precision inputs are
+    normalised in fp32 and cast back.
+    """
+
+    def __init__(self, d: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        _check_width("LayerNorm", d)
+        self.d, self.eps = d, eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_width("LayerNorm", self.d, x)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            bias = None if self.bias is None else self.bias.float()
+            return F.layer_norm(x.float(), (self.d,), self.weight.float(), bias, self.eps).to(x.dtype)
+        return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    r"""RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight.
+
+    No centring and no bias (Zhang & Sennrich 2019); used by LLaMA, Mistral, T5. The
+    statistic and the scaling run in fp32, the result is cast back to the input dtype and
+    only *then* multiplied by ``weight``, the order of Hugging Face's ``LlamaRMSNorm``, so
+    bf16 outputs are bit-identical to it. As there, the output dtype is the promotion of
+    the input and weight dtypes (cast the module with the model).
+
+    Shapes: (..., E) -> (..., E). Parameter ``weight`` (E,).
+    """
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        _check_width("RMSNorm", d)
+        self.d, self.eps = d, eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_width("RMSNorm", self.d, x)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}"
+
+
+class DyT(nn.Module):
+    r"""Dynamic Tanh: DyT(x) = weight * tanh(alpha * x) + bias.
+
+    An element-wise replacement for a normalisation layer, no statistics at all
+    (Zhu, Chen, He, LeCun, Liu 2025, "Transformers without Normalization", section 3).
+    ``alpha`` is one learnable scalar (initialised to ``alpha_init``), ``weight`` (E,)
+    starts at ones and ``bias`` (E,) at zeros.
+
+    Shapes: (..., E) -> (..., E), in the input's dtype.
+    """
+
+    def __init__(self, d: int, alpha_init: float = 0.5):
+        super().__init__()
+        _check_width("DyT", d)
+        self.d = d
+        self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_width("DyT", self.d, x)
+        return (self.weight * torch.tanh(self.alpha * x) + self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}"
+
+
+NORM_KINDS = ("layernorm", "rmsnorm", "dyt")
+
+
+def make_norm(kind: str, d: int, eps: float | None = None) -> nn.Module:
+    """Build a norm by name: "layernorm" | "rmsnorm" | "dyt".
+
+    ``eps`` None keeps each layer's default (1e-5 LayerNorm, 1e-6 RMSNorm); DyT has no eps
+    and ignores it.
+    """
+    key = kind.lower() if isinstance(kind, str) else kind
+    if key == "layernorm":
+        return LayerNorm(d) if eps is None else LayerNorm(d, eps=eps)
+    if key == "rmsnorm":
+        return RMSNorm(d) if eps is None else RMSNorm(d, eps=eps)
+    if key == "dyt":
+        return DyT(d)
+    raise ValueError(f"make_norm: unknown norm kind {kind!r}; valid kinds are {', '.join(NORM_KINDS)}")

@@ -1,0 +1,273 @@
+"""Parity tests for attnlab.nn.norm and attnlab.nn.mlp against torch and Hugging Face."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.nn import (DyT, FeedForward, GatedMLP, LayerNorm, RMSNorm, SparseMoE, expert_counts,
+                        load_balancing_loss, make_norm)
+
+llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+from transformers import LlamaConfig, MixtralConfig  # noqa: E402
+
+E, FF = 16, 40
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _randomise(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.5)
+    return module
+
+
+def _max_err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# --------------------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_matches_torch_fp32(bias):
+    ours, ref = _randomise(LayerNorm(E, bias=bias)), nn.LayerNorm(E, bias=bias)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 5, E) * 3 + 1
+    err = _max_err(ours(x), ref(x))
+    assert err <= 1e-6, f"LayerNorm vs torch.nn.LayerNorm fp32: max abs err {err} > 1e-6"
+
+
+def test_layernorm_bf16_is_fp32_cast_back():
+    ours = _randomise(LayerNorm(E))
+    x = (torch.randn(4, 7, E) * 2 + 5).to(torch.bfloat16)
+    y = ours(x)
+    assert y.dtype == torch.bfloat16, f"LayerNorm bf16 output dtype {y.dtype}, expected bfloat16"
+    want = F.layer_norm(x.float(), (E,), ours.weight, ours.bias, 1e-5).to(torch.bfloat16)
+    assert torch.equal(y, want), f"LayerNorm bf16 != fp32 computation cast back (tolerance 0), err {_max_err(y, want)}"
+
+
+def test_rmsnorm_matches_hf_and_torch_fp32():
+    ours = _randomise(RMSNorm(E, eps=1e-6))
+    hf = llama.LlamaRMSNorm(E, eps=1e-6)
+    hf.load_state_dict(ours.state_dict())
+    tnorm = nn.RMSNorm(E, eps=1e-6)
+    tnorm.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 9, E) * 4
+    y = ours(x)
+    assert torch.equal(y, hf(x)), f"RMSNorm vs LlamaRMSNorm fp32 not bit-identical, err {_max_err(y, hf(x))}"
+    err = _max_err(y, tnorm(x))
+    assert err <= 1e-6, f"RMSNorm vs torch.nn.RMSNorm fp32: max abs err {err} > 1e-6"
+
+
+def test_rmsnorm_bf16_bit_identical_to_hf():
+    ours = _randomise(RMSNorm(E)).to(torch.bfloat16)
+    hf = llama.LlamaRMSNorm(E).to(torch.bfloat16)
+    hf.load_state_dict(ours.state_dict())
+    x = (torch.randn(3, 11, E) * 10).to(torch.bfloat16)
+    y, want = ours(x), hf(x)
+    assert y.dtype == want.dtype == torch.bfloat16, f"dtypes {y.dtype} vs {want.dtype}"
+    assert torch.equal(y, want), f"RMSNorm bf16 vs LlamaRMSNorm not bit-identical (tolerance 0), err {_max_err(y, want)}"
+    # A module with fp32 weights on bf16 input follows HF too (promotes to fp32).
+    ours32, hf32 = _randomise(RMSNorm(E)), llama.LlamaRMSNorm(E)
+    hf32.load_state_dict(ours32.state_dict())
+    assert torch.equal(ours32(x), hf32(x)), "RMSNorm fp32 weights / bf16 input differs from LlamaRMSNorm (tolerance 0)"
+
+
+def test_dyt_formula_and_gradients():
+    m = DyT(E, alpha_init=0.7)
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x = torch.randn(2, 3, E) * 3
+    want = m.weight * torch.tanh(0.7 * x) + m.bias
+    err = _max_err(m(x), want)
+    assert err <= 1e-6, f"DyT vs weight*tanh(alpha*x)+bias: max abs err {err} > 1e-6"
+    assert m.alpha.numel() == 1, f"DyT alpha must be one scalar, has {m.alpha.numel()} elements"
+    m(x).pow(2).sum().backward()
+    for name in ("alpha", "weight", "bias"):
+        g = getattr(m, name).grad
+        assert g is not None and g.abs().sum() > 0, f"DyT: no gradient reached {name}"
+
+
+def test_make_norm():
+    assert isinstance(make_norm("layernorm", E), LayerNorm)
+    r = make_norm("rmsnorm", E, eps=1e-5)
+    assert isinstance(r, RMSNorm) and r.eps == 1e-5, f"make_norm rmsnorm gave {r!r}"
+    assert isinstance(make_norm("dyt", E), DyT)
+    with pytest.raises(ValueError, match="layernorm, rmsnorm, dyt"):
+        make_norm("batchnorm", E)
+
+
+# --------------------------------------------------------------------------- dense MLPs
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_feedforward_matches_transformer_encoder_layer(activation):
+    ours = FeedForward(E, FF, dropout=0.1, activation=activation).eval()
+    ref = nn.TransformerEncoderLayer(E, nhead=2, dim_feedforward=FF, dropout=0.1,
+                                     activation=activation, batch_first=True).eval()
+    ref.linear1.load_state_dict(ours.linear1.state_dict())
+    ref.linear2.load_state_dict(ours.linear2.state_dict())
+    x = torch.randn(2, 6, E)
+    want = ref.linear2(ref.dropout(ref.activation(ref.linear1(x))))
+    err = _max_err(ours(x), want)
+    assert err <= 1e-6, f"FeedForward({activation}) vs TransformerEncoderLayer FFN: err {err} > 1e-6"
+
+
+def test_feedforward_gelu_tanh_and_dropout_placement():
+    ours = FeedForward(E, FF, activation="gelu_tanh")
+    x = torch.randn(2, 6, E)
+    want = ours.linear2(F.gelu(ours.linear1(x), approximate="tanh"))
+    err = _max_err(ours(x), want)
+    assert err <= 1e-6, f"FeedForward(gelu_tanh): err {err} > 1e-6"
+    # dropout 0.999 in training zeroes (nearly) the whole hidden: output collapses to the bias b2.
+    drop = FeedForward(E, FF, dropout=0.999).train()
+    drop.linear2.load_state_dict(ours.linear2.state_dict())
+    torch.manual_seed(1)
+    y = drop(x)
+    frac = (y - drop.linear2.bias).abs().lt(1e-6).float().mean().item()
+    assert frac > 0.5, f"dropout is not on the hidden before linear2 ({frac:.2f} of outputs equal b2)"
+
+
+@pytest.mark.parametrize("activation,hf_act", [("silu", "silu"), ("gelu", "gelu"),
+                                                ("gelu_tanh", "gelu_pytorch_tanh")])
+def test_gated_mlp_matches_llama_mlp(activation, hf_act):
+    cfg = LlamaConfig(hidden_size=E, intermediate_size=FF, num_attention_heads=2, num_key_value_heads=2,
+                      hidden_act=hf_act, mlp_bias=False)
+    ref = llama.LlamaMLP(cfg)
+    ours = _randomise(GatedMLP(E, FF, activation=activation))
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 5, E)
+    err = _max_err(ours(x), ref(x))
+    assert err <= 1e-6, f"GatedMLP({activation}) vs LlamaMLP: err {err} > 1e-6"
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+def _mixtral_pair(num_experts=4, top_k=2):
+    cfg = MixtralConfig(hidden_size=E, intermediate_size=FF, num_local_experts=num_experts,
+                        num_experts_per_tok=top_k, hidden_act="silu", num_attention_heads=2,
+                        num_key_value_heads=2)
+    ref = mixtral.MixtralSparseMoeBlock(cfg).eval()
+    ours = _randomise(SparseMoE(E, FF, num_experts, top_k=top_k)).eval()
+    with torch.no_grad():
+        ref.gate.weight.copy_(ours.gate.weight)
+        for e, expert in enumerate(ours.experts):      # gate_up_proj (X, 2F, E): gate rows then up rows
+            ref.experts.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight], 0))
+            ref.experts.down_proj[e].copy_(expert.down_proj.weight)
+    return ours, ref
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(4, 2), (8, 2), (5, 1), (3, 3)])
+def test_sparse_moe_matches_mixtral(num_experts, top_k):
+    ours, ref = _mixtral_pair(num_experts, top_k)
+    x = torch.randn(3, 7, E)
+    y, logits = ours(x)
+    want = ref(x.clone())
+    want_logits, _, _ = ref.gate(x.reshape(-1, E))
+    assert logits.shape == (21, num_experts), f"router logits shape {tuple(logits.shape)}"
+    err = _max_err(logits, want_logits)
+    assert err <= 1e-6, f"router logits vs Mixtral: err {err} > 1e-6"
+    err = _max_err(y, want)
+    assert err <= 1e-5, f"SparseMoE vs MixtralSparseMoeBlock (X={num_experts}, k={top_k}): err {err} > 1e-5"
+
+
+def test_sparse_moe_padding_and_gradients():
+    ours, _ = _mixtral_pair()
+    x = torch.randn(2, 6, E, requires_grad=True)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2], dtype=torch.bool)
+    y_full, _ = ours(x)
+    y, _ = ours(x, padding_mask=mask)
+    err = _max_err(y[mask], y_full[mask])
+    assert err <= 1e-6, f"padding changed real-token outputs: err {err} > 1e-6"
+    assert torch.equal(y[~mask], torch.zeros_like(y[~mask])), "padding tokens must get zero output"
+    y.sum().backward()
+    assert x.grad[~mask].abs().sum() == 0, "padding tokens must get no gradient"
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, f"no gradient for {name}"
+
+
+def _hf_loss(logits, num_experts, top_k, mask=None):
+    layers = tuple(logits) if isinstance(logits, (list, tuple)) else (logits,)
+    return mixtral.load_balancing_loss_func(layers, num_experts, top_k, mask)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_load_balancing_loss_matches_hf_over_k(top_k):
+    X = 6
+    logits = torch.randn(4 * 9, X) * 2
+    ours = load_balancing_loss(logits, X, top_k)
+    hf = _hf_loss(logits, X, top_k) / top_k        # HF does not normalise f by k (pitfall 20)
+    err = abs(ours.item() - hf.item())
+    assert err <= 1e-6, f"load_balancing_loss vs HF/k (k={top_k}): {ours.item()} vs {hf.item()}, err > 1e-6"
+
+
+def test_load_balancing_loss_padding_matches_hf():
+    X, k = 5, 2
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[2, 2:] = False
+    layers = [torch.randn(24, X) * 2 for _ in range(3)]
+    ours = load_balancing_loss(layers, X, k, padding_mask=mask)
+    hf = _hf_loss(layers, X, k, mask.long()) / k
+    err = abs(ours.item() - hf.item())
+    assert err <= 1e-6, f"masked load_balancing_loss vs HF/k: {ours.item()} vs {hf.item()}, err > 1e-6"
+    # Padding rows must not matter at all: garbage in them leaves the loss unchanged.
+    noisy = [t.clone() for t in layers]
+    for t in noisy:
+        t[~mask.reshape(-1)] = torch.randn(int((~mask).sum()), X) * 50
+    err = abs(load_balancing_loss(noisy, X, k, padding_mask=mask).item() - ours.item())
+    assert err <= 1e-6, f"padding rows changed the loss by {err} (> 1e-6)"
+    unmasked = load_balancing_loss(layers, X, k)
+    assert abs(unmasked.item() - ours.item()) > 1e-4, "the mask had no effect on the loss"
+
+
+def test_load_balancing_loss_uniform_routing_is_one():
+    # 4 experts, k=2, 12 tokens whose top-2 pairs cycle over all 6 pairs (each expert chosen
+    # 6 times out of 24 assignments, f_e = 1/4) with nearly uniform probabilities (P_e ~ 1/4).
+    X, k = 4, 2
+    pairs = [(0, 1), (2, 3), (0, 2), (1, 3), (0, 3), (1, 2)] * 2
+    logits = torch.zeros(len(pairs), X)
+    for row, (a, b) in enumerate(pairs):
+        logits[row, a] = logits[row, b] = 1e-4
+    loss = load_balancing_loss(logits, X, k)
+    assert abs(loss.item() - 1.0) <= 1e-4, f"uniform routing must give loss 1.0 (tol 1e-4), got {loss.item()}"
+    counts = expert_counts(logits, k)
+    assert counts.tolist() == [6, 6, 6, 6], f"expert_counts on uniform routing: {counts.tolist()}"
+
+
+def test_expert_counts_with_padding():
+    logits = torch.tensor([[5.0, 1.0, 0.0], [0.0, 5.0, 1.0], [1.0, 0.0, 5.0], [5.0, 4.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    assert expert_counts(logits, 1).tolist() == [2, 1, 1]
+    assert expert_counts(logits, 1, padding_mask=mask).tolist() == [1, 1, 1]
+    assert expert_counts(logits, 2, padding_mask=mask).tolist() == [2, 2, 2]
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("build,pattern", [
+    (lambda: FeedForward(E, 0), "d_ff"),
+    (lambda: FeedForward(E, FF, activation="swish"), "valid activations are relu, gelu, gelu_tanh"),
+    (lambda: GatedMLP(E, -1), "d_ff"),
+    (lambda: GatedMLP(E, FF, activation="relu"), "valid activations are silu, gelu, gelu_tanh"),
+    (lambda: SparseMoE(E, FF, num_experts=2, top_k=3), "top_k"),
+    (lambda: SparseMoE(E, FF, num_experts=0), "num_experts"),
+    (lambda: LayerNorm(0), "width"),
+    (lambda: load_balancing_loss(torch.randn(4, 3), num_experts=4, top_k=1), "num_experts"),
+    (lambda: load_balancing_loss(torch.randn(4, 3), 3, top_k=4), "top_k"),
+    (lambda: load_balancing_loss(torch.randn(4, 3), 3, 1, torch.ones(5, dtype=torch.bool)), "padding_mask"),
+])
+def test_bad_arguments_raise(build, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build()
+
+
+@pytest.mark.parametrize("module", [FeedForward(E, FF), GatedMLP(E, FF), SparseMoE(E, FF, 4),
+                                    LayerNorm(E), RMSNorm(E), DyT(E)], ids=lambda m: type(m).__name__)
+def test_wrong_width_raises(module):
+    with pytest.raises(ValueError, match=f"{E + 1}"):
+        module(torch.randn(2, 3, E + 1))
