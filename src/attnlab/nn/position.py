@@ -1,10 +1,26 @@
 """Position information for attention: absolute tables added to embeddings, and the
-relative kinds that act inside attention (rotations of q/k, biases on the scores)."""
+relative kinds that act inside attention (rotations of q/k, biases on the scores).
+
+Absolute (added to the (B, T, E) embeddings before the first layer):
+    :func:`sinusoidal_table`, :class:`PositionalEncoding`, :class:`LearnedPositionalEmbedding`.
+Relative (an :class:`AttentionPosition` plugged into ``MultiHeadAttention(position=...)``):
+    :class:`RotaryEmbedding` rotates q/k; :class:`T5RelativePositionBias` and :class:`ALiBi`
+    add a (·, H, T, S) bias to the scores.
+
+Positions are absolute token indices. With a KV cache the new queries start at the cache
+length, not at 0: ``MultiHeadAttention`` passes ``cache.length + arange(T)`` (pitfall 9), and
+the absolute modules take ``offset=`` or ``positions=`` for the same reason.
+Shape letters: see :mod:`attnlab.nn.attention`.
+"""
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import Tensor, nn
 
-__all__ = ["AttentionPosition"]
+__all__ = ["AttentionPosition", "sinusoidal_table", "PositionalEncoding", "LearnedPositionalEmbedding",
+           "RotaryEmbedding", "relative_position_bucket", "T5RelativePositionBias", "alibi_slopes", "ALiBi"]
 
 
 class AttentionPosition(nn.Module):
@@ -23,3 +39,259 @@ class AttentionPosition(nn.Module):
 
     def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         return None
+
+
+# --------------------------------------------------------------------------- absolute tables
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """The (max_len, d_model) float32 table PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d)). An odd d_model ends with a sine column.
+
+    Vaswani et al. 2017, section 3.5. Computed in float64 and rounded once, so row 4999 is
+    as accurate as row 0.
+    """
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]                # (L, 1)
+    freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    angles = pos * freq                                                       # (L, ceil(d/2))
+    pe = torch.empty(max_len, d_model, dtype=torch.float64)
+    pe[:, 0::2] = angles.sin()
+    pe[:, 1::2] = angles[:, : d_model // 2].cos()
+    return pe.float()
+
+
+def _rows(table: Tensor, T: int, offset: int, positions: Tensor | None, who: str) -> Tensor:
+    """Rows of a (max_len, E) table for T tokens: (T, E) from offset, or table[positions]."""
+    max_len = table.size(0)
+    if positions is None:
+        if offset < 0 or offset + T > max_len:
+            raise ValueError(f"{who}: a sequence of {T} tokens at offset {offset} needs {offset + T} "
+                             f"positions, but max_len is {max_len}")
+        return table[offset:offset + T]
+    if positions.shape[-1] != T or positions.dim() not in (1, 2):
+        raise ValueError(f"{who}: positions must be (T,) or (B, T) with T = {T}, got {tuple(positions.shape)}")
+    lo, hi = (int(v) for v in positions.aminmax())
+    if lo < 0 or hi >= max_len:
+        raise ValueError(f"{who}: position {hi if hi >= max_len else lo} is outside [0, max_len) "
+                         f"with max_len {max_len}")
+    return table[positions]
+
+
+class PositionalEncoding(nn.Module):
+    """x + PE[positions], then dropout, with PE the fixed :func:`sinusoidal_table`.
+
+    Args:
+        d_model: width E; max_len: longest sequence (plus offset) allowed; dropout: applied
+            after the addition (section 5.4 of the paper).
+
+    ``forward(x (B, T, E), offset=0, positions=None) -> (B, T, E)``. The (T, E) rows are
+    added along the *sequence* axis and broadcast over the batch (pitfall 10). ``offset``
+    shifts the rows (cached decoding); ``positions`` (T,) or (B, T) picks them explicitly
+    (left-padded batches). Positions beyond ``max_len`` raise ValueError.
+    """
+
+    def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.1):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("pe", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        rows = _rows(self.pe, x.size(1), offset, positions, "PositionalEncoding")
+        return self.dropout(x + rows.to(x.dtype))
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """x + P[positions] with P a trained (max_len, d_model) table (GPT-2, BERT; Gehring et al.
+    2017; Vaswani et al. 2017 section 3.5 found it on par with the sinusoids).
+
+    Same ``forward(x, offset=0, positions=None)`` and the same ValueError as
+    :class:`PositionalEncoding`. Initialised N(0, 0.02) as GPT-2.
+    """
+
+    def __init__(self, max_len: int, d_model: int, dropout: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        rows = _rows(self.weight, x.size(1), offset, positions, "LearnedPositionalEmbedding")
+        return self.dropout(x + rows.to(x.dtype))
+
+
+# --------------------------------------------------------------------------- rotary
+
+class RotaryEmbedding(AttentionPosition):
+    r"""Rotary position embedding (RoPE): each channel pair (x1, x2) of q and k at position m
+    is rotated by the angle m * theta_i, theta_i = base^(-2i/d), i < d/2:
+
+        x1' = x1 cos(m theta_i) - x2 sin(m theta_i),   x2' = x2 cos(m theta_i) + x1 sin(m theta_i)
+
+    so q_m . k_n depends only on m - n. Su et al. 2021, "RoFormer", section 3.4.
+
+    Args:
+        head_dim: D. rotary_dim: d <= D channels rotated (default D, must be even); the
+            remaining D - d channels pass through (GPT-NeoX / Phi "partial rotary").
+        base: theta base (LLaMA 1/2: 10000).
+        interleaved: channel layout of the pairs. False: half-split, pair i = (x_i, x_{i+d/2})
+            (Hugging Face LLaMA's ``rotate_half``). True: interleaved, pair i = (x_{2i}, x_{2i+1})
+            (RoFormer, Meta's complex-number code). The two differ by a permutation of the q/k
+            projection rows, per head (pitfall 7).
+        scaling: None; ``{"type": "linear", "factor": f}`` divides theta_i by f (position
+            interpolation, Chen et al. 2023); ``{"type": "ntk", "factor": f}`` uses
+            base * f^(d/(d-2)) ("NTK-aware" scaling, bloc97 2023).
+
+    ``transform(q (B, H, T, D), k (B, G, T, D), positions (T,) or (B, T))`` returns rotated
+    q, k in their dtype. Frequencies, angles, cos/sin and the rotation are computed in fp32
+    (pitfall 8); cos/sin are cached for the largest position seen so far.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = False,
+                 scaling: dict | None = None, rotary_dim: int | None = None):
+        super().__init__()
+        dim = head_dim if rotary_dim is None else rotary_dim
+        if dim % 2 or not 0 < dim <= head_dim:
+            raise ValueError(f"RotaryEmbedding: rotary_dim ({dim}) must be even and in (0, head_dim={head_dim}]")
+        kind, factor = None, 1.0
+        if scaling is not None:
+            kind, factor = scaling.get("type"), float(scaling.get("factor", 0.0))
+            if kind not in ("linear", "ntk") or factor <= 0 or (kind == "ntk" and dim <= 2):
+                raise ValueError(f"RotaryEmbedding: scaling must be {{'type': 'linear' or 'ntk', 'factor': > 0}} "
+                                 f"(ntk needs rotary_dim > 2), got {scaling}")
+        if kind == "ntk":
+            base = base * factor ** (dim / (dim - 2))
+        self.head_dim, self.rotary_dim, self.base = head_dim, dim, base
+        self.interleaved, self.scaling = interleaved, scaling
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # plain attributes, not buffers: module.to(torch.bfloat16) must not round them
+        self.inv_freq: Tensor = inv_freq / factor if kind == "linear" else inv_freq
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def _cos_sin(self, positions: Tensor, T: int) -> tuple[Tensor, Tensor]:
+        """fp32 cos/sin (T, d/2) or (B, 1, T, d/2) for the positions, from the grown cache."""
+        if positions.dim() not in (1, 2) or positions.shape[-1] != T or positions.is_floating_point():
+            raise ValueError(f"RotaryEmbedding: positions must be integer (T,) or (B, T) with T = {T}, "
+                             f"got {tuple(positions.shape)} {positions.dtype}")
+        lo, hi = (int(v) for v in positions.aminmax())
+        if lo < 0:
+            raise ValueError(f"RotaryEmbedding: negative position {lo}")
+        device = positions.device
+        if self._cos is None or self._cos.size(0) <= hi or self._cos.device != device:
+            cached = 0 if self._cos is None else self._cos.size(0)
+            t = torch.arange(max(hi + 1, 2 * cached), device=device, dtype=torch.float32)
+            angles = torch.outer(t, self.inv_freq.to(device))                # (L, d/2), fp32
+            self._cos, self._sin = angles.cos(), angles.sin()
+        cos, sin = self._cos[positions], self._sin[positions]
+        if positions.dim() == 2:                                              # (B, T, d/2) -> (B, 1, T, d/2)
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if x.size(-1) != self.head_dim:
+            raise ValueError(f"RotaryEmbedding: head dim {x.size(-1)} != head_dim {self.head_dim}")
+        d = self.rotary_dim
+        xr = x[..., :d].float()
+        if self.interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        else:
+            x1, x2 = xr[..., : d // 2], xr[..., d // 2:]
+        r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rot = torch.stack((r1, r2), dim=-1).flatten(-2) if self.interleaved else torch.cat((r1, r2), dim=-1)
+        return torch.cat((rot.to(x.dtype), x[..., d:]), dim=-1)
+
+    def transform(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self._cos_sin(positions, q.size(-2))
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+# --------------------------------------------------------------------------- T5 relative bias
+
+def relative_position_bucket(relative_position: Tensor, bidirectional: bool = True,
+                             num_buckets: int = 32, max_distance: int = 128) -> Tensor:
+    """T5's bucket of each relative position (key position - query position), same shape, long.
+
+    Bidirectional: half the buckets for keys after the query, half for keys before.
+    Causal: only keys at or before the query count (later ones share bucket 0). Within a
+    half, distances below n/2 get one bucket each; larger ones share log-spaced buckets up
+    to ``max_distance``, and everything beyond goes to the last bucket. Raffel et al. 2020,
+    section 2.1 (from Mesh TensorFlow).
+    """
+    offset = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        offset = (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    # log-spaced buckets; clamp so log() never sees 0 (those distances take the exact branch)
+    far = distance.clamp(min=max_exact).float()
+    log_bucket = max_exact + (torch.log(far / max_exact) / math.log(max_distance / max_exact)
+                              * (num_buckets - max_exact)).long()
+    log_bucket = log_bucket.clamp(max=num_buckets - 1)
+    return offset + torch.where(distance < max_exact, distance, log_bucket)
+
+
+class T5RelativePositionBias(AttentionPosition):
+    """Learned scalar bias per head and relative-position bucket, added to the scores:
+    bias[h, i, j] = E[bucket(k_pos[j] - q_pos[i]), h]. Raffel et al. 2020, section 2.1.
+
+    Args: num_heads H; num_buckets, max_distance (see :func:`relative_position_bucket`);
+    bidirectional: True for the encoder, False for causal decoder self-attention.
+
+    ``bias(q_pos (T,) or (B, T), k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S).
+    For **self-attention only**: T5's cross-attention has no position bias, so never pass
+    this module to a cross-attention layer (pitfall 9, transformers PR#8518). T5 computes it
+    in the first layer and shares it with the others; share the module to do the same.
+    """
+
+    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool = True):
+        super().__init__()
+        self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
+        self.bidirectional = bidirectional
+        self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        relative = k_pos[..., None, :] - q_pos[..., :, None]                 # (T, S) or (B, T, S)
+        buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        values = self.relative_attention_bias(buckets).movedim(-1, -3)       # (..., H, T, S)
+        return values if values.dim() == 4 else values[None]
+
+
+# --------------------------------------------------------------------------- ALiBi
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """(H,) float32 ALiBi slopes. For H a power of two: the geometric sequence
+    2^(-8/H), 2^(-16/H), ..., 2^(-8). Otherwise, with n the largest power of two below H:
+    the n slopes for n heads, then every other slope of the 2n sequence (the 1st, 3rd, ...)
+    for the remaining H - n heads. Press et al. 2022, section 3 (pitfall 9).
+    """
+    if num_heads <= 0:
+        raise ValueError(f"alibi_slopes: num_heads must be positive, got {num_heads}")
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    n = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(n) + geometric(2 * n)[0::2][: num_heads - n]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBi(AttentionPosition):
+    """Attention with Linear Biases: bias[h, i, j] = -m_h * |q_pos[i] - k_pos[j]|, m_h from
+    :func:`alibi_slopes`; no position embedding anywhere else. Press et al. 2022, section 3.
+
+    Meant for causal attention: the score of a key d tokens behind the query gets -m_h * d
+    (keys ahead of the query are masked anyway). ``bias(q_pos (T,) or (B, T), k_pos (S,))``
+    -> (1, H, T, S) or (B, H, T, S) float32.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.slopes: Tensor = alibi_slopes(num_heads)    # plain attribute: stays float32
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        distance = (q_pos[..., :, None] - k_pos[..., None, :]).abs().float()  # (T, S) or (B, T, S)
+        out = -self.slopes.to(distance.device)[:, None, None] * distance.unsqueeze(-3)
+        return out if out.dim() == 4 else out[None]
