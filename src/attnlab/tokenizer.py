@@ -1,0 +1,249 @@
+"""Tokenizers: text <-> token ids, with the same special ids in every kind.
+
+Every tokenizer has ``encode(text) -> ids`` (no BOS/EOS added: callers add them),
+``decode(ids) -> text``, ``tokens(ids) -> pieces`` (readable labels for attention plots),
+``vocab_size``, and ``save(path)`` / ``load(path)`` as JSON (never pickle). Ids 0-3 are
+always the special tokens ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``.
+
+- ``CharTokenizer``: one id per character.
+- ``WordTokenizer``: one id per whitespace-separated word (fits the built-in corpus).
+- ``BPETokenizer``: byte-pair encoding trained with Hugging Face ``tokenizers``; words are
+  marked with a leading "▁" (metaspace), so ``decode(encode(s)) == s`` for text with single
+  spaces between words and no leading or trailing space.
+
+``decode`` drops ``<pad>``, ``<bos>`` and ``<eos>`` wherever they are (cut at the first EOS
+before decoding if tokens may follow it) and writes ``<unk>`` for unknown tokens, so lost
+text stays visible.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from itertools import chain
+from typing import ClassVar, Iterable
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+_DROPPED_ON_DECODE = frozenset((PAD_ID, BOS_ID, EOS_ID))
+_FORMAT_VERSION = 1
+
+
+class Tokenizer:
+    """Common interface; subclasses register themselves under their ``kind``."""
+    kind: ClassVar[str]
+    registry: ClassVar[dict[str, type[Tokenizer]]] = {}
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            Tokenizer.registry[cls.kind] = cls
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int | None = None) -> Tokenizer:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        raise NotImplementedError
+
+    def _state(self) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_state(cls, state: dict) -> Tokenizer:
+        raise NotImplementedError
+
+    def save(self, path: str | os.PathLike) -> None:
+        data = {"type": self.kind, "version": _FORMAT_VERSION, **self._state()}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, ensure_ascii=False)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        data = _read_json(path)
+        if data.get("type") != cls.kind:
+            raise ValueError(f"{path}: holds a {data.get('type')!r} tokenizer, not {cls.kind!r}")
+        return cls._from_state(data)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a tokenizer JSON file ({e})") from None
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"{path}: not an attnlab tokenizer file (no 'type' field)")
+    if data.get("version") != _FORMAT_VERSION:
+        raise ValueError(f"{path}: tokenizer format version {data.get('version')!r}, expected {_FORMAT_VERSION}")
+    return data
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load any attnlab tokenizer file; the class is chosen by its "type" field."""
+    data = _read_json(path)
+    cls = Tokenizer.registry.get(data["type"])
+    if cls is None:
+        raise ValueError(f"{path}: unknown tokenizer type {data['type']!r}; known: {sorted(Tokenizer.registry)}")
+    return cls._from_state(data)
+
+
+class _VocabTokenizer(Tokenizer):
+    """A tokenizer that is a list of pieces: id i is ``vocab[i]``."""
+
+    def __init__(self, vocab: list[str]):
+        if tuple(vocab[:len(SPECIAL_TOKENS)]) != SPECIAL_TOKENS:
+            raise ValueError(f"vocabulary must start with {SPECIAL_TOKENS}")
+        if len(set(vocab)) != len(vocab):
+            raise ValueError("vocabulary has repeated pieces")
+        self.vocab = list(vocab)
+        self._ids = {p: i for i, p in enumerate(self.vocab)}
+
+    @staticmethod
+    def _split(text: str) -> list[str]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _join(pieces: list[str]) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int | None = None) -> _VocabTokenizer:
+        """Keep the most frequent pieces (ties alphabetically), up to ``vocab_size`` ids in all."""
+        if vocab_size is not None and vocab_size <= len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens")
+        counts = Counter(p for text in texts for p in cls._split(text))
+        for special in SPECIAL_TOKENS:
+            counts.pop(special, None)
+        pieces = sorted(counts, key=lambda p: (-counts[p], p))
+        if vocab_size is not None:
+            pieces = pieces[:vocab_size - len(SPECIAL_TOKENS)]
+        return cls(list(SPECIAL_TOKENS) + pieces)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._ids.get(p, UNK_ID) for p in self._split(text)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._join([self.vocab[i] for i in ids if i not in _DROPPED_ON_DECODE])
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.vocab[i] for i in ids]
+
+    def _state(self) -> dict:
+        return {"vocab": self.vocab}
+
+    @classmethod
+    def _from_state(cls, state: dict) -> _VocabTokenizer:
+        return cls(state["vocab"])
+
+
+class CharTokenizer(_VocabTokenizer):
+    """One id per character; ``tokens`` shows a space as "▁" so plot labels stay visible."""
+    kind = "char"
+
+    @staticmethod
+    def _split(text: str) -> list[str]:
+        return list(text)
+
+    @staticmethod
+    def _join(pieces: list[str]) -> str:
+        return "".join(pieces)
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        return ["▁" if p == " " else p for p in super().tokens(ids)]
+
+
+class WordTokenizer(_VocabTokenizer):
+    """One id per whitespace-separated word; decoding joins words with single spaces."""
+    kind = "word"
+
+    @staticmethod
+    def _split(text: str) -> list[str]:
+        return text.split()
+
+    @staticmethod
+    def _join(pieces: list[str]) -> str:
+        return " ".join(pieces)
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-pair encoding from Hugging Face ``tokenizers`` (models.BPE, metaspace pre-tokenizer)."""
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer):
+        for i, special in enumerate(SPECIAL_TOKENS):
+            if hf_tokenizer.token_to_id(special) != i:
+                raise ValueError(f"BPE tokenizer must have {special!r} at id {i}")
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int | None = 8000) -> BPETokenizer:
+        """Learn merges from an iterable of texts; the result has at most ``vocab_size`` ids."""
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        vocab_size = 8000 if vocab_size is None else vocab_size
+        if vocab_size <= len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens")
+        hf = HFTokenizer(models.BPE(unk_token="<unk>"))
+        hf.pre_tokenizer = pre_tokenizers.Metaspace()
+        hf.decoder = decoders.Metaspace()
+        # limit_alphabet keeps rare characters from pushing the vocabulary past vocab_size
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                      limit_alphabet=vocab_size - len(SPECIAL_TOKENS), show_progress=False)
+        hf.train_from_iterator(iter(texts), trainer=trainer)
+        return cls(hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode([i for i in ids if i not in _DROPPED_ON_DECODE], skip_special_tokens=False)
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.hf.id_to_token(i) for i in ids]
+
+    def _state(self) -> dict:
+        return {"tokenizer": json.loads(self.hf.to_str())}
+
+    @classmethod
+    def _from_state(cls, state: dict) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        return cls(HFTokenizer.from_str(json.dumps(state["tokenizer"])))
+
+
+def train_tokenizers(kind: str, src_texts: Iterable[str], tgt_texts: Iterable[str], shared: bool = True,
+                     vocab_size: int | None = None) -> tuple[Tokenizer, Tokenizer]:
+    """Train (source, target) tokenizers of ``kind`` ("char", "word", "bpe").
+
+    With ``shared`` one tokenizer is trained on both sides and returned twice (the same
+    object); otherwise each side gets its own. ``vocab_size`` caps each vocabulary (None: no
+    cap for char/word, 8000 for BPE).
+    """
+    cls = Tokenizer.registry.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; known: {sorted(Tokenizer.registry)}")
+    if shared:
+        tok = cls.train(chain(src_texts, tgt_texts), vocab_size)
+        return tok, tok
+    return cls.train(src_texts, vocab_size), cls.train(tgt_texts, vocab_size)
