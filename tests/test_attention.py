@@ -92,7 +92,7 @@ def test_mha_cross_attention_matches_torch_with_float_mask():
 
 
 def test_fused_cross_attention_projects_memory_with_key_value_rows():
-    """The chapter's bug: K/V of the memory projected with the query's weights."""
+    """Fused cross-attention applies the query rows to the query and only the K/V rows to the memory."""
     ours, ref = pair(fused=True)
     q, mem = torch.randn(2, 4, 32), torch.randn(2, 6, 32)
     out_ref, _ = ref(q, mem, mem)
