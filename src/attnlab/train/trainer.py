@@ -1,0 +1,545 @@
+"""One Trainer for every attnlab model, through a small Task protocol.
+
+    task = MyTask(...)                        # holds .model; plans batches; computes the loss
+    cfg = TrainConfig(out_dir="runs/x", steps=1000, lr=3e-4, schedule="cosine", warmup_steps=100)
+    Trainer(task, cfg, resume=True).fit()     # resume=True continues from runs/x/latest if any
+
+Loss normalisation (pitfall 15). ``Task.loss`` returns the SUM of the loss over a
+micro-batch's target tokens and their number. Each optimizer step runs ``accum_steps``
+micro-batches per rank and backpropagates the sums; then the gradients are multiplied by
+``W / N``, N being the total target tokens of the step over all micro-batches and all W
+ranks (DDP has already averaged over ranks, hence the W). The update is therefore the
+gradient of the mean loss per target token over the whole global batch, whatever the
+split: one batch of B, or accumulation, or W ranks.
+
+Exact resume (pitfall 18). Checkpoints are written only at optimizer-step boundaries and
+hold the step, the epoch, the position in the epoch's plan, optimizer, scheduler,
+GradScaler and every RNG state (per rank). The plan of an epoch is regenerated from
+(epoch, seed) and already-done micro-batches are skipped; RNG states are restored last,
+right before training continues. ``Task.plan`` and ``Task.evaluate`` run with the global
+RNGs set aside (plan under a fixed seed derived from (seed, epoch)), so neither perturbs
+the training stream. On CPU a run killed at any point and resumed ends with weights
+bit-identical to an uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..nn.norm import DyT, LayerNorm, RMSNorm
+from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
+from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
+                          wrap_model)
+from .schedules import SCHEDULES, make_schedule
+
+__all__ = ["Task", "TrainConfig", "Trainer", "split_decay", "param_groups", "build_optimizer", "plot_metrics",
+           "isolated_rng", "PRECISIONS"]
+
+log = logging.getLogger("attnlab.train")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, LayerNorm, RMSNorm, DyT)
+if hasattr(nn, "RMSNorm"):
+    _NORMS += (nn.RMSNorm,)
+
+
+class Task(Protocol):
+    """What the Trainer needs from a model + data pair.
+
+    ``model``: the nn.Module to train (the Trainer moves it to the device).
+    ``plan(epoch, seed)``: the epoch's micro-batches (tensors, tuples/dicts of tensors, or
+        any descriptor ``loss`` understands), deterministic in (epoch, seed). Under W ranks
+        each rank trains entries rank, rank + W, ... so give micro-batches of
+        global_batch / (W * accum_steps) examples.
+    ``loss(model, batch)`` -> (loss_sum, n_tokens, extra): the SUM of the loss over the
+        batch's target tokens (padding excluded), the number of those tokens, and a dict of
+        extra scalar SUMS (e.g. {"correct": 17}); the Trainer logs each extra divided by
+        the step's token count. Tensors in ``batch`` arrive on the training device. Call
+        ``model(...)`` (its forward): under DDP ``model`` is the DDP wrapper.
+    ``evaluate(model)`` (optional) -> dict of validation metrics, e.g. {"val_loss": 2.1};
+        called on rank 0 in eval mode under torch.no_grad().
+    ``save_assets(directory)`` (optional): write tokenizers etc. into each checkpoint
+        directory (names model.safetensors, optimizer.safetensors, trainer_state.json are taken).
+    """
+
+    model: nn.Module
+
+    def plan(self, epoch: int, seed: int) -> list: ...
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int, dict]: ...
+
+
+@dataclass
+class TrainConfig:
+    """Training settings. Intervals count optimizer steps; 0 turns the periodic action off
+    (a final checkpoint and a final evaluation still happen)."""
+    out_dir: str | Path
+    steps: int
+    lr: float = 1e-3                      # peak lr; for "noam" a scale on the paper's rate (1.0 = paper)
+    weight_decay: float = 0.01            # decoupled (AdamW); never on norms, biases, embeddings
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    schedule: str = "constant"            # "noam" | "cosine" | "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0             # cosine: final lr / peak lr
+    d_model: int | None = None            # noam: None reads model.config.d_model
+    clip_norm: float | None = 1.0         # max global grad norm; None = no clipping
+    accum_steps: int = 1                  # micro-batches per optimizer step (per rank)
+    precision: str = "auto"               # "auto" | "fp32" | "bf16" | "fp16" (fp16: CUDA only)
+    grad_checkpointing: bool = False
+    eval_every: int = 0
+    save_every: int = 0
+    keep_last: int = 3
+    best_metric: str | None = "val_loss"  # eval metric that selects best/
+    best_mode: str = "min"                # "min" (losses) | "max" (BLEU, accuracy)
+    log_every: int = 10
+    seed: int = 0
+    time_budget_s: float | None = None    # stop cleanly (with a checkpoint) after this much wall time
+    progress: bool = True
+    device: str | None = None             # None: cuda:LOCAL_RANK if available, else cpu
+    find_unused_parameters: bool = False  # DDP option for models that skip parameters
+
+    def __post_init__(self):
+        self.out_dir = Path(self.out_dir)
+        self.betas = tuple(self.betas)
+        positive = {"steps": self.steps, "accum_steps": self.accum_steps, "keep_last": self.keep_last,
+                    "log_every": self.log_every, "lr": self.lr, "eps": self.eps}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"TrainConfig: {name} must be positive, got {value}")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig: {name} must be >= 0, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig: weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"TrainConfig: betas must be two numbers in [0, 1), got {self.betas}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TrainConfig: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "noam" and self.warmup_steps < 1:
+            raise ValueError("TrainConfig: the noam schedule needs warmup_steps >= 1")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"TrainConfig: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"TrainConfig: clip_norm must be positive or None, got {self.clip_norm}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"TrainConfig: best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"TrainConfig: time_budget_s must be positive or None, got {self.time_budget_s}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        return d
+
+
+# ----------------------------------------------------------------------------- optimizer
+def split_decay(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(decayed, not decayed) trainable parameters, each listed once (pitfall 16).
+
+    Not decayed: parameters of embeddings and norm layers (nn.Embedding, torch's and
+    attnlab's LayerNorm/RMSNorm/DyT, GroupNorm, BatchNorm) and every parameter with
+    fewer than 2 dimensions (biases, gains, scalars). A weight tied between an embedding and
+    a linear layer is one parameter, listed once, not decayed (the embedding wins).
+    """
+    exempt: set[int] = set()
+    for module in model.modules():
+        owned = module.parameters(recurse=False)
+        if isinstance(module, (nn.Embedding, *_NORMS)):
+            exempt.update(id(p) for p in owned)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # remove_duplicate=True: a tied weight appears once
+        if p.requires_grad:
+            (no_decay if id(p) in exempt or p.ndim < 2 else decay).append((name, p))
+    return decay, no_decay
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW param groups: decayed matrices and undecayed norms/biases/embeddings."""
+    decay, no_decay = split_decay(model)
+    return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
+            {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on the groups of :func:`param_groups`."""
+    return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
+                             eps=config.eps)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _resolve_precision(precision: str, device: torch.device) -> str:
+    cuda = device.type == "cuda"
+    if precision == "auto":
+        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "fp16" and not cuda:
+        raise ValueError(f"TrainConfig: precision 'fp16' needs a CUDA device (GradScaler), got {device}; "
+                         "use 'bf16' or 'fp32'")
+    if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"TrainConfig: this GPU ({device}) does not support bf16; use 'fp16' or 'fp32'")
+    return precision
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) tuple/list/dict to ``device``; other values unchanged."""
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(to_device(v, device) for v in batch)
+    if hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    return batch
+
+
+@contextmanager
+def isolated_rng(seed: int | None = None) -> Iterator[None]:
+    """Run a block with the global RNGs (python, numpy, torch, CUDA) set aside, optionally
+    seeded; afterwards they are exactly as before."""
+    saved = capture_rng_state()
+    try:
+        if seed is not None:
+            random.seed(seed)
+            np.random.seed(seed % 2 ** 32)
+            torch.manual_seed(seed)
+        yield
+    finally:
+        restore_rng_state(saved)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class _Window:
+    """Sums since the last log line."""
+    loss: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+    extras: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the trainer
+class Trainer:
+    """Trains ``task.model`` on ``task``'s plan; see the module docstring for the guarantees.
+
+    ``resume``: False (start afresh), True (continue from ``out_dir/latest`` if it exists,
+    else start afresh) or a path (a checkpoint directory or a run directory; must exist).
+    """
+
+    def __init__(self, task: Task, config: TrainConfig, resume: bool | str | Path = False):
+        self.task, self.config = task, config
+        self.env = init_distributed(config.device)
+        self.device = self.env.device
+        self.precision = _resolve_precision(config.precision, self.device)
+        self.model = task.model.to(self.device)
+        if config.grad_checkpointing and hasattr(self.model, "gradient_checkpointing"):
+            self.model.gradient_checkpointing = True
+        self.ddp_model = wrap_model(self.model, self.env, config.find_unused_parameters)
+        self.optimizer = build_optimizer(self.model, config)
+        d_model = config.d_model or getattr(getattr(self.model, "config", None), "d_model", None)
+        if config.schedule == "noam" and d_model is None:
+            raise ValueError("TrainConfig: the noam schedule needs d_model (the model has no config.d_model)")
+        self.scheduler = make_schedule(config.schedule, self.optimizer, warmup=config.warmup_steps,
+                                       total_steps=config.steps, min_lr_ratio=config.min_lr_ratio, d_model=d_model)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.checkpoints = CheckpointManager(config.out_dir, config.keep_last) if self.env.is_main else None
+        self.metrics_path = Path(config.out_dir) / "metrics.jsonl"
+        self.step = self.epoch = self.batch_pos = 0
+        self.best: dict | None = None
+        self.records: list[dict] = []
+        self.elapsed_before = 0.0
+        self.last_checkpoint: Path | None = None
+        self._rng_to_restore: dict | None = None
+        self._window = _Window()   # sums since the last log line
+        if resume:
+            self._resume(resume)
+        else:
+            if (Path(config.out_dir) / "latest").exists():
+                raise ValueError(f"Trainer: {config.out_dir} already holds checkpoints; pass resume=True to "
+                                 "continue that run, or choose a new out_dir")
+            if self.env.is_main:
+                self.metrics_path.write_text("")
+        barrier(self.env)
+
+    # ------------------------------------------------------------------ resume / save
+    def _resume(self, resume: bool | str | Path) -> None:
+        where = self.config.out_dir if resume is True else Path(resume)
+        ckpt = resolve_checkpoint(where)
+        if ckpt is None:
+            if resume is not True:
+                raise FileNotFoundError(f"Trainer: nothing to resume at {where} (no checkpoint, no 'latest' file)")
+            log.info("no checkpoint in %s: starting afresh", where)
+            if self.env.is_main:
+                self.metrics_path.write_text("")
+            return
+        state = load_checkpoint(ckpt, self.model, self.optimizer)
+        self._check_resumable(ckpt, state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.batch_pos = state["step"], state["epoch"], state["batch_pos"]
+        self.best, self.records, self.elapsed_before = state["best"], state["metrics"], state["elapsed_s"]
+        self._rng_to_restore = state["rng"][self.env.rank]
+        self._window = _Window(**state["log_window"])
+        self.last_checkpoint = ckpt
+        log.info("resuming from %s (step %d, epoch %d)", ckpt, self.step, self.epoch)
+        if self.env.is_main:
+            if ckpt.parent.resolve() == self.checkpoints.out_dir.resolve():
+                self.checkpoints.discard_after(self.step)  # the abandoned future of a killed run
+            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def _check_resumable(self, ckpt: Path, state: dict) -> None:
+        """Refuse changes that would move the data position; warn about settings the checkpoint overrides."""
+        saved = state["config"]
+        if state["world_size"] != self.env.world_size:
+            raise ValueError(f"Trainer: {ckpt} was written by {state['world_size']} processes, this run has "
+                             f"{self.env.world_size}; resume with the same number to keep the data position")
+        for key in ("accum_steps", "seed"):
+            if saved[key] != getattr(self.config, key):
+                raise ValueError(f"Trainer: {ckpt} was trained with {key}={saved[key]}, this run asks for "
+                                 f"{getattr(self.config, key)}; the data position would not match")
+        for key in ("lr", "weight_decay", "betas", "eps"):
+            now = list(self.config.betas) if key == "betas" else getattr(self.config, key)
+            if saved[key] != now:
+                log.warning("resume: %s=%s from the checkpoint's optimizer state is kept (config says %s)",
+                            key, saved[key], now)
+
+    def _trainer_state(self, rng: list[dict], elapsed: float) -> dict:
+        sched = self.scheduler.state_dict()
+        sched["lr_lambdas"] = [None] * len(sched["lr_lambdas"])  # the config decides the factors
+        return {"step": self.step, "epoch": self.epoch, "batch_pos": self.batch_pos,
+                "world_size": self.env.world_size, "scheduler": sched,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "rng": rng, "best": self.best, "config": self.config.to_json(), "metrics": self.records,
+                "log_window": asdict(self._window), "elapsed_s": elapsed}
+
+    def save(self, elapsed: float, is_best: bool = False) -> None:
+        """Checkpoint the current step (collective: every rank calls it; rank 0 writes)."""
+        rng = [json.loads(b) for b in all_gather_bytes(json.dumps(capture_rng_state()).encode(), self.env)]
+        if self.env.is_main:
+            assets = getattr(self.task, "save_assets", None)
+            self.last_checkpoint = self.checkpoints.save(self.step, self.model, self.optimizer,
+                                                         self._trainer_state(rng, elapsed), assets, is_best)
+            log.info("saved %s", self.last_checkpoint)
+        barrier(self.env)
+
+    # ------------------------------------------------------------------ one step
+    def _autocast(self):
+        if self.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def accumulate(self, micro_batches: list, over_budget: bool = False) -> tuple[float, float, bool, dict]:
+        """Forward/backward over this rank's micro-batches of one step and normalise the
+        gradients by the step's global token count. Returns the global (loss sum, tokens,
+        any rank over its time budget, extra sums)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # tensors: no GPU sync per micro-batch
+        tokens, extras = 0, {}
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync = self.ddp_model.no_sync() if self.env.active and not last else nullcontext()
+            with sync:  # DDP all-reduces every gradient in the last backward (pitfall 19)
+                with self._autocast():
+                    loss, n, extra = self.task.loss(self.ddp_model, to_device(batch, self.device))
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss_sum += loss.detach().double()
+            tokens += int(n)
+            for k, v in (extra or {}).items():
+                extras[k] = extras.get(k, 0.0) + torch.as_tensor(v, device=self.device).detach().double()
+        keys = sorted(extras)
+        head = torch.tensor([tokens, float(over_budget)], dtype=torch.float64, device=self.device)
+        totals = torch.cat([loss_sum.reshape(1), head] + [torch.as_tensor(extras[k]).reshape(1) for k in keys])
+        totals = all_reduce_sum(totals, self.env).tolist()   # [loss sum, tokens, over budget, *extras]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        factor = self.env.world_size / max(totals[1], 1.0)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        return totals[0], totals[1], totals[2] > 0, dict(zip(keys, totals[3:]))
+
+    def _optimizer_step(self) -> float:
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.config.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    # ------------------------------------------------------------------ the loop
+    def _epoch_plan(self, epoch: int) -> list:
+        with isolated_rng(self.config.seed * 1_000_003 + epoch):
+            plan = list(self.task.plan(epoch, self.config.seed))
+        mine = shard_plan(plan, self.env.rank, self.env.world_size)
+        if len(mine) < self.config.accum_steps:
+            raise ValueError(f"Trainer: epoch {epoch} plans {len(plan)} micro-batches, {len(mine)} per rank, "
+                             f"fewer than accum_steps={self.config.accum_steps}")
+        return mine
+
+    def fit(self) -> dict:
+        """Train to ``config.steps`` (or the time budget); returns a summary dict."""
+        cfg = self.config
+        if self._rng_to_restore is not None:   # last, after model/optimizer/plan set-up
+            restore_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+        else:
+            seed_everything(cfg.seed + self.env.rank)
+        start = time.perf_counter()
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (cfg.progress and self.env.is_main),
+                   desc="train", dynamic_ncols=True)
+        self.ddp_model.train()
+        stopped = False
+        try:
+            while self.step < cfg.steps and not stopped:
+                plan = self._epoch_plan(self.epoch)
+                while self.batch_pos + cfg.accum_steps <= len(plan) and self.step < cfg.steps and not stopped:
+                    t0 = time.perf_counter()
+                    budget_hit = cfg.time_budget_s is not None and t0 - start >= cfg.time_budget_s
+                    micro = plan[self.batch_pos: self.batch_pos + cfg.accum_steps]
+                    loss, tokens, stopped, extras = self.accumulate(micro, budget_hit)
+                    lr = self._optimizer_step()
+                    self.batch_pos += cfg.accum_steps
+                    self.step += 1
+                    bar.update(1)
+                    w = self._window
+                    w.loss, w.tokens, w.seconds = w.loss + loss, w.tokens + tokens, w.seconds + time.perf_counter() - t0
+                    for k, v in extras.items():
+                        w.extras[k] = w.extras.get(k, 0.0) + v
+                    self._after_step(lr, start, stopped, bar)
+                if self.batch_pos + cfg.accum_steps > len(plan):
+                    self.epoch, self.batch_pos = self.epoch + 1, 0
+        finally:
+            bar.close()
+        if self.env.is_main and self.records:
+            plot_metrics(self.metrics_path, Path(cfg.out_dir) / "loss.png")
+        barrier(self.env)
+        last = next((r["loss"] for r in reversed(self.records) if r.get("kind") == "train"), None)
+        return {"step": self.step, "epoch": self.epoch, "loss": last, "stopped_early": self.step < cfg.steps,
+                "best": self.best, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}
+
+    def _after_step(self, lr: float, start: float, stopped: bool, bar) -> None:
+        """Log, evaluate and save as the step number asks."""
+        cfg = self.config
+        final = self.step == cfg.steps
+        elapsed = self.elapsed_before + time.perf_counter() - start
+        window = self._window
+        if self.step % cfg.log_every == 0 or final or stopped:
+            tokens = max(window.tokens, 1.0)
+            record = {"kind": "train", "step": self.step, "loss": window.loss / tokens, "lr": lr,
+                      "tokens_per_s": window.tokens / max(window.seconds, 1e-9), "elapsed": elapsed,
+                      **{k: v / tokens for k, v in window.extras.items()}}
+            self._record(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            self._window = _Window()
+        is_best = False
+        if (cfg.eval_every and self.step % cfg.eval_every == 0) or final:
+            is_best = self._evaluate(elapsed)
+        if (cfg.save_every and self.step % cfg.save_every == 0) or final or stopped or is_best:
+            self.save(elapsed, is_best)
+
+    def _record(self, record: dict) -> None:
+        self.records.append(record)
+        if self.env.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        log.debug("%s", record)
+
+    def _evaluate(self, elapsed: float) -> bool:
+        """Run Task.evaluate on rank 0; returns whether the best metric improved (on all ranks)."""
+        evaluate = getattr(self.task, "evaluate", None)
+        if evaluate is None:
+            return False
+        improved = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.env.is_main:
+            self.model.eval()
+            with isolated_rng(), torch.no_grad(), self._autocast():
+                metrics = evaluate(self.model) or {}
+            self.model.train()
+            metrics = {k: float(v) for k, v in metrics.items()}
+            if metrics:
+                self._record({"kind": "eval", "step": self.step, "elapsed": elapsed, **metrics})
+            value = metrics.get(self.config.best_metric) if self.config.best_metric else None
+            if value is not None and math.isfinite(value) and self._better(value):
+                self.best = {"metric": self.config.best_metric, "value": value, "step": self.step}
+                improved += 1
+        return bool(all_reduce_sum(improved, self.env).item() > 0)
+
+    def _better(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        return value < self.best["value"] if self.config.best_mode == "min" else value > self.best["value"]
+
+    def close(self) -> None:
+        """Leave the process group if this Trainer created it."""
+        shutdown(self.env)
+
+
+# ----------------------------------------------------------------------------- the plot
+def read_metrics(jsonl: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file (a torn last line, from a crash, is skipped)."""
+    records = []
+    for line in Path(jsonl).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
+    """Draw the training loss (and eval losses) against the step from ``jsonl`` into ``png``;
+    other eval metrics (BLEU, accuracy) go to a second panel. Uses matplotlib's Agg canvas
+    directly, so no GUI backend and no global pyplot state are touched."""
+    from matplotlib.figure import Figure
+
+    records = read_metrics(jsonl)
+    train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    skip = {"kind", "step", "elapsed"}
+    eval_keys = sorted({k for r in evals for k in r if k not in skip})
+    loss_keys = [k for k in eval_keys if "loss" in k or "ppl" in k]
+    other_keys = [k for k in eval_keys if k not in loss_keys]
+    fig = Figure(figsize=(7, 6 if other_keys else 4), layout="constrained")
+    axes = fig.subplots(2 if other_keys else 1, 1, squeeze=False)[:, 0]
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    for key in loss_keys:
+        pts = [(r["step"], r[key]) for r in evals if key in r]
+        axes[0].plot(*zip(*pts), marker="o", label=key)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    for key in other_keys:
+        pts = [(r["step"], r[key]) for r in evals if key in r]
+        axes[1].plot(*zip(*pts), marker="o", label=key)
+    if other_keys:
+        axes[1].set_xlabel("step")
+        axes[1].legend()
+    png = Path(png)
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(png)
+    return png

@@ -1,0 +1,118 @@
+"""A tiny translation-like task for the Trainer tests, runnable as a script (alone or under torchrun).
+
+Task: reverse a random token sequence. Sources have random lengths and are padded with
+PAD = 0, so the target token counts differ between batches and ignore_index matters.
+Model: attnlab's Transformer with d_model 16, one encoder and one decoder layer, tied
+embeddings.
+
+    python tests/_train_worker.py --out DIR --steps 10 [--resume] [--hang-at-loss-call N] ...
+    torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --out DIR --micro 2 ...
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from attnlab.models import Transformer
+from attnlab.train import TrainConfig, Trainer, count_tokens, label_smoothed_cross_entropy
+
+PAD, BOS, EOS, VOCAB = 0, 1, 2, 13
+MAX_LEN = 7
+
+
+def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(src (n, MAX_LEN), tgt_in (n, MAX_LEN + 1), tgt_out (n, MAX_LEN + 1)), PAD-padded."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((n, MAX_LEN), PAD)
+    tgt_out = torch.full((n, MAX_LEN + 1), PAD)
+    lengths = torch.randint(1, MAX_LEN + 1, (n,), generator=g)
+    for i, length in enumerate(lengths.tolist()):
+        seq = torch.randint(3, VOCAB, (length,), generator=g)
+        src[i, :length] = seq
+        tgt_out[i, :length] = seq.flip(0)
+        tgt_out[i, length] = EOS
+    tgt_in = torch.cat([torch.full((n, 1), BOS), tgt_out[:, :-1]], dim=1)
+    return src, tgt_in, tgt_out
+
+
+class ReverseTask:
+    """Implements attnlab.train.Task. Micro-batches are (src, tgt_in, tgt_out) tuples."""
+
+    def __init__(self, n_examples: int = 64, micro: int = 8, dropout: float = 0.1, model_seed: int = 0,
+                 smoothing: float = 0.1, hang_at_loss_call: int | None = None, hang_marker: Path | None = None):
+        self.data = make_data(n_examples, seed=1234)
+        self.val = make_data(16, seed=4321)
+        self.micro, self.smoothing = micro, smoothing
+        torch.manual_seed(model_seed)
+        self.model = Transformer(VOCAB, VOCAB, d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+                                 d_ff=32, max_seq_len=16, dropout=dropout, pad_id=PAD, tie_output=True,
+                                 share_embeddings=True)
+        self.loss_calls, self.hang_at, self.hang_marker = 0, hang_at_loss_call, hang_marker
+
+    def plan(self, epoch: int, seed: int) -> list:
+        g = torch.Generator().manual_seed(seed * 7919 + epoch)
+        perm = torch.randperm(len(self.data[0]), generator=g)
+        chunks = [perm[i: i + self.micro] for i in range(0, len(perm) - self.micro + 1, self.micro)]
+        return [tuple(t[idx] for t in self.data) for idx in chunks]
+
+    def loss(self, model, batch):
+        self.loss_calls += 1
+        if self.hang_at is not None and self.loss_calls == self.hang_at:
+            self.hang_marker.write_text(str(self.loss_calls))
+            time.sleep(600)  # the test SIGKILLs us here, mid-step, after a checkpoint
+        src, tgt_in, tgt_out = batch
+        logits = model(src, tgt_in)
+        loss_sum = label_smoothed_cross_entropy(logits, tgt_out, self.smoothing, ignore_index=PAD, reduction="sum")
+        real = tgt_out != PAD
+        correct = ((logits.argmax(-1) == tgt_out) & real).sum()
+        return loss_sum, count_tokens(tgt_out, PAD), {"correct": correct}
+
+    def evaluate(self, model):
+        src, tgt_in, tgt_out = (t.to(next(model.parameters()).device) for t in self.val)
+        logits = model(src, tgt_in)
+        return {"val_loss": float(label_smoothed_cross_entropy(logits, tgt_out, 0.0, PAD, reduction="mean"))}
+
+    def save_assets(self, directory: Path) -> None:
+        (directory / "vocab.txt").write_text("\n".join(str(i) for i in range(VOCAB)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--n-examples", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1.0)
+    p.add_argument("--schedule", default="noam")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--hang-at-loss-call", type=int)
+    p.add_argument("--dump-weights", action="store_true", help="each rank writes rank<R>.safetensors")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    task = ReverseTask(args.n_examples, args.micro, args.dropout, hang_at_loss_call=args.hang_at_loss_call,
+                       hang_marker=out.parent / f"{out.name}.hanging")
+    cfg = TrainConfig(out_dir=out, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup,
+                      accum_steps=args.accum, save_every=args.save_every, eval_every=args.eval_every,
+                      log_every=args.log_every, precision=args.precision, device=args.device, progress=False,
+                      seed=7)
+    trainer = Trainer(task, cfg, resume=args.resume)
+    trainer.fit()
+    if args.dump_weights:
+        from safetensors.torch import save_model
+        save_model(trainer.model, str(out / f"rank{trainer.env.rank}.safetensors"))
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
