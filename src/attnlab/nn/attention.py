@@ -137,12 +137,13 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
 
 def _explicit(q, k, v, mask, dropout_p, scale, training_dropout):
     """softmax(q k^T * scale + mask) v with the softmax in fp32. Returns (out, weights)."""
-    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale   # (..., T, S)
+    # in place on a fresh temporary: the matmul's output is not saved for backward
+    scores = torch.matmul(q, k.transpose(-2, -1)).float().mul_(scale)   # (..., T, S)
     if mask is not None:
         if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores.masked_fill_(~mask, float("-inf"))
         else:
-            scores = scores + mask.float()
+            scores.add_(mask.float())
     weights = torch.softmax(scores, dim=-1).to(q.dtype)
     dropped = F.dropout(weights, dropout_p) if training_dropout else weights
     return torch.matmul(dropped, v), weights
@@ -185,6 +186,7 @@ def scaled_dot_product_attention(
     T, S = q.size(-2), k.size(-2)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
 
+    only_causal = is_causal and mask is None       # a bottom-right triangle never empties a row
     if is_causal and (mask is not None or T != S or return_weights):
         mask = combine_masks(mask, causal_mask(T, S, device=q.device))
         is_causal = False
@@ -192,7 +194,7 @@ def scaled_dot_product_attention(
     # Rows with no allowed key: let them attend everywhere, then zero them. This keeps
     # both the forward value and every gradient finite (exactly zero for those rows).
     empty_rows = None
-    if mask is not None:
+    if mask is not None and not only_causal:
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         empty_rows = ~allowed.any(dim=-1, keepdim=True)                 # (..., T, 1)
         if mask.dtype == torch.bool:
