@@ -1,0 +1,72 @@
+"""The `attnlab` command end to end, on tiny settings (the full main job is marked slow)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "64", "--max-tokens", "512",
+        "--eval-size", "20", "--no-progress"]
+
+
+def run_cli(*args, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "attnlab.cli", *args], capture_output=True, text=True,
+                          cwd=kw.get("cwd", ROOT), env=env, timeout=kw.get("timeout", 300))
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "attnlab 0.1.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "example:" in out and "--data" in out and "--resume" in out
+
+
+def test_train_translate_eval_viz_on_a_user_tsv(tmp_path):
+    pairs = [f"{a} {b}\t{b} {a}" for a in ["one", "two", "three", "four"] for b in ["cat", "dog", "bird"]]
+    data = tmp_path / "pairs.tsv"
+    data.write_text("\n".join(pairs * 5) + "\n")
+    out = tmp_path / "run"
+    r = run_cli("train", "translate", "--data", str(data), "--valid", str(data), "--tokenizer", "word",
+                "--steps", "6", "--eval-every", "3", "--out", str(out), *TINY)
+    assert r.returncode == 0, r.stderr
+    assert "BLEU" in r.stdout and (out / "metrics.jsonl").exists() and (out / "loss.png").exists()
+    assert (out / "best" / "translation.json").exists()
+
+    r = run_cli("translate", str(out), "one cat", "two dog", "--beam", "2")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip().splitlines()) == 2
+
+    r = run_cli("eval", str(out), "--data", str(data), "--beam", "1", "--limit", "5")
+    assert r.returncode == 0 and "BLEU" in r.stdout and "5 pairs" in r.stdout, r.stderr
+
+    png = tmp_path / "align.png"
+    r = run_cli("viz", str(out), "three bird", "--out", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+    # resume continues the same run to more steps
+    r = run_cli("train", "translate", "--data", str(data), "--valid", str(data), "--tokenizer", "word",
+                "--steps", "8", "--eval-every", "3", "--out", str(out), "--resume", *TINY)
+    assert r.returncode == 0, r.stderr
+    assert (out / "step-0000008").exists()
+
+
+def test_malformed_tsv_gives_one_line_with_file_and_line(tmp_path):
+    data = tmp_path / "bad.tsv"
+    data.write_text("a b\tb a\nno tab here\nc\td\n")
+    r = run_cli("train", "translate", "--data", str(data), "--steps", "2", "--out", str(tmp_path / "r"), *TINY)
+    assert r.returncode == 2
+    assert "bad.tsv" in r.stderr and "line 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    r = run_cli("translate", str(tmp_path / "nothing"), "hello")
+    assert r.returncode == 2 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr
