@@ -1,0 +1,179 @@
+"""LLaMA: a decoder-only Transformer with RMSNorm, rotary positions and a SwiGLU MLP
+(Touvron et al. 2023, section 2.2; grouped-query attention from LLaMA 2, Ainslie et al. 2023).
+
+    ids -> token embedding
+        -> N x [x = x + Attn(RMSNorm(x)); x = x + SwiGLU(RMSNorm(x))]   (Pre-Norm, causal, RoPE on q/k)
+        -> final RMSNorm -> lm_head (untied unless tie_word_embeddings) -> logits
+
+No biases; H query heads share G key/value heads (H % G == 0). RoPE rotates q and k by
+their absolute positions with base ``rope_theta``; ``rope_scaling`` {"type": "linear",
+"factor": f} stretches the positions by f (position interpolation).
+
+RoPE layout (pitfall 7): Hugging Face checkpoints use the half-split layout (channel i pairs
+with i + D/2), which is ours by default, so their q/k weights load as they are. Meta's original
+checkpoints use the interleaved layout (channels 2i, 2i+1): set ``rope_interleaved=True`` and
+the weight map converts q/k rows with :func:`attnlab.hub.permute_rope` (per head, with the
+kv-head count for k) on the way to HF and its inverse on the way back.
+Shape letters: see :mod:`attnlab.nn.attention`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..hub import PermuteRope, Rule, register_model
+from ..nn.attention import MultiHeadAttention
+from ..nn.mlp import GatedMLP
+from ..nn.norm import RMSNorm
+from ..nn.position import RotaryEmbedding
+from .causal_lm import CausalLayer, CausalLM
+
+__all__ = ["LlamaConfig", "Llama", "llama_weight_map", "LLAMA_WEIGHT_MAP"]
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    d_model: int = 4096
+    num_heads: int = 32
+    num_layers: int = 32
+    d_ff: int = 11008
+    num_kv_heads: int | None = None           # default num_heads (no grouping)
+    head_dim: int | None = None               # default d_model // num_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None          # {"type": "linear" | "ntk", "factor": f}
+    rope_interleaved: bool = False            # True for Meta-layout weights (see the module docstring)
+    activation: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{name}: {field} must be positive, got {getattr(self, field)}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ValueError(f"{name}: d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads})")
+            self.head_dim = self.d_model // self.num_heads
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{name}: num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"{name}: head_dim must be even and positive for RoPE, got {self.head_dim}")
+        s = self.rope_scaling
+        if s is not None and (not isinstance(s, dict) or s.get("type") not in ("linear", "ntk")
+                              or not float(s.get("factor", 0)) > 0):
+            raise ValueError(f"{name}: rope_scaling must be None or {{'type': 'linear' | 'ntk', 'factor': > 0}}, "
+                             f"got {s!r}")
+        if self.activation not in GatedMLP.ACTIVATIONS:
+            raise ValueError(f"{name}: activation must be one of {GatedMLP.ACTIVATIONS}, got {self.activation!r}")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {self.attention_dropout}")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_position_embeddings
+
+
+class Llama(CausalLM):
+    """LLaMA language model. ``Llama(LlamaConfig(...))``; forward as :class:`CausalLM`."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config)
+        E, H, c = config.d_model, config.num_heads, config
+        # one rotary module shared by every layer (it holds no weights, only the cos/sin cache)
+        rope = RotaryEmbedding(c.head_dim, base=c.rope_theta, interleaved=c.rope_interleaved, scaling=c.rope_scaling)
+        self.token_embedding = nn.Embedding(c.vocab_size, E)
+        self.layers = nn.ModuleList(
+            CausalLayer(E, H, c.d_ff, 0.0, norm_first=True, norm="rmsnorm", eps=c.rms_norm_eps,
+                        self_attn=MultiHeadAttention(E, H, c.attention_dropout, num_kv_heads=c.num_kv_heads,
+                                                     head_dim=c.head_dim, bias=c.attention_bias, position=rope,
+                                                     causal=True),
+                        ff=self.feed_forward())
+            for _ in range(c.num_layers))
+        self.norm = RMSNorm(E, c.rms_norm_eps)
+        self.lm_head = nn.Linear(E, c.vocab_size, bias=False)
+        self.reset_parameters()
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+
+    def feed_forward(self) -> nn.Module:
+        """The position-wise block of each layer: SwiGLU (Shazeer 2020)."""
+        c = self.config
+        return GatedMLP(c.d_model, c.d_ff, activation=c.activation, bias=c.mlp_bias)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+def llama_weight_map(mlp: list[Rule]) -> list[Rule]:
+    """LlamaForCausalLM's keys around the given feed-forward rules (Mixtral reuses it)."""
+    attn = "model.layers.{i}.self_attn"
+    return [
+        Rule("token_embedding.weight", "model.embed_tokens.weight"),
+        Rule("layers.{i}.self_attn.q_proj.{p}", f"{attn}.q_proj.{{p}}", PermuteRope("num_heads")),
+        Rule("layers.{i}.self_attn.k_proj.{p}", f"{attn}.k_proj.{{p}}", PermuteRope("num_kv_heads")),
+        Rule("layers.{i}.self_attn.v_proj.{p}", f"{attn}.v_proj.{{p}}"),
+        Rule("layers.{i}.self_attn.out_proj.{p}", f"{attn}.o_proj.{{p}}"),
+        Rule("layers.{i}.sub1.norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        Rule("layers.{i}.sub2.norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+        *mlp,
+        Rule("norm.weight", "model.norm.weight"),
+        Rule("lm_head.weight", "lm_head.weight"),     # tied: omitted on save, ignored if a checkpoint has it
+    ]
+
+
+LLAMA_WEIGHT_MAP = llama_weight_map(
+    [Rule(f"layers.{{i}}.ff.{p}_proj.{{b}}", f"model.layers.{{i}}.mlp.{p}_proj.{{b}}") for p in ("gate", "up", "down")])
+
+# our config field -> the LlamaConfig / MixtralConfig field of transformers
+LLAMA_HF_NAMES = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "num_heads": "num_attention_heads",
+    "num_layers": "num_hidden_layers", "d_ff": "intermediate_size", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings", "rms_norm_eps": "rms_norm_eps",
+    "attention_bias": "attention_bias", "mlp_bias": "mlp_bias", "attention_dropout": "attention_dropout",
+    "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id"}
+_ACT_FROM_HF = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_ACT_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def config_from_hf(c: dict, cls: type = LlamaConfig, names: dict = LLAMA_HF_NAMES):
+    """transformers 5.x keeps RoPE settings in ``rope_parameters`` ({"rope_type", "rope_theta",
+    "factor"}); 4.x in ``rope_theta`` and ``rope_scaling`` ({"type" or "rope_type", "factor"})."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{cls.__name__}: per-layer-type RoPE parameters are not supported")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"{cls.__name__}: RoPE type {kind!r} is not supported (supported: default, linear)")
+    act = c.get("hidden_act", "silu")
+    if act not in _ACT_FROM_HF:
+        raise ValueError(f"{cls.__name__}: hidden_act {act!r} is not supported ({', '.join(_ACT_FROM_HF)})")
+    kwargs = {ours: c[hf] for ours, hf in names.items() if c.get(hf) is not None}
+    theta = rope.get("rope_theta", c.get("rope_theta"))
+    if theta is not None:
+        kwargs["rope_theta"] = float(theta)
+    scaling = {"type": "linear", "factor": float(rope["factor"])} if kind == "linear" else None
+    return cls(**kwargs, rope_scaling=scaling, activation=_ACT_FROM_HF[act])
+
+
+def config_to_hf(cfg: LlamaConfig, names: dict = LLAMA_HF_NAMES) -> dict:
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        if cfg.rope_scaling["type"] != "linear":
+            raise ValueError(f"{type(cfg).__name__}: rope_scaling {cfg.rope_scaling} has no Hugging Face equivalent")
+        rope = dict(rope, rope_type="linear", factor=float(cfg.rope_scaling["factor"]))
+    return {**{hf: getattr(cfg, ours) for ours, hf in names.items()}, "rope_parameters": rope,
+            "rope_theta": cfg.rope_theta, "hidden_act": _ACT_TO_HF[cfg.activation]}
+
+
+register_model("llama", LlamaConfig, Llama, config_from_hf, config_to_hf, LLAMA_WEIGHT_MAP,
+               architecture="LlamaForCausalLM", ignore_on_load=(r"\.rotary_emb\.inv_freq$",))

@@ -1,0 +1,113 @@
+"""Mixtral: LLaMA with a sparse mixture of SwiGLU experts in place of the MLP
+(Jiang et al. 2024, "Mixtral of Experts", section 2.1).
+
+    each layer: x = x + Attn(RMSNorm(x));  x = x + sum_{e in top-k} g_e(x) * Expert_e(RMSNorm(x))
+
+The router ``gate`` scores X experts per token; the k best (renormalised softmax weights g)
+run, so a token costs k expert passes, not X. Everything else is :mod:`attnlab.models.llama`.
+For training, :meth:`Mixtral.forward_with_router_logits` returns the logits and every layer's
+router logits, and :meth:`Mixtral.aux_loss` turns them into the load-balancing loss
+(pitfall 20); ``forward`` returns logits only, like every causal LM.
+
+Weights: Hugging Face writes Mixtral checkpoints with one tensor per expert
+(``block_sparse_moe.experts.{e}.w1/w3/w2`` = gate/up/down), while transformers 5.x keeps
+them fused in memory (``mlp.experts.gate_up_proj`` (X, 2F, E), ``mlp.experts.down_proj``
+(X, E, F)). Both load; we save the per-expert form, which every transformers version reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from ..hub import Fuse, Rule, register_model
+from ..nn.cache import LayerCaches
+from ..nn.mlp import SparseMoE, load_balancing_loss
+from . import llama
+from .llama import Llama, LlamaConfig, llama_weight_map
+
+__all__ = ["MixtralConfig", "Mixtral", "MIXTRAL_WEIGHT_MAP", "MIXTRAL_FUSED_RULES"]
+
+
+@dataclass
+class MixtralConfig(LlamaConfig):
+    d_ff: int = 14336
+    num_kv_heads: int | None = 8
+    max_position_embeddings: int = 4096 * 32
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    num_experts: int = 8                      # X
+    top_k: int = 2                            # k experts per token
+    router_jitter: float = 0.0
+    router_aux_loss_coef: float = 0.02        # weight of aux_loss in the training loss
+    sliding_window: int | None = None         # not implemented: sequences must fit in it
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.attention_bias or self.mlp_bias:
+            raise ValueError("MixtralConfig: Mixtral has no biases (attention_bias and mlp_bias must be False)")
+        if self.num_experts <= 0 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MixtralConfig: need num_experts > 0 and 1 <= top_k <= num_experts, got "
+                             f"{self.num_experts}, {self.top_k}")
+
+
+class Mixtral(Llama):
+    """Mixtral language model. ``Mixtral(MixtralConfig(...))``; forward as :class:`CausalLM`."""
+
+    def feed_forward(self) -> nn.Module:
+        c = self.config
+        return SparseMoE(c.d_model, c.d_ff, c.num_experts, c.top_k, activation=c.activation,
+                         router_jitter=c.router_jitter)
+
+    def forward_with_router_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                                   positions: Tensor | None = None, cache: LayerCaches | None = None,
+                                   ) -> tuple[Tensor, list[Tensor]]:
+        """-> (logits (B, T, V), one (B*T, X) router-logit tensor per layer)."""
+        window = self.config.sliding_window
+        total = input_ids.size(-1) + (0 if cache is None else cache.length)
+        if window is not None and total > window:
+            raise ValueError(f"Mixtral: {total} tokens exceed the sliding window of {window}; sliding-window "
+                             f"attention is not implemented")
+        return super().forward_with_router_logits(input_ids, attention_mask, positions, cache)
+
+    def aux_loss(self, router_logits: list[Tensor], attention_mask: Tensor | None = None) -> Tensor:
+        """Load-balancing loss over all layers (padding excluded); add ``router_aux_loss_coef`` times
+        it to the LM loss. ``attention_mask``: (B, T) of the tokens the logits came from."""
+        return load_balancing_loss(router_logits, self.config.num_experts, self.config.top_k, attention_mask)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+_MOE, _FUSED = "model.layers.{i}.block_sparse_moe", "model.layers.{i}.mlp"
+# on disk (what transformers writes and the Hub holds): one tensor per expert
+MIXTRAL_EXPERT_RULES = [
+    Rule("layers.{i}.ff.gate.weight", f"{_MOE}.gate.weight"),
+    Rule("layers.{i}.ff.experts.{e}.gate_proj.weight", f"{_MOE}.experts.{{e}}.w1.weight"),
+    Rule("layers.{i}.ff.experts.{e}.up_proj.weight", f"{_MOE}.experts.{{e}}.w3.weight"),
+    Rule("layers.{i}.ff.experts.{e}.down_proj.weight", f"{_MOE}.experts.{{e}}.w2.weight"),
+]
+# transformers 5.x modules (MixtralExperts): experts stacked along dim 0, gate and up fused on dim 1
+MIXTRAL_FUSED_RULES = [
+    Rule("layers.{i}.ff.gate.weight", f"{_FUSED}.gate.weight"),
+    Rule(("layers.{i}.ff.experts.{e}.gate_proj.weight", "layers.{i}.ff.experts.{e}.up_proj.weight"),
+         f"{_FUSED}.experts.gate_up_proj", Fuse(dim=1, parts=2)),
+    Rule("layers.{i}.ff.experts.{e}.down_proj.weight", f"{_FUSED}.experts.down_proj"),
+]
+# the per-expert rules come first, so saving writes them; the fused ones are accepted on load
+MIXTRAL_WEIGHT_MAP = llama_weight_map(MIXTRAL_EXPERT_RULES + MIXTRAL_FUSED_RULES)
+MIXTRAL_FUSED_WEIGHT_MAP = llama_weight_map(MIXTRAL_FUSED_RULES)
+
+MIXTRAL_HF_NAMES = {**llama.LLAMA_HF_NAMES, "num_experts": "num_local_experts", "top_k": "num_experts_per_tok",
+                    "router_jitter": "router_jitter_noise", "router_aux_loss_coef": "router_aux_loss_coef",
+                    "sliding_window": "sliding_window"}
+
+
+def config_from_hf(c: dict) -> MixtralConfig:
+    return llama.config_from_hf(c, MixtralConfig, MIXTRAL_HF_NAMES)
+
+
+def config_to_hf(cfg: MixtralConfig) -> dict:
+    return llama.config_to_hf(cfg, MIXTRAL_HF_NAMES)
+
+
+register_model("mixtral", MixtralConfig, Mixtral, config_from_hf, config_to_hf, MIXTRAL_WEIGHT_MAP,
+               architecture="MixtralForCausalLM", ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
