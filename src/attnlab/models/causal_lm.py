@@ -163,45 +163,18 @@ class CausalLM(nn.Module):
         return self.forward_with_router_logits(input_ids, attention_mask, positions, cache)[0]
 
     # ------------------------------------------------------------------ generation and saving
-    @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id: int | None = None, draft_model=None, *,
-                 attention_mask: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
-        """Continue ``input_ids`` (B, T) by ``max_new_tokens`` tokens -> (B, T + n), n <= max_new_tokens.
+                 top_p: float | None = None, eos_token_id: int | None = None, draft_model=None, **options) -> Tensor:
+        """Continue ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens -> (B, T + n).
 
-        One prefill, then one cached step per token; each token is drawn by
-        :func:`attnlab.generate.sample` (temperature 0 = greedy). A row that produced
-        ``eos_token_id`` keeps emitting it; the loop stops early when every row has. Left-padded
-        prompts take their ``attention_mask``. The model's train/eval mode is left as it is.
-
-        A minimal loop kept until attnlab.generate provides the shared one (with speculative
-        decoding through ``draft_model``, not supported here).
+        Temperature 0 is greedy; ``draft_model`` turns on speculative decoding. Generation lives
+        outside the model: this calls :func:`attnlab.generate.generate`, which documents the keyword
+        ``options`` (attention_mask, repetition_penalty, generator, num_draft_tokens, streamer,
+        pad_token_id, use_cache, stats).
         """
-        from ..generate import sample                 # generation lives outside the model
-        if draft_model is not None:
-            raise NotImplementedError("generate: speculative decoding (draft_model) is not available yet")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        self._check_ids(input_ids)
-        longest = input_ids.size(1) if attention_mask is None else int(attention_mask.bool().sum(-1).max())
-        if longest + max_new_tokens > self.config.max_seq_len:
-            raise ValueError(f"generate: {longest} prompt + {max_new_tokens} new tokens exceed the model's context "
-                             f"of {self.config.max_seq_len}")
-        cache, mask, out = self.new_cache(), attention_mask, [input_ids]
-        done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
-        logits = self(input_ids, attention_mask=mask, cache=cache)[:, -1]
-        for step in range(max_new_tokens):
-            token = sample(logits, temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                token = token.masked_fill(done, eos_token_id)
-                done |= token == eos_token_id
-            out.append(token[:, None])
-            if step + 1 == max_new_tokens or bool(done.all()):
-                break
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=1)
-            logits = self(token[:, None], attention_mask=mask, cache=cache)[:, -1]
-        return torch.cat(out, dim=1)
+        from ..generate import generate
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, draft_model,
+                        **options)
 
     def save_pretrained(self, path) -> None:
         """Write a Hugging Face directory (config.json + model.safetensors); see attnlab.hub."""
