@@ -681,7 +681,7 @@ def _check_causal(model, draft_model, input_ids, attention_mask, max_new_tokens:
         raise ValueError(f"generate: input_ids must be a non-empty integer (batch, seq) tensor, got "
                          f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
                          f"{tuple(getattr(input_ids, 'shape', ()))}")
-    V, context = model.config.vocab_size, model.config.max_seq_len
+    V = model.config.vocab_size
     lo, hi = (int(v) for v in input_ids.aminmax())
     if lo < 0 or hi >= V:
         raise ValueError(f"generate: token id {hi if hi >= V else lo} is out of range [0, vocab_size={V})")

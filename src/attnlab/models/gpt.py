@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from ..hub import TRANSPOSE, Rule, register_model
+from .convert import TRANSPOSE, Rule, register_model
 from ..nn.attention import MultiHeadAttention
 from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm

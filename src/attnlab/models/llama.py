@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..hub import PermuteRope, Rule, register_model
+from .convert import PermuteRope, Rule, register_model
 from ..nn.attention import MultiHeadAttention
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm

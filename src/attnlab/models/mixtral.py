@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from ..hub import Fuse, Rule, register_model
+from .convert import Fuse, Rule, register_model
 from ..nn.cache import LayerCaches
 from ..nn.mlp import SparseMoE, load_balancing_loss
 from . import llama

@@ -11,7 +11,6 @@ on the attention weights, and (inside the feed-forward) after the activation.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention

@@ -10,7 +10,6 @@ on the first decoding step and reused unchanged afterwards.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["KVCache", "LayerCaches"]

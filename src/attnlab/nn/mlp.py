@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts"]

@@ -56,7 +56,6 @@ def init_distributed(device: str | torch.device | None = None) -> DistEnv:
     already initialised group is reused (and left alone by :func:`shutdown`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
     if dev.type == "cuda":  # the current device: autocast, RNG state and NCCL use it
