@@ -175,9 +175,26 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on the groups of :func:`param_groups`."""
-    return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
-                             eps=config.eps)
+    """AdamW with decoupled weight decay on the groups of :func:`param_groups`.
+
+    Fused (one kernel pass over parameters, gradients and both moments, instead of about a
+    dozen passes) when torch has a fused AdamW for every parameter's device and dtype;
+    otherwise torch's default (a per-parameter loop on CPU, foreach on CUDA). Same update rule
+    either way; on this project's 2-core CPU the step of a 56M-parameter model takes about
+    4x less time fused (190 -> 42 ms; benchmarks/seq2seq.py). Build it after moving the model
+    to its device, as the Trainer does.
+    """
+    groups = param_groups(model, config.weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+        devices = set(_get_fused_kernels_supported_devices())
+    except ImportError:                 # older torch: fused AdamW on CUDA only
+        devices = {"cuda"}
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    fused = bool(params) and all(p.device.type in devices and p.dtype in floats for p in params)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
+                             **({"fused": True} if fused else {}))
 
 
 # ----------------------------------------------------------------------------- helpers
