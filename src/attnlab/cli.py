@@ -8,6 +8,7 @@ that ``attnlab --help`` stays fast. Errors that come from the user's input (a ma
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -74,18 +75,23 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- subcommands
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("task", choices=["translate"], help="what to train")
-    p.add_argument("--data", help="training pairs, a TSV of source<TAB>target (default: the embedded corpus)")
-    p.add_argument("--valid", help="validation TSV (default: 2%% of --data held out, or the embedded split)")
+    p.add_argument("task", choices=["translate", "lm"], help="what to train: translate (encoder-decoder) or lm "
+                   "(a causal language model; options in the 'language model' group)")
+    p.add_argument("--data", help="translate: a TSV of source<TAB>target; lm: a UTF-8 text file "
+                   "(default: the embedded corpus)")
+    p.add_argument("--valid", help="validation TSV / text file (default: 2%% of --data held out for translate, "
+                   "its last 10%% for lm, or the embedded split)")
     p.add_argument("--out", default=None, help="run directory for checkpoints and metrics (default runs/TASK)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2500 embedded, 100000 files)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: translate 2500 embedded, "
+                   "100000 files; lm 2000)")
     p.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="stop (with a checkpoint) after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("--skip-malformed", action="store_true", help="skip and count malformed data lines")
     m = p.add_argument_group("model")
-    m.add_argument("--tokenizer", choices=["word", "char", "bpe"], help="default: word (embedded), bpe (files)")
-    m.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default 8000)")
+    m.add_argument("--tokenizer", choices=["word", "char", "bpe"], help="default: word (embedded), bpe (files); "
+                   "lm: bpe (embedded), char (files)")
+    m.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default 8000; lm 2000)")
     m.add_argument("--separate-vocab", action="store_true", help="separate source/target vocabularies")
     m.add_argument("--d-model", type=int)
     m.add_argument("--heads", type=int)
@@ -109,11 +115,16 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _lm_train_args(p)
 
 
 @command("train", "train a model on an embedded default data set or your own files",
-         "attnlab train translate --steps 2500 --out runs/numbers")
+         "attnlab train translate --steps 2500 --out runs/numbers\n"
+         "  attnlab train lm --data input.txt --model llama --context 256 --out runs/shakespeare")
 def _train(args: argparse.Namespace) -> int:
+    if args.task == "lm":
+        return _train_lm(args)
+    _only_for("translate", args, _LM_ONLY)
     from .data.translation import TranslationOptions, prepare_translation
     from .train import TrainConfig, Trainer
 
@@ -167,6 +178,147 @@ def _report_translation(out: str, setup) -> None:
     name = "test" if setup.test else "validation"
     print(f"{name} ({len(pairs)} pairs): BLEU {scores['bleu']:.2f}  chrF {scores['chrf']:.2f}  "
           f"exact match {scores['exact']:.1f}%")
+
+
+# ---------------------------------------------------------------- language models (train lm, generate)
+
+_LM_ONLY = ("model", "context", "batch_size", "experts", "top_k", "aux_coef", "corpus_mb", "eval_windows",
+            "sample_tokens")
+_TRANSLATE_ONLY = ("separate_vocab", "pre_norm", "skip_malformed", "max_tokens", "label_smoothing", "eval_size")
+
+
+def _lm_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "language model (train lm only)",
+        "defaults for lm: --model gpt --layers 4 --heads 4 --d-model 128 --d-ff 4*d-model (gpt) or\n"
+        "8/3*d-model (llama, mixtral) --dropout 0 --context 128 --batch-size 16 --steps 2000 --lr 1e-3\n"
+        "(cosine to 10%, AdamW betas 0.9, 0.95). Data: the Python standard library's own source\n"
+        "(2 MB, BPE 2000, every 20th file validates) or --data FILE.txt (char, the last 10% validates).")
+    g.add_argument("--model", metavar="{gpt,llama,mixtral}", help="architecture (default gpt)")
+    g.add_argument("--context", type=int, help="context length and training window in tokens (default 128)")
+    g.add_argument("--batch-size", type=int, help="windows per micro-batch and process (default 16)")
+    g.add_argument("--experts", type=int, help="mixtral: experts per layer (default 4)")
+    g.add_argument("--top-k", type=int, help="mixtral: experts per token (default 2)")
+    g.add_argument("--aux-coef", type=float, help="mixtral: weight of the load-balancing loss (default 0.02)")
+    g.add_argument("--corpus-mb", type=float, help="size of the embedded corpus in MB (default 2)")
+    g.add_argument("--eval-windows", type=int, help="validation windows per evaluation (default 64)")
+    g.add_argument("--sample-tokens", type=int, help="tokens of the sample printed after training (default 200, "
+                   "0 = none)")
+    p.set_defaults(_flag_defaults={d: p.get_default(d) for d in _LM_ONLY + _TRANSLATE_ONLY})
+
+
+def _only_for(task: str, args: argparse.Namespace, others: tuple[str, ...]) -> None:
+    """Refuse options of the other task instead of silently ignoring them."""
+    given = ["--" + d.replace("_", "-") for d in others if getattr(args, d) != args._flag_defaults[d]]
+    if given:
+        other = "lm" if task == "translate" else "translate"
+        raise UserError(f"{', '.join(given)}: only for 'attnlab train {other}', not 'train {task}'")
+
+
+def _train_lm(args: argparse.Namespace) -> int:
+    from .data.lm import LMOptions, prepare_lm
+    from .train import TrainConfig, Trainer
+
+    _only_for("lm", args, _TRANSLATE_ONLY)
+    given = dict(model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size, context=args.context,
+                 batch_size=args.batch_size, d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
+                 d_ff=args.d_ff, dropout=args.dropout, num_experts=args.experts, top_k=args.top_k,
+                 router_aux_loss_coef=args.aux_coef, eval_windows=args.eval_windows,
+                 corpus_bytes=None if args.corpus_mb is None else int(args.corpus_mb * 1e6))
+    opts = LMOptions(data=args.data, valid=args.valid, seed=args.seed,
+                     **{k: v for k, v in given.items() if v is not None})
+    for path in (args.data, args.valid):
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such file")
+    steps, out = args.steps or 2000, args.out or "runs/lm"
+    print(f"preparing data ({'the embedded corpus' if args.data is None else args.data}) ...", file=sys.stderr)
+    setup = prepare_lm(opts, resume_from=out if args.resume else None)
+    task = setup.task
+    n_params = sum(p.numel() for p in task.model.parameters())
+    print(f"data: {setup.corpus.source}: {len(task.train_ids):,} training and {len(task.valid_ids):,} validation "
+          f"tokens", file=sys.stderr)
+    print(f"model: {type(task.model).__name__}, {n_params / 1e6:.2f}M parameters, context {task.context}, "
+          f"vocab {task.tokenizer.vocab_size}{' (from the checkpoint)' if setup.resumed else ''}", file=sys.stderr)
+    eval_every = args.eval_every if args.eval_every is not None else max(steps // 10, 50)
+    config = TrainConfig(
+        out_dir=out, steps=steps, lr=args.lr or 1e-3, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8,
+        schedule=args.schedule, warmup_steps=args.warmup if args.warmup is not None else max(1, steps // 25),
+        min_lr_ratio=0.1, clip_norm=args.clip or None, accum_steps=args.accum, precision=args.precision,
+        grad_checkpointing=args.grad_checkpointing, eval_every=eval_every,
+        save_every=args.save_every if args.save_every is not None else eval_every, best_metric="val_loss",
+        best_mode="min", seed=args.seed, progress=not args.no_progress,
+        time_budget_s=args.time_budget * 60 if args.time_budget else None)
+    trainer = Trainer(task, config, resume=args.resume)
+    summary = trainer.fit()
+    trainer.close()
+    if trainer.env.is_main:
+        _lm_sample(out, task, args)
+        print(f"metrics: {out}/metrics.jsonl, loss curve: {out}/loss.png, checkpoint: {summary['checkpoint']}")
+    return 0
+
+
+def _lm_sample(out: str, task, args: argparse.Namespace) -> None:
+    """After training: the best checkpoint continues the start of the validation text."""
+    from .data.lm import complete, load_lm
+
+    n = 200 if args.sample_tokens is None else args.sample_tokens
+    if n <= 0:
+        return
+    lm = load_lm(out)
+    prompt = task.valid_ids[: max(1, min(16, lm.context // 4))].tolist()
+    result = complete(lm, prompt, n, temperature=0.8, top_k=40, seed=args.seed)
+    print("sample (the start of the validation text, continued at temperature 0.8, top-k 40):")
+    print(lm.tokenizer.decode(prompt) + result.text)
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="an LM run directory (its best/, else latest checkpoint), an LM checkpoint "
+                   "directory, or a Hugging Face model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("--prompt", default="", help="the text to continue (default: empty, i.e. a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens, fewer if the "
+                   "context fills up (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens of mass p")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty, > 1 discourages repeats")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--draft", metavar="DRAFT_DIR", help="a smaller model with the same tokenizer for speculative "
+                   "decoding (same output distribution, fewer passes of the model); prints the passes per token")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+@command("generate", "continue a prompt with a language model (LM checkpoint or Hugging Face directory), "
+         "streaming the text", 'attnlab generate runs/lm --prompt "def fibonacci(n):" --max-new-tokens 200')
+def _generate(args: argparse.Namespace) -> int:
+    from .data.lm import complete, encode_prompt, load_lm
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    lm = load_lm(args.checkpoint, args.device)
+    draft = load_lm(args.draft, next(lm.model.parameters()).device) if args.draft else None
+    ids = encode_prompt(lm, args.prompt, draft)
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    emit(args.prompt)
+    result = complete(lm, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed, draft=draft,
+                      num_draft_tokens=args.num_draft_tokens, on_text=emit)
+    emit("\n")
+    if result.max_new_tokens < args.max_new_tokens and result.new_tokens == result.max_new_tokens:
+        print(f"note: stopped after {result.new_tokens} new tokens: the context is full", file=sys.stderr)
+    if draft is not None:
+        s = result.stats
+        print(f"speculative decoding: {s.target_passes_per_token:.2f} target forward passes per generated token "
+              f"({s.target_passes} passes for {s.new_tokens} tokens; {s.accepted} of {s.drafted} draft tokens "
+              f"accepted)", file=sys.stderr)
+    return 0
+
+
+_generate.add_arguments = _generate_args
 
 
 def _translate_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,229 @@
+"""Language modelling: the embedded corpus, the LM task (plan, loss with the MoE aux term,
+evaluation), and `attnlab train lm` / `attnlab generate` end to end on tiny settings."""
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.cli import main
+from attnlab.data.files import DataFormatError
+from attnlab.data.lm import LanguageModelTask, stdlib_corpus, text_file_corpus
+from attnlab.models import GPT, GPTConfig, Mixtral, MixtralConfig
+from attnlab.tokenizer import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--context", "32", "--batch-size", "8", "--no-progress"]
+TEXT = "the quick brown fox jumps over the lazy dog. " * 120
+
+
+def run_cli(*args, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- data and task
+def test_stdlib_corpus_is_deterministic_and_splits_by_file():
+    a, b = stdlib_corpus(300_000), stdlib_corpus(300_000)
+    assert (a.train_names, a.valid_names, a.train, a.valid) == (b.train_names, b.valid_names, b.train, b.valid)
+    assert a.train and a.valid and not set(a.train_names) & set(a.valid_names)
+    names = sorted(a.train_names + a.valid_names)
+    assert a.train_names == sorted(a.train_names) and len(names) == len(set(names))
+    assert not any(part in ("site-packages", "test", "tests") for n in names for part in n.split("/")[:-1])
+    root = Path(os.__file__).resolve().parent
+    assert a.valid[0] == (root / a.valid_names[0]).read_text(encoding="utf-8")
+    assert sum(len(t.encode()) for t in a.train + a.valid) >= 300_000
+
+
+def test_text_file_corpus_splits_90_10_and_names_bad_bytes(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("".join(chr(97 + i % 26) for i in range(1000)))
+    c = text_file_corpus(str(f))
+    assert c.train[0] + c.valid[0] == f.read_text() and len(c.valid[0]) == 100
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\nstill fine\nbroken \xff here\n")
+    with pytest.raises(DataFormatError, match=r"bad\.txt, line 3: not valid UTF-8"):
+        text_file_corpus(str(bad))
+
+
+def _task(model, context=16, n=600, batch_size=4):
+    tok = CharTokenizer.train(["abcdefgh"])
+    ids = torch.arange(n) % model.config.vocab_size
+    return LanguageModelTask(model, tok, ids, ids[:200].flip(0), context=context, batch_size=batch_size,
+                             steps_per_epoch=5, eval_windows=7)
+
+
+def test_plan_is_deterministic_in_epoch_and_seed_and_gives_shifted_windows():
+    torch.manual_seed(0)
+    task = _task(GPT(GPTConfig(vocab_size=64, n_positions=16, d_model=16, num_heads=2, num_layers=1, dropout=0.0)))
+    starts = lambda epoch, seed: torch.stack([b["start"] for b in task.plan(epoch, seed)])  # noqa: E731
+    first = starts(0, 0)
+    torch.manual_seed(123)                                 # the global RNG plays no part
+    assert torch.equal(first, starts(0, 0)) and first.shape == (5, 4)
+    assert not torch.equal(first, starts(1, 0)) and not torch.equal(first, starts(0, 1))
+    many = torch.cat([starts(e, 0) for e in range(20)])
+    assert int(many.min()) >= 0 and int(many.max()) <= 600 - 16 - 1
+    x, y = task.windows(task.train_ids, first[0])
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(x[:, 0], task.train_ids[first[0]])
+    metrics = task.evaluate(task.model.eval())
+    assert metrics == task.evaluate(task.model) and math.isclose(metrics["val_ppl"], math.exp(metrics["val_loss"]))
+
+
+def test_mixtral_loss_adds_the_aux_term_and_reports_expert_counts():
+    torch.manual_seed(0)
+    coef, X = 0.5, 4
+    model = Mixtral(MixtralConfig(vocab_size=40, d_model=32, num_heads=4, num_kv_heads=4, num_layers=2, d_ff=48,
+                                  max_position_embeddings=16, num_experts=X, top_k=2, router_aux_loss_coef=coef))
+    task = _task(model)
+    batch = task.plan(0, 0)[0]
+    loss, n, extras = task.loss(model, batch)
+    x, y = task.windows(task.train_ids, batch["start"])
+    logits, router_logits = model.forward_with_router_logits(x)
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+    aux = model.aux_loss(router_logits)
+    assert n == 4 * 16
+    assert (loss - ce).item() > 1.0                          # the aux term is there (aux >= 1 by construction)
+    torch.testing.assert_close(loss, ce + coef * aux * n)
+    torch.testing.assert_close(float(extras["aux_loss"]), aux.item() * n)
+    shares = torch.tensor([float(extras[f"expert_{e}"]) for e in range(X)], dtype=torch.float64)
+    chosen = torch.cat([r.softmax(-1).topk(2, dim=-1).indices.flatten() for r in router_logits])
+    torch.testing.assert_close(shares, torch.bincount(chosen, minlength=X).double() / (2 * 2))
+    assert math.isclose(float(shares.sum()), n)            # each token counted once over experts
+    loss.backward()
+    assert model.layers[0].ff.gate.weight.grad.abs().sum() > 0
+    dense = _task(GPT(GPTConfig(vocab_size=40, n_positions=16, d_model=16, num_heads=2, num_layers=1)))
+    assert dense.loss(dense.model, batch)[2] == {}
+
+
+# ----------------------------------------------------------------------------- the command line
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lm")
+    (d / "text.txt").write_text(TEXT)
+    r = run_cli("train", "lm", "--data", d / "text.txt", "--out", d / "run", "--steps", "30", "--eval-every", "10",
+                "--lr", "1e-2", "--warmup", "3", "--sample-tokens", "20", *TINY)
+    return d, r
+
+
+def test_train_lm_writes_checkpoints_and_the_loss_goes_down(trained):
+    d, r = trained
+    assert r.returncode == 0, r.stderr
+    run = d / "run"
+    for ckpt in (run / "best", run / "step-0000030"):
+        assert {"model.safetensors", "lm.json", "lm_tokenizer.json", "trainer_state.json"} <= \
+            {p.name for p in ckpt.iterdir()}
+    meta = json.loads((run / "best" / "lm.json").read_text())
+    assert meta["model_type"] == "gpt2" and meta["context"] == 32 and meta["config"]["d_model"] == 32
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r["loss"] for r in records if r["kind"] == "train"]
+    valid = [r["val_loss"] for r in records if r["kind"] == "eval"]
+    assert len(train) == 3 and train[-1] < train[0] - 0.5, train
+    assert valid[-1] < valid[0], valid
+    assert "sample" in r.stdout
+
+
+def test_resume_keeps_the_checkpoints_model_and_tokenizer(trained, tmp_path, capsys):
+    d, r = trained
+    assert r.returncode == 0, r.stderr
+    shutil.copytree(d / "run", tmp_path / "run")            # the other tests keep the original run
+    code = main(["train", "lm", "--data", str(d / "text.txt"), "--out", str(tmp_path / "run"), "--steps", "32",
+                 "--resume", "--sample-tokens", "0", *TINY[:-1], "--d-model", "64", "--no-progress"])
+    assert code == 0
+    assert "(from the checkpoint)" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "run" / "step-0000032" / "lm.json").read_text())
+    assert meta["config"]["d_model"] == 32
+
+
+class _Recorder:
+    def __init__(self):
+        self.writes, self.flushes = [], 0
+
+    def write(self, s):
+        self.writes.append(s)
+
+    def flush(self):
+        self.flushes += 1
+
+
+def test_generate_streams_text_from_the_checkpoint(trained, monkeypatch):
+    d, r = trained
+    assert r.returncode == 0, r.stderr
+    out = run_cli("generate", d / "run", "--prompt", "the quick", "--max-new-tokens", "15", "--seed", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("the quick") and len(out.stdout.rstrip("\n")) > len("the quick")
+    recorder = _Recorder()                                 # in-process: the same text, written piece by piece
+    monkeypatch.setattr(sys, "stdout", recorder)
+    assert main(["generate", str(d / "run"), "--prompt", "the quick", "--max-new-tokens", "15", "--seed", "3"]) == 0
+    assert "".join(recorder.writes) == out.stdout
+    assert len(recorder.writes) > 5 and recorder.flushes >= len(recorder.writes)
+
+
+def test_generate_with_a_draft_gives_the_same_greedy_text_and_passes_per_token(trained):
+    d, r = trained
+    assert r.returncode == 0, r.stderr
+    args = ["generate", d / "run", "--prompt", "the", "--temperature", "0", "--max-new-tokens", "20"]
+    plain = run_cli(*args)
+    spec = run_cli(*args, "--draft", d / "run" / "step-0000010", "--num-draft-tokens", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert spec.stdout == plain.stdout
+    m = re.search(r"([0-9.]+) target forward passes per generated token", spec.stderr)
+    assert m and 0.0 < float(m.group(1)) <= 1.0, spec.stderr
+    assert "passes per" not in plain.stderr
+
+
+def test_generate_from_a_hugging_face_gpt2_directory(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    words = ["<|endoftext|>"] + "the quick brown fox jumps over lazy dog a cat".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()                     # joins words with spaces
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(words), n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():                                  # O(1) logits: a clear greedy choice at every step
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    prompt = tok.encode("the quick").ids
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0].tolist()
+    expected = tok.decode(ref[:ref.index(0, len(prompt))] if 0 in ref[len(prompt):] else ref)
+    r = run_cli("generate", tmp_path, "--prompt", "the quick", "--temperature", "0", "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+
+
+def _one_error_line(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(f"attnlab {command}: error: "), err
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_exit_code_2(trained, tmp_path, capsys):
+    d, _ = trained
+    r = run_cli("train", "lm", "--data", tmp_path / "missing.txt", "--out", tmp_path / "r")
+    assert r.returncode == 2 and "missing.txt" in _one_error_line(r.stderr, "train")
+    assert main(["generate", str(d / "run"), "--prompt", "x" * 40]) == 2
+    assert "context is 32 tokens" in _one_error_line(capsys.readouterr().err, "generate")
+    assert main(["train", "lm", "--model", "bert", "--data", str(d / "text.txt"), "--out", str(tmp_path / "r")]) == 2
+    assert "unknown model 'bert'" in _one_error_line(capsys.readouterr().err, "train")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "no-such-model"}')
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2
+    assert "unsupported model_type 'no-such-model'" in _one_error_line(capsys.readouterr().err, "generate")
+    assert main(["generate", str(tmp_path / "nothing")]) == 2
+    assert "no model at" in _one_error_line(capsys.readouterr().err, "generate")
+    assert main(["train", "translate", "--context", "8", "--out", str(tmp_path / "r")]) == 2
+    assert "--context" in _one_error_line(capsys.readouterr().err, "train")
