@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import attnlab.generate as G
+import attnlab.generate.causal as G
 from attnlab.generate import GenerationStats, apply_repetition_penalty, generate, seen_tokens, truncate_cache
 from attnlab.models import GPT, GPTConfig, Llama, LlamaConfig
 from attnlab.nn.cache import KVCache

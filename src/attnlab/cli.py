@@ -82,7 +82,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--valid", help="validation TSV / text file (default: 2%% of --data held out for translate, "
                    "its last 10%% for lm, or the embedded split)")
     p.add_argument("--out", default=None, help="run directory for checkpoints and metrics (default runs/TASK)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: translate 2500 embedded, "
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: translate 800 embedded, "
                    "100000 files; lm 2000)")
     p.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="stop (with a checkpoint) after this many minutes")
@@ -100,10 +100,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dropout", type=float)
     m.add_argument("--pre-norm", action="store_true", help="Pre-Norm layers (default: Post-Norm, as the paper)")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
+    o.add_argument("--lr", type=float, default=None, help="peak learning rate (default: translate 2e-3 embedded, "
+                   "1e-3 files; lm 1e-3)")
     o.add_argument("--schedule", choices=["noam", "cosine", "constant"], default="cosine")
-    o.add_argument("--warmup", type=int, default=None, help="warmup steps (default 4%% of --steps)")
-    o.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per micro-batch")
+    o.add_argument("--warmup", type=int, default=None, help="warmup steps (default: translate 10%% of --steps, "
+                   "at most 4000; lm 4%%)")
+    o.add_argument("--max-tokens", type=int, default=None, help="translate: padded tokens per micro-batch "
+                   "(default 2048 embedded, 4096 files)")
     o.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument("--label-smoothing", type=float, default=0.1)
     o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0 = off)")
@@ -129,12 +132,13 @@ def _train(args: argparse.Namespace) -> int:
     from .train import TrainConfig, Trainer
 
     embedded = args.data is None
-    steps = args.steps or (2500 if embedded else 100_000)
+    steps = args.steps or (800 if embedded else 100_000)
     out = args.out or f"runs/{args.task}"
     opts = TranslationOptions(
         data=args.data, valid=args.valid, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         shared_vocab=not args.separate_vocab, d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
-        d_ff=args.d_ff, dropout=args.dropout, norm_first=args.pre_norm, max_tokens=args.max_tokens,
+        d_ff=args.d_ff, dropout=args.dropout, norm_first=args.pre_norm,
+        max_tokens=args.max_tokens or (2048 if embedded else 4096),
         label_smoothing=args.label_smoothing, eval_size=args.eval_size, seed=args.seed)
     print(f"preparing data ({'embedded English->German corpus' if embedded else args.data}) ...", file=sys.stderr)
     setup = prepare_translation(opts, skip_malformed=args.skip_malformed)
@@ -144,10 +148,11 @@ def _train(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, {len(setup.task.train)} training pairs, "
           f"vocab {setup.task.src_tok.vocab_size}/{setup.task.tgt_tok.vocab_size}", file=sys.stderr)
-    eval_every = args.eval_every if args.eval_every is not None else max(steps // 10, 100)
+    eval_every = args.eval_every if args.eval_every is not None else max(steps // 5, 100)
     config = TrainConfig(
-        out_dir=out, steps=steps, lr=args.lr or 1e-3, weight_decay=args.weight_decay, schedule=args.schedule,
-        warmup_steps=args.warmup if args.warmup is not None else max(1, steps // 25), clip_norm=args.clip or None,
+        out_dir=out, steps=steps, lr=args.lr or (2e-3 if embedded else 1e-3), weight_decay=args.weight_decay,
+        schedule=args.schedule, clip_norm=args.clip or None,
+        warmup_steps=args.warmup if args.warmup is not None else min(4000, max(1, steps // 10)),
         accum_steps=args.accum, precision=args.precision, grad_checkpointing=args.grad_checkpointing,
         eval_every=eval_every, save_every=args.save_every if args.save_every is not None else eval_every,
         best_metric="bleu", best_mode="max", seed=args.seed, progress=not args.no_progress,

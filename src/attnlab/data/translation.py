@@ -49,7 +49,7 @@ class TranslationOptions:
     dropout: float | None = None
     norm_first: bool = False
     tie_embeddings: bool = True          # tie target embedding and output (and src/tgt when shared)
-    max_tokens: int = 4096               # padded tokens per micro-batch
+    max_tokens: int = 2048               # padded tokens per micro-batch
     max_len: int = 256                   # longer examples are skipped and counted
     label_smoothing: float = 0.1
     eval_size: int = 500                 # validation pairs decoded for BLEU at each evaluation
@@ -66,8 +66,8 @@ class TranslationSetup:
 
 
 def _defaults(o: TranslationOptions, embedded: bool) -> dict:
-    small = dict(d_model=128, num_heads=4, num_layers=3, d_ff=512, dropout=0.1, tokenizer="word")
-    files = dict(d_model=256, num_heads=4, num_layers=3, d_ff=1024, dropout=0.2, tokenizer="bpe")
+    small = dict(d_model=128, num_heads=4, num_layers=2, d_ff=256, dropout=0.1, tokenizer="word")
+    files = dict(d_model=256, num_heads=4, num_layers=3, d_ff=1024, dropout=0.1, tokenizer="bpe")
     base = small if embedded else files
     return {k: (getattr(o, k) if getattr(o, k) is not None else v) for k, v in base.items()}
 
@@ -112,6 +112,7 @@ def prepare_translation(o: TranslationOptions, skip_malformed: bool = False) -> 
         num_heads=d["num_heads"], num_encoder_layers=d["num_layers"], num_decoder_layers=d["num_layers"],
         d_ff=d["d_ff"], max_seq_len=max(o.max_len + 2, 64), dropout=d["dropout"], norm_first=o.norm_first,
         tie_output=o.tie_embeddings, share_embeddings=o.tie_embeddings and shared)
+    torch.manual_seed(o.seed)          # the initial weights depend on the seed alone
     model = Transformer.from_config(config)
     task = TranslationTask(model, src_tok, tgt_tok, encoded, valid, max_tokens=o.max_tokens,
                            label_smoothing=o.label_smoothing, eval_size=o.eval_size, eval_beam=o.eval_beam)
