@@ -98,14 +98,18 @@ class Transformer(nn.Module):
         return cls(**d)
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform for every matrix, as the reference implementations do.
-
-        The embeddings get it too: PyTorch's default N(0, 1) embedding, scaled by sqrt(E) and
-        tied to the output, gives huge logits whose backward fills with denormals.
+        """Xavier-uniform for every projection, as the reference implementations do; the
+        embeddings get N(0, E^-1/2), so that after the sqrt(E) scaling a token vector has unit
+        scale, like the position signal it is added to, and a tied output layer starts with
+        logits of unit scale. (Xavier on a large-vocabulary embedding would make tokens ~4x
+        fainter than positions at the start; PyTorch's default N(0, 1) would make tied logits
+        huge and fill the backward pass with denormals.)
         """
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+        for emb in {id(e): e for e in (self.src_embedding, self.tgt_embedding)}.values():
+            nn.init.normal_(emb.weight, mean=0.0, std=self.config.d_model ** -0.5)
 
     # ------------------------------------------------------------------ pieces
     def _padding(self, ids: Tensor, mask: Tensor | None) -> Tensor | None:
