@@ -82,7 +82,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--valid", help="validation TSV / text file (default: 2%% of --data held out for translate, "
                    "its last 10%% for lm, or the embedded split)")
     p.add_argument("--out", default=None, help="run directory for checkpoints and metrics (default runs/TASK)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: translate 800 embedded, "
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: translate 400 embedded, "
                    "100000 files; lm 2000)")
     p.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="stop (with a checkpoint) after this many minutes")
@@ -122,7 +122,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 
 @command("train", "train a model on an embedded default data set or your own files",
-         "attnlab train translate --steps 2500 --out runs/numbers\n"
+         "attnlab train translate --steps 400 --out runs/numbers\n"
          "  attnlab train lm --data input.txt --model llama --context 256 --out runs/shakespeare")
 def _train(args: argparse.Namespace) -> int:
     if args.task == "lm":
@@ -132,7 +132,7 @@ def _train(args: argparse.Namespace) -> int:
     from .train import TrainConfig, Trainer
 
     embedded = args.data is None
-    steps = args.steps or (800 if embedded else 100_000)
+    steps = args.steps or (400 if embedded else 100_000)
     out = args.out or f"runs/{args.task}"
     opts = TranslationOptions(
         data=args.data, valid=args.valid, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
