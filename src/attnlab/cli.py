@@ -291,6 +291,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    "decoding (same output distribution, fewer passes of the model); prints the passes per token")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="int8: int8 weight-only quantisation of every Linear layer, the output head included "
+                   "(and the draft's), after loading: Linear weights 4x smaller (GPT-2 small: 498 -> 282 MB in "
+                   "all), faster decoding on CPU (attnlab.quantize; default none)")
 
 
 @command("generate", "continue a prompt with a language model (LM checkpoint or Hugging Face directory), "
@@ -302,6 +306,14 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     lm = load_lm(args.checkpoint, args.device)
     draft = load_lm(args.draft, next(lm.model.parameters()).device) if args.draft else None
+    if args.quantize == "int8":
+        from .quantize import model_bytes, quantize_int8
+        for m in (lm, draft):
+            if m is not None:
+                before = model_bytes(m.model)
+                quantize_int8(m.model)
+                print(f"quantized {m.path} to int8: {before / 2**20:.1f} -> {model_bytes(m.model) / 2**20:.1f} MiB "
+                      "of weights", file=sys.stderr)
     ids = encode_prompt(lm, args.prompt, draft)
 
     def emit(text: str) -> None:
