@@ -11,6 +11,7 @@ import torch
 
 from attnlab.generate import (Seq2SeqState, beam_search, beam_search_nbest, greedy_decode, sample, top_k_filter,
                               top_p_filter, translate)
+from attnlab.generate.seq2seq import _prepare
 from attnlab.models import Transformer
 
 PAD, BOS, EOS = 0, 1, 17      # with this seed, EOS 17 ends some rows early and not others
@@ -86,9 +87,10 @@ def test_batched_ragged_sources_equal_each_alone(model):
 def test_mask_derived_from_config_pad_id(model):
     src, mask, _ = ragged_batch([3, 7, 5])
     explicit = greedy_decode(model, src, mask, max_len=8, bos_id=BOS, eos_id=EOS)
-    assert not torch.equal(explicit, greedy_decode(model, src, max_len=8, bos_id=BOS, eos_id=EOS))
+    assert _prepare(model, src, None, 8, "test")[1] is None         # no pad_id: no mask is made up
     model.config.pad_id = PAD
     try:
+        assert torch.equal(_prepare(model, src, None, 8, "test")[1], mask)
         assert torch.equal(explicit, greedy_decode(model, src, max_len=8, bos_id=BOS, eos_id=EOS))
     finally:
         model.config.pad_id = None
