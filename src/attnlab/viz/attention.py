@@ -39,6 +39,15 @@ def _draw(ax, w: Tensor, rows: Sequence[str], cols: Sequence[str], title: str | 
     return im
 
 
+def _save(fig, path: str | Path, dpi: int) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_attention(weights: Tensor, row_tokens: Sequence[str], col_tokens: Sequence[str], path: str | Path,
                    title: str | None = None, xlabel: str = "source", ylabel: str = "target") -> Path:
     """One (T, S) weight matrix as a labelled heatmap with a colour bar; returns the PNG path."""
@@ -49,12 +58,7 @@ def plot_attention(weights: Tensor, row_tokens: Sequence[str], col_tokens: Seque
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=120)
 
 
 def plot_attention_grid(weights: Tensor, row_tokens: Sequence[str], col_tokens: Sequence[str], path: str | Path,
@@ -78,9 +82,4 @@ def plot_attention_grid(weights: Tensor, row_tokens: Sequence[str], col_tokens: 
                 ax.set_yticks(range(T), labels=list(row_tokens), fontsize=6)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
