@@ -18,6 +18,7 @@ from attnlab.data.files import DataFormatError
 from attnlab.data.lm import LanguageModelTask, stdlib_corpus, text_file_corpus
 from attnlab.models import GPT, GPTConfig, Mixtral, MixtralConfig
 from attnlab.tokenizer import CharTokenizer
+from _hf_fixtures import tiny_gpt2_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--context", "32", "--batch-size", "8", "--no-progress"]
@@ -181,22 +182,8 @@ def test_generate_with_a_draft_gives_the_same_greedy_text_and_passes_per_token(t
 
 
 def test_generate_from_a_hugging_face_gpt2_directory(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    words = ["<|endoftext|>"] + "the quick brown fox jumps over lazy dog a cat".split()
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()                     # joins words with spaces
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(words), n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():                                  # O(1) logits: a clear greedy choice at every step
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-    hf.save_pretrained(tmp_path)
-    tok.save(str(tmp_path / "tokenizer.json"))
+    pytest.importorskip("transformers")
+    hf, tok = tiny_gpt2_dir(tmp_path, n_embd=32)
     prompt = tok.encode("the quick").ids
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0].tolist()
     expected = tok.decode(ref[:ref.index(0, len(prompt))] if 0 in ref[len(prompt):] else ref)

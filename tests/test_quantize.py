@@ -11,6 +11,7 @@ from torch import nn
 
 from attnlab.models import GPT, GPTConfig, Mixtral, MixtralConfig
 from attnlab.quantize import INT8PACK_MAX_ROWS, Int8Linear, model_bytes, quantize_int8, quantize_weight
+from _hf_fixtures import tiny_gpt2_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
 def rel(a, b):
@@ -245,24 +246,9 @@ def test_head_exclusions_and_the_moe_router_stay_fp32(trained):
 
 # ----------------------------------------------------------------------------- the command line
 def test_generate_quantize_int8_gives_the_same_greedy_text(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
+    pytest.importorskip("transformers")
     from attnlab.cli import main
-    words = ["<|endoftext|>"] + "the quick brown fox jumps over lazy dog a cat".split()
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(words), n_positions=16, n_embd=64, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():                                  # O(1) logits: a clear greedy choice at every step
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-    hf.save_pretrained(tmp_path)
-    tok.save(str(tmp_path / "tokenizer.json"))
+    hf, tok = tiny_gpt2_dir(tmp_path, n_embd=64)
     args = ["generate", str(tmp_path), "--prompt", "the quick", "--temperature", "0", "--max-new-tokens", "8",
             "--device", "cpu"]
     assert main(args) == 0
