@@ -19,7 +19,10 @@ Sections (``--sections train,gen,int8``, default all):
   gen    Generation tokens/s, fp32, GPT-2 small shape (vocabulary 50257, random N(0, 0.02) weights),
          batch 1 and 8, 16-token prompts, 128 new tokens, greedy: attnlab model.generate(prompt,
          128) against transformers' model.generate(do_sample=False, max_new_tokens=128,
-         min_new_tokens=128) (no EOS id in the config: neither stops early). tokens/s = batch x 128
+         min_new_tokens=128) (no EOS id in the config: neither stops early). attnlab's model goes
+         through attnlab.nn.optimize_for_inference first, as in `attnlab generate` (its Linear
+         layers run oneDNN's matmul when no gradient is needed); an extra row generates with the
+         plain nn.Linear layers (--no-plain-row skips it). tokens/s = batch x 128
          / median seconds per generate call (prefill included). Bound: the memory-bandwidth limit
          of a decoding step, batch x bandwidth / bytes read per step (every weight but the
          embedding tables, plus the KV cache at its average length); the bandwidth is measured
@@ -57,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import environment, fmt_ms, render_table, time_calls  # noqa: E402
 
 import attnlab  # noqa: E402
+from attnlab.nn import optimize_for_inference  # noqa: E402
 from attnlab.quantize import model_bytes, quantize_int8  # noqa: E402
 from attnlab.train import TrainConfig, build_optimizer  # noqa: E402
 
@@ -64,6 +68,7 @@ REF = "transformers GPT2LMHeadModel"
 AA = " (A/A: again)"
 AL = "attnlab GPT"
 AL_UNFUSED = "attnlab GPT, default AdamW"
+AL_PLAIN = "attnlab GPT, nn.Linear (no optimize_for_inference)"
 AL_INT8 = "attnlab GPT int8"
 AL_FBGEMM = "attnlab GPT int8 (kernel=fbgemm, W8A8)"
 PHASES = ("forward+loss", "backward", "optimizer")
@@ -247,6 +252,8 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
         al, hf = build_pair(s, s.context, 0.0, tmp)
     al.eval()
     hf.eval()
+    plain = copy.deepcopy(al) if not args.no_plain_row else None
+    optimize_for_inference(al)                               # what attnlab generate / load_lm do
     bw = measure_bandwidth(args.bandwidth_bytes)
     P, N = args.prompt, args.new_tokens
     print(f"## generation: {s.layers} layers, {s.heads} heads, d_model {s.d_model}, vocabulary {s.vocab}, random "
@@ -279,6 +286,8 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
         with torch.no_grad():                                # same logits at the prompt's last position
             torch.testing.assert_close(al(prompt)[:, -1], hf(prompt).logits[:, -1], atol=1e-3, rtol=1e-3)
         fns = {AL: gen(al, AL), REF: hf_call}
+        if plain is not None:
+            fns[AL_PLAIN] = gen(plain, AL_PLAIN)
         if B == 1 and int8 is not None:
             fns[AL_INT8] = gen(int8, AL_INT8)
             if fbgemm is not None:
@@ -296,7 +305,7 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
         ref_t, ref_best = timings[REF].median, min(timings[REF].times)
         rows = []
         for name, t in timings.items():
-            model = {AL_INT8: int8, AL_FBGEMM: fbgemm}.get(name, al)
+            model = {AL_INT8: int8, AL_FBGEMM: fbgemm, AL_PLAIN: plain}.get(name, al)
             bound = B * bw / bytes_per_step(model, B, kv_avg)
             tps = B * N / t.median
             agree = (f"{float((outs[name][:, P:] == outs[AL][:, P:]).float().mean()):.2f}"
@@ -389,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
     p.add_argument("--no-aa", action="store_true", help="skip the A/A control (the reference timed twice)")
     p.add_argument("--no-unfused-row", action="store_true", help="skip attnlab with the default AdamW")
+    p.add_argument("--no-plain-row", action="store_true", help="skip attnlab generating with plain nn.Linear layers "
+                   "(without attnlab.nn.optimize_for_inference)")
     p.add_argument("--no-fbgemm", action="store_true", help="skip the int8 kernel=fbgemm rows")
     p.add_argument("--quick", action="store_true", help="tiny shapes, seconds (smoke test)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for benchmarks/README.md)")

@@ -105,7 +105,7 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    return q.contiguous(), scale          # contiguous: w may be a column-major view (optimize_for_decoding)
 
 
 class Int8Linear(nn.Module):

@@ -1,0 +1,122 @@
+"""attnlab.nn.linear: InferenceLinear equals nn.Linear (fp32, 1e-5 relative), takes the oneDNN path
+only when no gradient is needed, and optimize_for_inference keeps a model's ties, state dict,
+logits and greedy tokens."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnlab.nn.linear as linear_mod
+from attnlab.models import GPT, GPTConfig, Llama, LlamaConfig
+from attnlab.nn import InferenceLinear, optimize_for_inference
+from attnlab.quantize import Int8Linear, quantize_int8
+
+needs_onednn = pytest.mark.skipif(not linear_mod.onednn_available(), reason="this torch has no usable oneDNN linear")
+
+
+def _pair(k, n, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    return lin, InferenceLinear.from_linear(lin)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = linear_mod._dnn_linear
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+    monkeypatch.setattr(linear_mod, "_dnn_linear", counted)
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 768), (8, 96), (2, 5, 40), (128, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_inference_linear_equals_nn_linear_without_grad(shape, bias, spy):
+    lin, fast = _pair(shape[-1], 72, bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        ref, out = lin(x), fast(x)
+    assert spy == [shape]                                  # the oneDNN path ran
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_shares_parameters_and_falls_back_when_a_gradient_is_needed(spy):
+    lin, fast = _pair(40, 24)
+    assert fast.weight is lin.weight and fast.bias is lin.bias
+    x = torch.randn(3, 40, requires_grad=True)
+    fast(x).square().sum().backward()                      # weights require grad: F.linear, autograd works
+    gw, gx = lin.weight.grad.clone(), x.grad.clone()
+    lin.weight.grad = None
+    x.grad = None
+    lin(x).square().sum().backward()
+    assert spy == []
+    torch.testing.assert_close(gw, lin.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(gx, x.grad, rtol=0, atol=0)
+    with torch.no_grad():                                  # other dtypes fall back too
+        y = fast.to(torch.float64)(torch.randn(2, 40, dtype=torch.float64))
+    assert y.dtype == torch.float64 and spy == []
+
+
+def test_bad_input_width_is_named():
+    _, fast = _pair(40, 24)
+    with torch.no_grad(), pytest.raises(ValueError, match="last dim 39 != in_features 40"):
+        fast(torch.randn(2, 39))
+    with pytest.raises(TypeError, match="expected an nn.Linear"):
+        InferenceLinear.from_linear(nn.Conv1d(3, 3, 1))
+
+
+def test_disabled_onednn_gives_plain_linear(monkeypatch, spy):
+    monkeypatch.setattr(linear_mod, "_ONEDNN", False)
+    lin, fast = _pair(40, 24)
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        assert torch.equal(fast(x), lin(x))
+    assert spy == []
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GPT(GPTConfig(vocab_size=97, n_positions=64, d_model=64, num_heads=4, num_layers=2, dropout=0.0)),
+    lambda: Llama(LlamaConfig(vocab_size=97, max_position_embeddings=64, d_model=64, num_heads=4, num_kv_heads=2,
+                              num_layers=2, d_ff=128, tie_word_embeddings=False)),
+])
+def test_optimize_for_inference_keeps_ties_state_dict_logits_and_greedy_tokens(make):
+    torch.manual_seed(0)
+    model = make().eval()
+    keys = list(model.state_dict())
+    x = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        ref_logits = model(x)
+    ref_tokens = model.generate(x, 16)
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert optimize_for_inference(model) is model
+    assert sum(type(m) is nn.Linear for m in model.modules()) == 0
+    assert sum(isinstance(m, InferenceLinear) for m in model.modules()) == n_linear
+    assert list(model.state_dict()) == keys
+    if isinstance(model, GPT):
+        assert model.lm_head.weight is model.token_embedding.weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.generate(x, 16), ref_tokens)
+    optimize_for_inference(model)                          # idempotent
+    assert sum(isinstance(m, InferenceLinear) for m in model.modules()) == n_linear
+    q = quantize_int8(model)                               # quantisation still sees every Linear
+    assert not any(isinstance(m, nn.Linear) for m in q.modules())
+    assert any(isinstance(m, Int8Linear) for m in q.modules())
+
+
+def test_an_optimised_model_still_trains():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_positions=32, d_model=32, num_heads=2, num_layers=1, dropout=0.0))
+    twin = GPT(GPTConfig(vocab_size=50, n_positions=32, d_model=32, num_heads=2, num_layers=1, dropout=0.0))
+    twin.load_state_dict(model.state_dict())
+    optimize_for_inference(model)
+    x = torch.randint(0, 50, (2, 10))
+    for m in (model, twin):
+        F.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
