@@ -111,6 +111,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--label-smoothing", type=float, default=0.1)
     o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0 = off)")
     o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--beta2", type=float, default=None, help="AdamW's second-moment decay (default: translate "
+                   "0.98, lm 0.95)")
     o.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     o.add_argument("--grad-checkpointing", action="store_true")
     o.add_argument("--eval-every", type=int, default=None, help="steps between validations")
@@ -151,6 +153,7 @@ def _train(args: argparse.Namespace) -> int:
     eval_every = args.eval_every if args.eval_every is not None else max(steps // 5, 100)
     config = TrainConfig(
         out_dir=out, steps=steps, lr=args.lr or (2e-3 if embedded else 1e-3), weight_decay=args.weight_decay,
+        betas=(0.9, 0.98 if args.beta2 is None else args.beta2),
         schedule=args.schedule, clip_norm=args.clip or None,
         warmup_steps=args.warmup if args.warmup is not None else min(4000, max(1, steps // 10)),
         accum_steps=args.accum, precision=args.precision, grad_checkpointing=args.grad_checkpointing,
@@ -246,7 +249,8 @@ def _train_lm(args: argparse.Namespace) -> int:
           f"vocab {task.tokenizer.vocab_size}{' (from the checkpoint)' if setup.resumed else ''}", file=sys.stderr)
     eval_every = args.eval_every if args.eval_every is not None else max(steps // 10, 50)
     config = TrainConfig(
-        out_dir=out, steps=steps, lr=args.lr or 1e-3, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8,
+        out_dir=out, steps=steps, lr=args.lr or 1e-3, weight_decay=args.weight_decay,
+        betas=(0.9, 0.95 if args.beta2 is None else args.beta2), eps=1e-8,
         schedule=args.schedule, warmup_steps=args.warmup if args.warmup is not None else max(1, steps // 25),
         min_lr_ratio=0.1, clip_norm=args.clip or None, accum_steps=args.accum, precision=args.precision,
         grad_checkpointing=args.grad_checkpointing, eval_every=eval_every,

@@ -1,0 +1,140 @@
+"""The reference curve for the Tiny Shakespeare run: nanoGPT's recipe with transformers' GPT-2.
+
+`attnlab train lm` trains attnlab's GPT on Tiny Shakespeare with nanoGPT's `train_shakespeare_char`
+settings (README, "Tiny Shakespeare"). On this 2-core CPU a step of that configuration (batch 64 x
+256 characters) takes ~10 s, so neither side gets near nanoGPT's 5000 steps; to judge "no worse
+than the nanoGPT curve at the same steps and batch" this script trains the *reference* model,
+transformers' GPT2LMHeadModel of the same shape, with nanoGPT's own training loop written out here
+(AdamW with decay on matrices only, betas (0.9, 0.99), linear warmup then cosine to 1e-4 over 5000
+iterations as in nanoGPT's get_lr, clipping at 1.0, dropout 0.2) on the *same* batches and the same
+validation windows as the attnlab run (both come from attnlab.data.lm's task: the last 10 % of the
+text validates, 1,003,854 training characters exactly as nanoGPT's split).
+
+    python benchmarks/shakespeare_reference.py --data ../shared/data/tinyshakespeare.txt \
+        --steps 150 --eval-every 50 --out runs/shakespeare_reference.json
+    python benchmarks/shakespeare_reference.py --compare runs/shakespeare/metrics.jsonl \
+        runs/shakespeare_reference.json
+
+The second form prints the table of both curves (validation loss at each evaluated step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def nanogpt_lr(it: int, lr: float = 1e-3, warmup: int = 100, decay_iters: int = 5000, min_lr: float = 1e-4) -> float:
+    """nanoGPT's get_lr: linear warmup, cosine down to min_lr at decay_iters, then constant."""
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay_iters:
+        return min_lr
+    ratio = (it - warmup) / (decay_iters - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+class _Logits(nn.Module):
+    """transformers' model behind attnlab's task interface: model(x) -> logits."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x):
+        return self.hf(input_ids=x, use_cache=False).logits
+
+
+def train(args) -> None:
+    import transformers
+
+    from attnlab.data.lm import LMOptions, prepare_lm
+    torch.manual_seed(args.seed)
+    opts = LMOptions(data=args.data, seed=args.seed, tokenizer="char", model="gpt", context=256,
+                     batch_size=args.batch_size, d_model=384, num_heads=6, num_layers=6, dropout=0.2,
+                     eval_windows=args.eval_windows)
+    task = prepare_lm(opts).task
+    V = task.tokenizer.vocab_size
+    config = transformers.GPT2Config(vocab_size=V, n_positions=256, n_embd=384, n_layer=6, n_head=6,
+                                     resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=None,
+                                     eos_token_id=None)
+    model = _Logits(transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa"))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.99))
+    print(f"reference: transformers GPT2LMHeadModel, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+          f"parameters, vocab {V}, batch {args.batch_size} x 256", file=sys.stderr)
+    curve, t0, step, epoch = [], time.perf_counter(), 0, 0
+
+    def evaluate():
+        model.eval()
+        val = task.evaluate(model)["val_loss"]
+        model.train()
+        curve.append({"step": step, "val_loss": val, "seconds": time.perf_counter() - t0})
+        print(f"step {step}: val loss {val:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    model.train()
+    while step < args.steps:
+        for batch in task.plan(epoch, args.seed):
+            if step >= args.steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = nanogpt_lr(step)
+            x, y = task.windows(task.train_ids, batch["start"])
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step % args.eval_every == 0 or step == args.steps:
+                evaluate()
+        epoch += 1
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"recipe": "nanoGPT train_shakespeare_char, transformers GPT2LMHeadModel",
+                       "batch_size": args.batch_size, "curve": curve}, f, indent=1)
+
+
+def compare(metrics_path: str, reference_path: str) -> None:
+    ours = {}
+    with open(metrics_path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "val_loss" in row:
+                ours[row["step"]] = row["val_loss"]
+    ref = {r["step"]: r["val_loss"] for r in json.load(open(reference_path))["curve"]}
+    print("| step | attnlab GPT (attnlab train lm) | transformers GPT-2, nanoGPT loop | difference |")
+    print("|---:|---:|---:|---:|")
+    for step in sorted(set(ours) & set(ref)):
+        print(f"| {step} | {ours[step]:.4f} | {ref[step]:.4f} | {ours[step] - ref[step]:+.4f} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="../shared/data/tinyshakespeare.txt")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-windows", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the curve as JSON here")
+    p.add_argument("--compare", nargs=2, metavar=("METRICS_JSONL", "REFERENCE_JSON"),
+                   help="print the two curves side by side instead of training")
+    args = p.parse_args(argv)
+    if args.compare:
+        compare(*args.compare)
+    else:
+        train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
