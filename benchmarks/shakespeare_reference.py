@@ -56,12 +56,13 @@ def train(args) -> None:
 
     from attnlab.data.lm import LMOptions, prepare_lm
     torch.manual_seed(args.seed)
-    opts = LMOptions(data=args.data, seed=args.seed, tokenizer="char", model="gpt", context=256,
-                     batch_size=args.batch_size, d_model=384, num_heads=6, num_layers=6, dropout=0.2,
+    T, E, H, L = (32, 32, 2, 1) if args.tiny else (256, 384, 6, 6)
+    opts = LMOptions(data=args.data, seed=args.seed, tokenizer="char", model="gpt", context=T,
+                     batch_size=args.batch_size, d_model=E, num_heads=H, num_layers=L, dropout=0.2,
                      eval_windows=args.eval_windows)
     task = prepare_lm(opts).task
     V = task.tokenizer.vocab_size
-    config = transformers.GPT2Config(vocab_size=V, n_positions=256, n_embd=384, n_layer=6, n_head=6,
+    config = transformers.GPT2Config(vocab_size=V, n_positions=T, n_embd=E, n_layer=L, n_head=H,
                                      resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=None,
                                      eos_token_id=None)
     model = _Logits(transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa"))
@@ -70,7 +71,7 @@ def train(args) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.99))
     print(f"reference: transformers GPT2LMHeadModel, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-          f"parameters, vocab {V}, batch {args.batch_size} x 256", file=sys.stderr)
+          f"parameters, vocab {V}, batch {args.batch_size} x {T}", file=sys.stderr)
     curve, t0, step, epoch = [], time.perf_counter(), 0, 0
 
     def evaluate():
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the curve as JSON here")
+    p.add_argument("--tiny", action="store_true", help="1 layer, d_model 32, context 32 (smoke test)")
     p.add_argument("--compare", nargs=2, metavar=("METRICS_JSONL", "REFERENCE_JSON"),
                    help="print the two curves side by side instead of training")
     args = p.parse_args(argv)

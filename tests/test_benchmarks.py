@@ -28,3 +28,29 @@ def test_markdown_table_renders():
         sys.path.remove(str(ROOT / "benchmarks"))
     md = render_table(["mode", "seq", "ms"], [["fwd", 256, "1.00"]], markdown=True).splitlines()
     assert md[0] == "| mode | seq | ms |" and md[2] == "| fwd | 256 | 1.00 |"
+
+
+def test_shakespeare_reference_trains_and_compares(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from shakespeare_reference import nanogpt_lr
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert abs(nanogpt_lr(0) - 1e-3 / 101) < 1e-12 and nanogpt_lr(100) == 1e-3      # nanoGPT's get_lr
+    assert abs(nanogpt_lr(5000) - 1e-4) < 1e-12 and nanogpt_lr(6000) == 1e-4
+    assert abs(nanogpt_lr(2550) - 5.5e-4) < 1e-9                                       # half-way down
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 60)
+    script = str(ROOT / "benchmarks" / "shakespeare_reference.py")
+    proc = subprocess.run([sys.executable, script, "--data", str(text), "--tiny", "--steps", "4", "--eval-every", "2",
+                           "--eval-windows", "4", "--batch-size", "4", "--out", str(tmp_path / "ref.json")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 2: val loss" in proc.stdout and "step 4: val loss" in proc.stdout
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "step": 2, "val_loss": 3.0}\n'
+                                            '{"kind": "train", "step": 4, "loss": 2.0}\n')
+    proc = subprocess.run([sys.executable, script, "--compare", str(tmp_path / "metrics.jsonl"),
+                           str(tmp_path / "ref.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and "3.0000" in rows[0]

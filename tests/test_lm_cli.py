@@ -111,7 +111,7 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("lm")
     (d / "text.txt").write_text(TEXT)
     r = run_cli("train", "lm", "--data", d / "text.txt", "--out", d / "run", "--steps", "30", "--eval-every", "10",
-                "--lr", "1e-2", "--warmup", "3", "--sample-tokens", "20", *TINY)
+                "--lr", "1e-2", "--warmup", "3", "--beta2", "0.99", "--sample-tokens", "20", *TINY)
     return d, r
 
 
@@ -124,6 +124,8 @@ def test_train_lm_writes_checkpoints_and_the_loss_goes_down(trained):
             {p.name for p in ckpt.iterdir()}
     meta = json.loads((run / "best" / "lm.json").read_text())
     assert meta["model_type"] == "gpt2" and meta["context"] == 32 and meta["config"]["d_model"] == 32
+    groups = json.loads((run / "best" / "trainer_state.json").read_text())["optimizer"]["param_groups"]
+    assert all(g["betas"] == [0.9, 0.99] for g in groups)          # --beta2 reached AdamW
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r["loss"] for r in records if r["kind"] == "train"]
     valid = [r["val_loss"] for r in records if r["kind"] == "eval"]
