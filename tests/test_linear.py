@@ -22,6 +22,8 @@ def _pair(k, n, bias=True, seed=0):
 
 @pytest.fixture
 def spy(monkeypatch):
+    """Records oneDNN calls; the size threshold is lifted so the tests' small layers qualify."""
+    monkeypatch.setattr(linear_mod, "MIN_WEIGHT_ELEMENTS", 0)
     calls = []
     real = linear_mod._dnn_linear
 
@@ -68,6 +70,18 @@ def test_bad_input_width_is_named():
         fast(torch.randn(2, 39))
     with pytest.raises(TypeError, match="expected an nn.Linear"):
         InferenceLinear.from_linear(nn.Conv1d(3, 3, 1))
+
+
+def test_small_weights_stay_on_f_linear_large_ones_do_not(monkeypatch):
+    calls = []
+    real = linear_mod._dnn_linear
+    monkeypatch.setattr(linear_mod, "_dnn_linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    small, big = _pair(256, 256)[1], _pair(512, 1024)[1]          # 65,536 and 524,288 elements
+    with torch.no_grad():
+        small(torch.randn(1, 256))
+        y = big(torch.randn(2, 512))
+    assert calls == ([(1024, 512)] if linear_mod.onednn_available() else [])
+    assert y.shape == (2, 1024)
 
 
 def test_disabled_onednn_gives_plain_linear(monkeypatch, spy):
