@@ -157,6 +157,17 @@ class _Recorder:
         self.flushes += 1
 
 
+def test_load_lm_gives_an_eval_model_optimised_for_inference(trained):
+    from attnlab.data.lm import load_lm
+    from attnlab.nn import InferenceLinear
+    d, _ = trained
+    lm = load_lm(d / "run", "cpu")
+    assert not lm.model.training
+    linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, InferenceLinear) for m in linears)
+    assert lm.model.lm_head.weight is lm.model.token_embedding.weight
+
+
 def test_generate_streams_text_from_the_checkpoint(trained, monkeypatch):
     d, r = trained
     assert r.returncode == 0, r.stderr
