@@ -160,6 +160,16 @@ def fmt_ms(seconds: float) -> str:
     return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
 
 
+def step_rows(names: Sequence[str], timings: dict, ref: str, tokens: int, phases: dict,
+              phase_names: Sequence[str]) -> list[list[object]]:
+    """Training-table rows: name, median and min ms, steps, tokens/s, speed ratio and min-time
+    speed ratio against ``ref``, then the median ms of each phase (``phases[name][phase]``)."""
+    ref_t, ref_best = timings[ref].median, min(timings[ref].times)
+    return [[n, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tokens / t.median:.0f}", f"{ref_t / t.median:.2f}",
+             f"{ref_best / min(t.times):.2f}"] + [fmt_ms(statistics.median(phases[n][p])) for p in phase_names]
+            for n, t in ((n, timings[n]) for n in names)]
+
+
 def fmt_mib(nbytes: int) -> str:
     mib = nbytes / 2**20
     return f"{mib:.2f}" if mib < 10 else f"{mib:.0f}"

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import environment, fmt_ms, render_table, time_calls  # noqa: E402
+from _util import environment, fmt_ms, render_table, step_rows, time_calls  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.nn import optimize_for_inference  # noqa: E402
@@ -198,14 +198,8 @@ def run_train(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
         for n in names:
             for p in PHASES:
                 phases[n][p] = phases[n][p][-timings[n].n:]
-        tokens = s.batch * s.context
+        rows = step_rows(names, timings, REF, s.batch * s.context, phases, PHASES)
         ref_t, ref_best = timings[REF].median, min(timings[REF].times)
-        rows = []
-        for n in names:
-            t = timings[n]
-            rows.append([n, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tokens / t.median:.0f}",
-                         f"{ref_t / t.median:.2f}", f"{ref_best / min(t.times):.2f}"]
-                        + [fmt_ms(statistics.median(phases[n][p])) for p in PHASES])
         print(f"# load average now: {load()}\n")
         print_table(f"Training step, config {cfg}; speed ratio = tokens/s / tokens/s of {REF}",
                     ["implementation", "median ms/step", "min ms/step", "steps", "tokens/s", "speed ratio",

@@ -40,7 +40,6 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import environment, fmt_ms, render_table, sync, time_calls  # noqa: E402
+from _util import environment, render_table, step_rows, sync, time_calls  # noqa: E402
 
 from attnlab.models import Transformer  # noqa: E402
 from attnlab.train import TrainConfig, build_optimizer, label_smoothed_cross_entropy, param_groups  # noqa: E402
@@ -338,12 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_best = min(timings[REF].times)
     headers = ["implementation", "median ms/step", "min ms/step", "steps", "target tokens/s",
                "speed ratio", "min-time speed ratio"] + [f"{ph} ms" for ph in PHASES]
-    rows = []
-    for name in names:
-        t = timings[name]
-        rows.append([name, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tokens / t.median:.0f}",
-                     f"{ref_t / t.median:.2f}", f"{ref_best / min(t.times):.2f}"]
-                    + [fmt_ms(statistics.median(phases[name][ph])) for ph in PHASES])
+    rows = step_rows(names, timings, REF, tokens, phases, PHASES)
     title = f"Training step; speed ratio = tokens/s / tokens/s of {REF}"
     print(("**" + title + "**" if args.markdown else title) + "\n")
     print(render_table(headers, rows, args.markdown))
