@@ -68,6 +68,8 @@ REF = "transformers GPT2LMHeadModel"
 AA = " (A/A: again)"
 AL = "attnlab GPT"
 AL_UNFUSED = "attnlab GPT, default AdamW"
+AL_ERF = "attnlab GPT, erf GELU (nanoGPT's activation)"
+NANO = "nanoGPT-style GPT (erf GELU, nn.Linear, default AdamW)"
 AL_PLAIN = "attnlab GPT, nn.Linear (no optimize_for_inference)"
 AL_INT8 = "attnlab GPT int8"
 AL_FBGEMM = "attnlab GPT int8 (kernel=fbgemm, W8A8)"
@@ -102,6 +104,65 @@ def build_pair(shape: Shape, n_positions: int, dropout: float, tmp: str):
     al = attnlab.from_pretrained(tmp)
     assert sum(p.numel() for p in al.parameters()) == sum(p.numel() for p in hf.parameters())
     return al.train(), hf.train()
+
+
+class NanoStyleGPT(nn.Module):
+    """The model nanoGPT trains, written here from its description (not its code): GPT-2's layout
+    with nn.Linear layers, a fused SDPA with is_causal, LayerNorm with bias, the head tied to the
+    token embedding, and nn.GELU() with erf where GPT-2 (and transformers, and attnlab's GPT) use
+    the tanh approximation. ``approximate="tanh"`` makes it GPT-2 exactly (the parity check)."""
+
+    def __init__(self, hf, approximate: str = "none"):
+        super().__init__()
+        c, t = hf.config, hf.transformer
+        self.heads = c.n_head
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.n_positions, c.n_embd)
+        self.wte.weight.data.copy_(t.wte.weight)
+        self.wpe.weight.data.copy_(t.wpe.weight)
+
+        def linear(conv1d) -> nn.Linear:                 # transformers' Conv1D stores (in, out)
+            lin = nn.Linear(*conv1d.weight.shape)
+            lin.weight.data.copy_(conv1d.weight.T)
+            lin.bias.data.copy_(conv1d.bias)
+            return lin
+
+        def norm(ln) -> nn.LayerNorm:
+            out = nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon)
+            out.load_state_dict(ln.state_dict())
+            return out
+
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=norm(b.ln_1), c_attn=linear(b.attn.c_attn), attn_proj=linear(b.attn.c_proj), ln_2=norm(b.ln_2),
+            c_fc=linear(b.mlp.c_fc), gelu=nn.GELU(approximate=approximate), mlp_proj=linear(b.mlp.c_proj)))
+            for b in t.h)
+        self.ln_f = norm(t.ln_f)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        B, T = ids.shape
+        x = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+        for b in self.blocks:
+            q, k, v = b.c_attn(b.ln_1(x)).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(B, T, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + b.attn_proj(y.transpose(1, 2).reshape(B, T, -1))
+            x = x + b.mlp_proj(b.gelu(b.c_fc(b.ln_2(x))))
+        return self.lm_head(self.ln_f(x))
+
+
+def build_nano_style(hf, x: Tensor, y: Tensor) -> NanoStyleGPT:
+    """NanoStyleGPT with transformers' weights: checked equal to it with tanh GELU, returned with erf."""
+    nano = NanoStyleGPT(hf, approximate="tanh")
+    with torch.no_grad():
+        ln = F.cross_entropy(nano(x).flatten(0, 1), y.flatten())
+        lh = F.cross_entropy(hf_logits(hf.eval(), x).flatten(0, 1), y.flatten())
+    hf.train()
+    torch.testing.assert_close(ln, lh, atol=1e-4, rtol=1e-4)
+    for b in nano.blocks:
+        b.gelu.approximate = "none"
+    return nano.train()
 
 
 def hf_logits(hf, x: Tensor) -> Tensor:
@@ -183,7 +244,9 @@ def run_train(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
         hf_opt = torch.optim.AdamW(hf.parameters())
         print(f"# attnlab optimizer: build_optimizer -> AdamW(fused={al_opt.defaults.get('fused')}); reference: "
               "AdamW defaults (torch's per-parameter for-loop on CPU)")
-        names = [AL, REF] + ([] if args.no_unfused_row else [AL_UNFUSED]) + ([] if args.no_aa else [REF + AA])
+        nano_rows = cfg == 1 and not args.no_nanogpt_rows
+        names = ([AL, REF] + ([] if args.no_unfused_row else [AL_UNFUSED]) + ([AL_ERF, NANO] if nano_rows else [])
+                 + ([] if args.no_aa else [REF + AA]))
         phases = {n: {p: [] for p in PHASES} for n in names}
         fns = {AL: make_train_step(al, al_opt, x, y, phases[AL]),
                REF: make_train_step(lambda t: hf_logits(hf, t), hf_opt, x, y, phases[REF])}
@@ -191,6 +254,16 @@ def run_train(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
             al2 = copy.deepcopy(al)
             opt2 = torch.optim.AdamW(al2.parameters())
             fns[AL_UNFUSED] = make_train_step(al2, opt2, x, y, phases[AL_UNFUSED])
+        if nano_rows:
+            al_erf = copy.deepcopy(al)
+            for layer in al_erf.layers:
+                layer.ff.act = nn.GELU()
+            fns[AL_ERF] = make_train_step(al_erf, build_optimizer(al_erf, TrainConfig(out_dir="unused", steps=1)),
+                                          x, y, phases[AL_ERF])
+            nano = build_nano_style(hf, x, y)
+            fns[NANO] = make_train_step(nano, torch.optim.AdamW(nano.parameters()), x, y, phases[NANO])
+            print("# nanoGPT-style model: same weights as transformers' (loss equal to 1e-4 with tanh GELU), timed "
+                  "with erf GELU and torch's default AdamW (nanoGPT fuses AdamW only on CUDA)")
         if not args.no_aa:
             fns[REF + AA] = make_train_step(lambda t: hf_logits(hf, t), hf_opt, x, y, phases[REF + AA])
         fns = {n: fns[n] for n in names}
@@ -392,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
     p.add_argument("--no-aa", action="store_true", help="skip the A/A control (the reference timed twice)")
     p.add_argument("--no-unfused-row", action="store_true", help="skip attnlab with the default AdamW")
+    p.add_argument("--no-nanogpt-rows", action="store_true", help="skip config 1's nanoGPT-style model and "
+                   "attnlab with erf GELU")
     p.add_argument("--no-plain-row", action="store_true", help="skip attnlab generating with plain nn.Linear layers "
                    "(without attnlab.nn.optimize_for_inference)")
     p.add_argument("--no-fbgemm", action="store_true", help="skip the int8 kernel=fbgemm rows")

@@ -19,7 +19,8 @@ def test_lm_benchmark_quick_runs():
     for title in ("Training step, config 1", "Training step, config 2", "Generation, batch 1", "Generation, batch 2",
                   "Held-out perplexity"):
         assert title in out, f"{title!r} missing"
-    for name in ("attnlab GPT", "transformers GPT2LMHeadModel", "A/A", "attnlab GPT int8", "default AdamW"):
+    for name in ("attnlab GPT", "transformers GPT2LMHeadModel", "A/A", "attnlab GPT int8", "default AdamW",
+                 "nanoGPT-style GPT", "erf GELU (nanoGPT's activation)"):
         assert name in out, f"{name!r} missing from the tables"
     tables = [block for block in out.split("\n\n") if block.startswith("implementation ")]
     assert len(tables) == 4, out
