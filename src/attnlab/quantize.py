@@ -42,7 +42,7 @@ GPT-2-small-shaped Linear (768 -> 3072, one token), where fp32 ``F.linear`` take
   its 124 MB per GPT-2 token at ~5 GB/s, fp32 reads 4x the bytes at ~11 GB/s): a whole decoding
   step of GPT-2 small takes 26.6 ms instead of 42.4 ms (1.6x), not 4x.
 - ``"fbgemm"``: ``torch.ops.quantized.linear_dynamic`` (what ``torch.ao.quantization.
-  quantize_dynamic`` runs): the fastest (0.13-0.41 ms; GPT-2 small decodes 2.9x faster than
+  quantize_dynamic`` runs): the fastest (0.13-0.41 ms; GPT-2 small decodes 2.9-3.7x faster than
   transformers fp32) but it quantises the *activations* too, per tensor, to 7 bits
   (``reduce_range``, needed on AVX2, where 8 bits overflow its int16 accumulation): it is W8A8,
   not weight-only. One large activation anywhere in the call's rows sets the step for all of
