@@ -390,6 +390,16 @@ def test_load_tokenizer(tmp_path):
     assert attnlab.load_tokenizer(tmp_path).encode("hello there world").ids == [0, 2, 1]
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         attnlab.load_tokenizer(tmp_path / "nothing")
+    # the two loaders point at each other when handed the other's file
+    from attnlab.tokenizer import CharTokenizer, load_tokenizer as load_attnlab_tokenizer
+    with pytest.raises(ValueError, match=r"Hugging Face tokenizer\.json.*attnlab\.load_tokenizer"):
+        load_attnlab_tokenizer(tmp_path / "tokenizer.json")
+    CharTokenizer.train(["ab"]).save(tmp_path / "char.json")
+    with pytest.raises(ValueError, match=r"char\.json: not a readable .*attnlab\.tokenizer\.load_tokenizer"):
+        attnlab.load_tokenizer(tmp_path / "char.json")
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable Hugging Face tokenizer.json"):
+        attnlab.load_tokenizer(tmp_path / "broken.json")
 
 
 def test_mixtral_is_a_registered_llama_variant():

@@ -53,7 +53,7 @@ def test_save_load_identical_ids(tok, tmp_path):
 
 
 def test_load_rejects_wrong_files(tmp_path):
-    (tmp_path / "x.json").write_text('{"model": {}}')
+    (tmp_path / "x.json").write_text('{"vocab": []}')
     with pytest.raises(ValueError, match="no 'type' field"):
         load_tokenizer(tmp_path / "x.json")
     (tmp_path / "y.json").write_text('{"type": "sentencepiece", "version": 1}')

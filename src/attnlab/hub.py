@@ -198,4 +198,18 @@ def load_tokenizer(path: str | Path):
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no tokenizer.json (only the fast-tokenizer format is supported)")
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:                     # tokenizers raises a bare Exception on a bad file
+        raise ValueError(f"{file}: not a readable Hugging Face tokenizer.json: {e}{_attnlab_file_hint(file)}") from None
+
+
+def _attnlab_file_hint(file: Path) -> str:
+    """A pointer to the other loader when ``file`` is one of attnlab's own tokenizer files."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ""
+    if isinstance(data, dict) and "type" in data and "model" not in data:
+        return " (this is an attnlab tokenizer file: load it with attnlab.tokenizer.load_tokenizer)"
+    return ""

@@ -86,6 +86,9 @@ def _read_json(path: str | os.PathLike) -> dict:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a tokenizer JSON file ({e})") from None
+    if isinstance(data, dict) and "type" not in data and isinstance(data.get("model"), dict):
+        raise ValueError(f"{path}: a Hugging Face tokenizer.json, not an attnlab tokenizer file; load it with "
+                         "attnlab.load_tokenizer (the `tokenizers` library)")
     if not isinstance(data, dict) or "type" not in data:
         raise ValueError(f"{path}: not an attnlab tokenizer file (no 'type' field)")
     if data.get("version") != _FORMAT_VERSION:
