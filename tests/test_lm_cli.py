@@ -227,3 +227,75 @@ def test_bad_input_is_one_line_and_exit_code_2(trained, tmp_path, capsys):
     assert "no model at" in _one_error_line(capsys.readouterr().err, "generate")
     assert main(["train", "translate", "--context", "8", "--out", str(tmp_path / "r")]) == 2
     assert "--context" in _one_error_line(capsys.readouterr().err, "train")
+
+
+# ----------------------------------------------------------------------------- perplexity (attnlab eval)
+def _hf_sliding_window_nll(hf, ids: list[int], context: int, stride: int) -> tuple[float, int]:
+    """Hugging Face's documented perplexity recipe (labels -100 for the context part, the model's own
+    shifted loss), written independently of attnlab: the summed NLL and the number of predictions."""
+    total, count, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + context, len(ids))
+        x = torch.tensor([ids[begin:end]])
+        labels = x.clone()
+        labels[:, :-(end - prev_end)] = -100
+        with torch.no_grad():
+            loss = hf(input_ids=x, labels=labels).loss
+        n = int((labels[:, 1:] != -100).sum())
+        total, count, prev_end = total + float(loss) * n, count + n, end
+        if end == len(ids):
+            break
+    return total, count
+
+
+@pytest.mark.parametrize("stride", [3, 8, 15])
+def test_text_perplexity_matches_transformers_sliding_windows(tmp_path, stride):
+    pytest.importorskip("transformers")
+    from attnlab.data.lm import load_lm, text_perplexity
+    hf, tok = tiny_gpt2_dir(tmp_path, n_embd=32)              # context 16
+    text = " ".join(["the quick brown fox jumps over the lazy dog", "a cat"] * 7)
+    ids = tok.encode(text).ids
+    assert len(ids) > 3 * 16                                  # several windows
+    lm = load_lm(tmp_path, "cpu")
+    got = text_perplexity(lm, text, stride=stride, batch_size=2)
+    nll, count = _hf_sliding_window_nll(hf, ids, 16, stride)
+    assert got["tokens"] == count == len(ids) - 1             # every token but the first, once
+    assert got["loss"] == pytest.approx(nll / count, rel=1e-5, abs=1e-6)
+    assert got["ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert got["bits_per_byte"] == pytest.approx(nll / math.log(2) / len(text.encode()), rel=1e-5)
+    cut = text_perplexity(lm, text, stride=stride, max_tokens=20)
+    nll20, count20 = _hf_sliding_window_nll(hf, ids[:20], 16, stride)
+    assert cut["tokens"] == count20 == 19 and cut["loss"] == pytest.approx(nll20 / count20, rel=1e-5)
+
+
+def test_text_perplexity_rejects_bad_arguments(tmp_path):
+    pytest.importorskip("transformers")
+    from attnlab.data.lm import load_lm, text_perplexity
+    tiny_gpt2_dir(tmp_path, n_embd=32)
+    lm = load_lm(tmp_path, "cpu")
+    for stride in (0, 16):
+        with pytest.raises(ValueError, match=r"stride must be in \[1, context - 1\] = \[1, 15\]"):
+            text_perplexity(lm, "the quick brown fox", stride=stride)
+    with pytest.raises(ValueError, match="at least 2"):
+        text_perplexity(lm, "the")
+    with pytest.raises(ValueError, match="max_tokens must be at least 2"):
+        text_perplexity(lm, "the quick brown fox", max_tokens=1)
+
+
+def test_eval_scores_a_language_model_and_its_int8_change(trained, tmp_path):
+    d, _ = trained
+    held = tmp_path / "held.txt"
+    held.write_text(TEXT[:600])
+    r = run_cli("eval", d / "run", "--data", held, "--quantize", "int8", "--stride", "8")
+    assert r.returncode == 0, r.stderr
+    first, windows, int8, change = r.stdout.splitlines()
+    fp32_ppl = float(re.search(r"perplexity (\d+\.\d+)", first).group(1))
+    q_ppl = float(re.search(r"perplexity (\d+\.\d+)", int8).group(1))
+    assert first.startswith(f"{held}: ") and "stride 8" in windows and "599 tokens scored" in windows
+    assert 1.0 < fp32_ppl < 30 and abs(q_ppl / fp32_ppl - 1) < 0.02               # a trained char model; int8 close
+    assert re.fullmatch(r"  perplexity change with int8: [+-]\d+\.\d\d %", change)
+    from attnlab.data.lm import load_lm, text_perplexity                          # the CLI prints the API's value
+    assert fp32_ppl == pytest.approx(text_perplexity(load_lm(d / "run", "cpu"), TEXT[:600], stride=8)["ppl"],
+                                     abs=1e-4)
+    bad = run_cli("eval", d / "run", "--data", held, "--stride", "32")
+    assert bad.returncode == 2 and "stride must be in [1, context - 1] = [1, 31]" in _one_error_line(bad.stderr, "eval")

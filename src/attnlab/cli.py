@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -367,16 +368,34 @@ _translate.add_arguments = _translate_args
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run directory or checkpoint directory")
-    p.add_argument("--data", required=True, help="TSV of source<TAB>reference")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
-    p.add_argument("--limit", type=int, default=None, help="score only the first N pairs")
-    p.add_argument("--skip-malformed", action="store_true")
+    p.add_argument("checkpoint", help="a translation run or checkpoint directory, or a language model: an LM run "
+                   "or checkpoint directory or a Hugging Face model directory")
+    p.add_argument("--data", required=True, help="translation: a TSV of source<TAB>reference; language model: "
+                   "a UTF-8 text file (scored as one document)")
+    p.add_argument("--beam", type=int, default=4, help="translation: beam size (1 = greedy)")
+    p.add_argument("--limit", type=int, default=None, help="translation: score only the first N pairs; "
+                   "language model: only the first N tokens")
+    p.add_argument("--skip-malformed", action="store_true", help="translation: skip malformed TSV lines")
+    p.add_argument("--stride", type=int, default=None, help="language model: tokens between the starts of the "
+                   "sliding windows (default: half the context; every token is scored once)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none", help="language model: int8 also "
+                   "scores the model after int8 weight-only quantisation and prints the change")
+    p.add_argument("--device", default=None, help="language model: cpu, cuda, ... (default: cuda if available)")
 
 
-@command("eval", "score a translation checkpoint on a TSV: BLEU, chrF, exact match",
-         "attnlab eval runs/multi30k --data valid.de-en.tsv")
+def _is_lm(path: str) -> bool:
+    from .data.lm import _lm_checkpoint
+    p = Path(path)
+    return p.exists() and (_lm_checkpoint(p) is not None or (p / "config.json").is_file())
+
+
+@command("eval", "score a model on your data: BLEU, chrF and exact match of a translation checkpoint on a "
+         "TSV, or the perplexity of a language model on a text file",
+         "attnlab eval runs/multi30k --data valid.de-en.tsv\n"
+         "  attnlab eval runs/lm --data held_out.txt --quantize int8")
 def _eval(args: argparse.Namespace) -> int:
+    if _is_lm(args.checkpoint):
+        return _eval_lm(args)
     from .data.files import read_tsv
     from .data.translation import load_translator, score_translations
     from .generate import translate
@@ -387,6 +406,30 @@ def _eval(args: argparse.Namespace) -> int:
     s = score_translations(hyps, [t for _, t in pairs])
     print(f"{args.data}: {len(pairs)} pairs, beam {args.beam}: BLEU {s['bleu']:.2f}  chrF {s['chrf']:.2f}  "
           f"exact match {s['exact']:.1f}%")
+    return 0
+
+
+def _eval_lm(args: argparse.Namespace) -> int:
+    from .data.lm import load_lm, read_text_file, text_perplexity
+
+    text = read_text_file(args.data)
+    lm = load_lm(args.checkpoint, args.device)
+    progress = sys.stderr.isatty()
+
+    def score(label: str) -> dict:
+        r = text_perplexity(lm, text, stride=args.stride, max_tokens=args.limit, progress=progress)
+        print(f"{label}: loss {r['loss']:.4f} nats/token, perplexity {r['ppl']:.4f}, "
+              f"{r['bits_per_byte']:.4f} bits per byte")
+        return r
+
+    first = score(f"{args.data}: {lm.path}")
+    print(f"  ({first['tokens']:,} tokens scored in {first['windows']} windows of up to {first['context']} "
+          f"tokens, stride {first['stride']})")
+    if args.quantize == "int8":
+        from .quantize import quantize_int8
+        quantize_int8(lm.model)
+        second = score("int8 weight-only (attnlab.quantize)")
+        print(f"  perplexity change with int8: {(second['ppl'] / first['ppl'] - 1) * 100:+.2f} %")
     return 0
 
 

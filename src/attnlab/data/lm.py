@@ -4,6 +4,7 @@
     Trainer(setup.task, TrainConfig(...)).fit()
     lm = load_lm("runs/lm")                         # best/ or latest checkpoint, or a Hugging Face dir
     out = complete(lm, encode_prompt(lm, "def main("), 100, temperature=0.8)
+    text_perplexity(lm, open("held_out.txt").read())   # {"tokens", "loss", "ppl", "bits_per_byte"}
 
 Data. The embedded corpus exists on every machine without a download: the ``*.py`` files of
 the Python standard library this interpreter runs (the directory of the ``os`` module, minus
@@ -63,7 +64,7 @@ from .files import DataFormatError
 
 __all__ = ["TextCorpus", "stdlib_corpus", "read_text_file", "text_file_corpus", "encode_documents", "LMOptions",
            "LMSetup", "build_model", "prepare_lm", "LanguageModelTask", "LoadedLM", "load_lm", "encode_prompt",
-           "TextStreamer", "Completion", "complete", "META", "TOKENIZER_FILE"]
+           "TextStreamer", "Completion", "complete", "text_perplexity", "META", "TOKENIZER_FILE"]
 
 META, TOKENIZER_FILE, FORMAT = "lm.json", "lm_tokenizer.json", 1
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -520,3 +521,73 @@ def complete(lm: LoadedLM, prompt_ids: list[int], max_new_tokens: int, *, temper
                             repetition_penalty=repetition_penalty, generator=generator,
                             num_draft_tokens=num_draft_tokens, streamer=streamer, stats=stats)
     return Completion(streamer.end(), out.size(1) - len(prompt_ids), budget, stats)
+
+
+# ----------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def text_perplexity(lm: LoadedLM, text: str, *, stride: int | None = None, batch_size: int = 8,
+                    max_tokens: int | None = None, progress: bool = False) -> dict:
+    """Perplexity of ``text`` under ``lm`` (the tokens of one document), with sliding windows.
+
+    The text's ids are cut into windows of the model's context T that start every ``stride``
+    tokens (default T // 2); each window scores only the tokens that no earlier window scored,
+    so every token but the first is predicted exactly once, with at least T - stride tokens of
+    left context (except in the first window). stride = T - 1: nearly disjoint windows, the
+    cheapest; stride 1: full context for every token, T times the work. ``max_tokens`` keeps
+    the first that many ids. Returns ``tokens`` (scored), ``loss`` (mean negative
+    log-likelihood, nats per token), ``ppl`` = exp(loss) and ``bits_per_byte`` (the total
+    negative log-likelihood in bits over the scored part's UTF-8 bytes, an approximation when
+    ``max_tokens`` cuts the text: comparable across tokenizers).
+    """
+    ids = list(lm.tokenizer.encode(text))
+    cut = max_tokens is not None and len(ids) > max_tokens
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
+    if cut:
+        ids = ids[:max_tokens]
+    n = len(ids)
+    if n < 2:
+        raise ValueError(f"the text has {n} token(s); a perplexity needs at least 2")
+    T = lm.context
+    stride = T // 2 if stride is None else stride
+    if not 1 <= stride <= T - 1:
+        raise ValueError(f"stride must be in [1, context - 1] = [1, {T - 1}], got {stride}")
+    V = lm.model.config.vocab_size
+    if max(ids) >= V:
+        raise ValueError(f"the tokenizer produced id {max(ids)}, beyond the model's vocabulary of {V}")
+    # window k: ids[b_k : e_k], b_k = k * stride, e_k = min(b_k + T, n); it scores targets ids[s_k : e_k]
+    # from the logits at s_k - 1 ... e_k - 2, where s_k = e_{k-1} (s_0 = 1)
+    windows, scored_to = [], 1
+    for b in range(0, n, stride):
+        e = min(b + T, n)
+        windows.append((b, e, scored_to))
+        scored_to = e
+        if e == n:
+            break
+    device = next(lm.model.parameters()).device
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    per_call = max(1, min(batch_size, (256 << 20) // max(1, T * V * 4)))     # logits of one call <= ~256 MiB
+    groups = [windows[i:i + per_call] for i in range(0, len(windows), per_call)]
+    if windows[-1][1] - windows[-1][0] != T and len(groups[-1]) > 1:        # a short last window goes alone
+        groups[-1:] = [groups[-1][:-1], groups[-1][-1:]]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=n - 1, unit="tok", desc="perplexity", file=sys.stderr, leave=False)
+    nll = 0.0
+    for group in groups:
+        x = torch.stack([ids_t[b:e] for b, e, _ in group]).to(device)
+        logits = lm.model(x)
+        for row, (b, e, s) in enumerate(group):
+            pred = logits[row, s - 1 - b:e - 1 - b].float()
+            nll += float(F.cross_entropy(pred, ids_t[s:e].to(device), reduction="sum"))
+            if bar is not None:
+                bar.update(e - s)
+    if bar is not None:
+        bar.close()
+    tokens = n - 1
+    loss = nll / tokens
+    text_bytes = len((lm.tokenizer.decode(ids) if cut else text).encode("utf-8"))
+    return {"tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
+            "bits_per_byte": nll / math.log(2) / max(1, text_bytes), "windows": len(windows), "stride": stride,
+            "context": T}
