@@ -51,6 +51,17 @@ class _Logits(nn.Module):
         return self.hf(input_ids=x, use_cache=False).logits
 
 
+def nanogpt_param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = True) -> list[dict]:
+    """nanoGPT's AdamW groups: every matrix decayed (the tied embedding/head and the position table
+    included), biases and LayerNorm gains not; ``decay_embeddings=False`` exempts the embeddings
+    as well, which is what attnlab's optimizer does (pitfall 16)."""
+    exempt = set() if decay_embeddings else \
+        {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in exempt]
+    no_decay = [p for p in model.parameters() if p.dim() < 2 or id(p) in exempt]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def train(args) -> None:
     import transformers
 
@@ -66,9 +77,7 @@ def train(args) -> None:
                                      resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=None,
                                      eos_token_id=None)
     model = _Logits(transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa"))
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW(nanogpt_param_groups(model, 0.1, decay_embeddings=not args.no_decay_embeddings),
                             lr=1e-3, betas=(0.9, 0.99))
     print(f"reference: transformers GPT2LMHeadModel, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"parameters, vocab {V}, batch {args.batch_size} x {T}", file=sys.stderr)
@@ -100,7 +109,8 @@ def train(args) -> None:
         epoch += 1
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"recipe": "nanoGPT train_shakespeare_char, transformers GPT2LMHeadModel",
+            json.dump({"recipe": "nanoGPT train_shakespeare_char, transformers GPT2LMHeadModel"
+                       + (", embeddings not decayed" if args.no_decay_embeddings else ""),
                        "batch_size": args.batch_size, "curve": curve}, f, indent=1)
 
 
@@ -128,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the curve as JSON here")
     p.add_argument("--tiny", action="store_true", help="1 layer, d_model 32, context 32 (smoke test)")
+    p.add_argument("--no-decay-embeddings", action="store_true", help="exempt the token and position embeddings "
+                   "(and so the tied head) from weight decay, as attnlab's optimizer does, instead of nanoGPT's "
+                   "decay of every matrix")
     p.add_argument("--compare", nargs=2, metavar=("METRICS_JSONL", "REFERENCE_JSON"),
                    help="print the two curves side by side instead of training")
     args = p.parse_args(argv)

@@ -33,12 +33,23 @@ def test_markdown_table_renders():
 def test_shakespeare_reference_trains_and_compares(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from shakespeare_reference import nanogpt_lr
+        from shakespeare_reference import nanogpt_lr, nanogpt_param_groups
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert abs(nanogpt_lr(0) - 1e-3 / 101) < 1e-12 and nanogpt_lr(100) == 1e-3      # nanoGPT's get_lr
     assert abs(nanogpt_lr(5000) - 1e-4) < 1e-12 and nanogpt_lr(6000) == 1e-4
     assert abs(nanogpt_lr(2550) - 5.5e-4) < 1e-9                                       # half-way down
+    import transformers
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                                                n_head=2))
+    wte, wpe = gpt2.transformer.wte.weight, gpt2.transformer.wpe.weight
+    for decay_embeddings in (True, False):
+        decay, no_decay = (g["params"] for g in nanogpt_param_groups(gpt2, 0.1, decay_embeddings))
+        assert len(decay) + len(no_decay) == len(list(gpt2.parameters()))           # the tied head once
+        def holds(group, t):
+            return any(p is t for p in group)
+        assert holds(decay, gpt2.transformer.h[0].attn.c_attn.weight) and holds(no_decay, gpt2.transformer.ln_f.weight)
+        assert all(holds(decay, e) == decay_embeddings and holds(no_decay, e) != decay_embeddings for e in (wte, wpe))
     text = tmp_path / "text.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 60)
     script = str(ROOT / "benchmarks" / "shakespeare_reference.py")
