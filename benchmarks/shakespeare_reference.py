@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -114,18 +115,32 @@ def train(args) -> None:
                        "batch_size": args.batch_size, "curve": curve}, f, indent=1)
 
 
-def compare(metrics_path: str, reference_path: str) -> None:
-    ours = {}
-    with open(metrics_path) as f:
-        for line in f:
-            row = json.loads(line)
-            if "val_loss" in row:
-                ours[row["step"]] = row["val_loss"]
-    ref = {r["step"]: r["val_loss"] for r in json.load(open(reference_path))["curve"]}
-    print("| step | attnlab GPT (attnlab train lm) | transformers GPT-2, nanoGPT loop | difference |")
-    print("|---:|---:|---:|---:|")
-    for step in sorted(set(ours) & set(ref)):
-        print(f"| {step} | {ours[step]:.4f} | {ref[step]:.4f} | {ours[step] - ref[step]:+.4f} |")
+def _curve(path: str) -> tuple[str, dict[int, float]]:
+    """(column title, {step: validation loss}) of an attnlab metrics.jsonl or a reference JSON."""
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return f"attnlab `{Path(path).parent.name}`", {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    data = json.load(open(path))
+    title = "reference" + (" (no embedding decay)" if "embeddings not decayed" in data.get("recipe", "") else "")
+    return f"{title} `{Path(path).stem}`", {r["step"]: r["val_loss"] for r in data["curve"]}
+
+
+def compare(paths: list[str]) -> None:
+    """One markdown table: the validation loss of each run (attnlab metrics.jsonl files, reference
+    JSON files) at the steps they share, and each attnlab run's difference from the first reference."""
+    runs = [_curve(p) for p in paths]
+    ours = [r for p, r in zip(paths, runs) if p.endswith(".jsonl")]
+    refs = [r for p, r in zip(paths, runs) if not p.endswith(".jsonl")]
+    if not ours or not refs:
+        raise SystemExit("--compare needs at least one attnlab metrics.jsonl and one reference .json")
+    steps = sorted(set.intersection(*(set(c) for _, c in runs)))
+    diffs = [f"{t} - first reference" for t, _ in ours]
+    print("| step | " + " | ".join([t for t, _ in runs] + diffs) + " |")
+    print("|---:|" + "---:|" * (len(runs) + len(diffs)))
+    for step in steps:
+        cells = [f"{c[step]:.4f}" for _, c in runs] + [f"{c[step] - refs[0][1][step]:+.4f}" for _, c in ours]
+        print(f"| {step} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> int:
@@ -141,11 +156,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-decay-embeddings", action="store_true", help="exempt the token and position embeddings "
                    "(and so the tied head) from weight decay, as attnlab's optimizer does, instead of nanoGPT's "
                    "decay of every matrix")
-    p.add_argument("--compare", nargs=2, metavar=("METRICS_JSONL", "REFERENCE_JSON"),
-                   help="print the two curves side by side instead of training")
+    p.add_argument("--compare", nargs="+", metavar="RUN",
+                   help="print a table of the curves instead of training: attnlab metrics.jsonl files and reference "
+                   ".json files (differences against the first reference)")
     args = p.parse_args(argv)
     if args.compare:
-        compare(*args.compare)
+        compare(args.compare)
     else:
         train(args)
     return 0
