@@ -128,18 +128,19 @@ def _curve(path: str) -> tuple[str, dict[int, float]]:
 
 def compare(paths: list[str]) -> None:
     """One markdown table: the validation loss of each run (attnlab metrics.jsonl files, reference
-    JSON files) at the steps they share, and each attnlab run's difference from the first reference."""
+    JSON files) at the steps they share, and each attnlab run's difference from its reference: the
+    i-th reference when there are as many references as attnlab runs (one per seed), else the first."""
     runs = [_curve(p) for p in paths]
     ours = [r for p, r in zip(paths, runs) if p.endswith(".jsonl")]
     refs = [r for p, r in zip(paths, runs) if not p.endswith(".jsonl")]
     if not ours or not refs:
         raise SystemExit("--compare needs at least one attnlab metrics.jsonl and one reference .json")
+    pairs = list(zip(ours, refs if len(refs) == len(ours) else [refs[0]] * len(ours)))
     steps = sorted(set.intersection(*(set(c) for _, c in runs)))
-    diffs = [f"{t} - first reference" for t, _ in ours]
-    print("| step | " + " | ".join([t for t, _ in runs] + diffs) + " |")
-    print("|---:|" + "---:|" * (len(runs) + len(diffs)))
+    print("| step | " + " | ".join([t for t, _ in runs] + [f"{a} - {b}" for (a, _), (b, _) in pairs]) + " |")
+    print("|---:|" + "---:|" * (len(runs) + len(pairs)))
     for step in steps:
-        cells = [f"{c[step]:.4f}" for _, c in runs] + [f"{c[step] - refs[0][1][step]:+.4f}" for _, c in ours]
+        cells = [f"{c[step]:.4f}" for _, c in runs] + [f"{a[step] - b[step]:+.4f}" for (_, a), (_, b) in pairs]
         print(f"| {step} | " + " | ".join(cells) + " |")
 
 
