@@ -159,7 +159,8 @@ def main(argv=None) -> int:
                    "decay of every matrix")
     p.add_argument("--compare", nargs="+", metavar="RUN",
                    help="print a table of the curves instead of training: attnlab metrics.jsonl files and reference "
-                   ".json files (differences against the first reference)")
+                   ".json files (each attnlab run's difference from the reference of the same position when the counts "
+                   "match, one per seed, else from the first reference)")
     args = p.parse_args(argv)
     if args.compare:
         compare(args.compare)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -383,18 +382,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="language model: cpu, cuda, ... (default: cuda if available)")
 
 
-def _is_lm(path: str) -> bool:
-    from .data.lm import _lm_checkpoint
-    p = Path(path)
-    return p.exists() and (_lm_checkpoint(p) is not None or (p / "config.json").is_file())
-
-
 @command("eval", "score a model on your data: BLEU, chrF and exact match of a translation checkpoint on a "
          "TSV, or the perplexity of a language model on a text file",
          "attnlab eval runs/multi30k --data valid.de-en.tsv\n"
          "  attnlab eval runs/lm --data held_out.txt --quantize int8")
 def _eval(args: argparse.Namespace) -> int:
-    if _is_lm(args.checkpoint):
+    from .data.lm import is_language_model
+    if is_language_model(args.checkpoint):
         return _eval_lm(args)
     from .data.files import read_tsv
     from .data.translation import load_translator, score_translations

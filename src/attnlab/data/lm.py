@@ -63,7 +63,8 @@ from ..train.checkpoint import load_checkpoint, resolve_checkpoint
 from .files import DataFormatError
 
 __all__ = ["TextCorpus", "stdlib_corpus", "read_text_file", "text_file_corpus", "encode_documents", "LMOptions",
-           "LMSetup", "build_model", "prepare_lm", "LanguageModelTask", "LoadedLM", "load_lm", "encode_prompt",
+           "LMSetup", "build_model", "prepare_lm", "LanguageModelTask", "LoadedLM", "is_language_model", "load_lm",
+           "encode_prompt",
            "TextStreamer", "Completion", "complete", "text_perplexity", "META", "TOKENIZER_FILE"]
 
 META, TOKENIZER_FILE, FORMAT = "lm.json", "lm_tokenizer.json", 1
@@ -418,6 +419,13 @@ def _lm_checkpoint(path: Path) -> Path | None:
     return ckpt if ckpt is not None and (ckpt / META).is_file() else None
 
 
+def is_language_model(path: str | Path) -> bool:
+    """Whether :func:`load_lm` would read ``path`` as a language model: an attnlab LM checkpoint or
+    run directory, or a Hugging Face directory (config.json)."""
+    path = Path(path)
+    return path.exists() and (_lm_checkpoint(path) is not None or (path / "config.json").is_file())
+
+
 def load_lm(path: str | Path, device: str | torch.device | None = None) -> LoadedLM:
     """An LM checkpoint, an LM run directory (best/, else latest) or a Hugging Face directory, in eval
     mode and with :func:`attnlab.nn.optimize_for_inference` applied (faster gradient-free CPU calls)."""
@@ -564,28 +572,25 @@ def text_perplexity(lm: LoadedLM, text: str, *, stride: int | None = None, batch
         scored_to = e
         if e == n:
             break
-    device = next(lm.model.parameters()).device
-    ids_t = torch.tensor(ids, dtype=torch.long)
+    ids_t = torch.tensor(ids, dtype=torch.long, device=next(lm.model.parameters()).device)
     per_call = max(1, min(batch_size, (256 << 20) // max(1, T * V * 4)))     # logits of one call <= ~256 MiB
-    groups = [windows[i:i + per_call] for i in range(0, len(windows), per_call)]
-    if windows[-1][1] - windows[-1][0] != T and len(groups[-1]) > 1:        # a short last window goes alone
-        groups[-1:] = [groups[-1][:-1], groups[-1][-1:]]
+    short = len(windows) > 1 and windows[-1][1] - windows[-1][0] != T          # a short last window goes alone
+    full = windows[:-1] if short else windows
+    groups = [full[i:i + per_call] for i in range(0, len(full), per_call)] + ([windows[-1:]] if short else [])
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=n - 1, unit="tok", desc="perplexity", file=sys.stderr, leave=False)
-    nll = 0.0
+    total = ids_t.new_zeros((), dtype=torch.float64)                 # summed on the device: one sync at the end
     for group in groups:
-        x = torch.stack([ids_t[b:e] for b, e, _ in group]).to(device)
-        logits = lm.model(x)
+        logits = lm.model(torch.stack([ids_t[b:e] for b, e, _ in group]))
         for row, (b, e, s) in enumerate(group):
-            pred = logits[row, s - 1 - b:e - 1 - b].float()
-            nll += float(F.cross_entropy(pred, ids_t[s:e].to(device), reduction="sum"))
+            total += F.cross_entropy(logits[row, s - 1 - b:e - 1 - b].float(), ids_t[s:e], reduction="sum")
             if bar is not None:
                 bar.update(e - s)
     if bar is not None:
         bar.close()
-    tokens = n - 1
+    nll, tokens = float(total), n - 1
     loss = nll / tokens
     text_bytes = len((lm.tokenizer.decode(ids) if cut else text).encode("utf-8"))
     return {"tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
