@@ -397,7 +397,8 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
 
 def run_perplexity(args) -> None:
     """Train a small character-level GPT on the stdlib corpus; held-out perplexity fp32 vs int8."""
-    from attnlab.data.lm import LanguageModelTask, encode_documents, stdlib_corpus
+    from attnlab.data.text import encode_documents, stdlib_corpus
+    from attnlab.tasks.lm import LanguageModelTask
     from attnlab.models import GPT, GPTConfig
     from attnlab.tokenizer import CharTokenizer
 

@@ -7,7 +7,7 @@ than the nanoGPT curve at the same steps and batch" this script trains the *refe
 transformers' GPT2LMHeadModel of the same shape, with nanoGPT's own training loop written out here
 (AdamW with decay on matrices only, betas (0.9, 0.99), linear warmup then cosine to 1e-4 over 5000
 iterations as in nanoGPT's get_lr, clipping at 1.0, dropout 0.2) on the *same* batches and the same
-validation windows as the attnlab run (both come from attnlab.data.lm's task: the last 10 % of the
+validation windows as the attnlab run (both come from attnlab.tasks.lm's task: the last 10 % of the
 text validates, 1,003,854 training characters exactly as nanoGPT's split).
 
     python benchmarks/shakespeare_reference.py --data ../shared/data/tinyshakespeare.txt \
@@ -66,13 +66,13 @@ def nanogpt_param_groups(model: nn.Module, weight_decay: float, decay_embeddings
 def train(args) -> None:
     import transformers
 
-    from attnlab.data.lm import LMOptions, prepare_lm
-    torch.manual_seed(args.seed)
+    from attnlab.tasks.lm import LM
     T, E, H, L = (32, 32, 2, 1) if args.tiny else (256, 384, 6, 6)
-    opts = LMOptions(data=args.data, seed=args.seed, tokenizer="char", model="gpt", context=T,
-                     batch_size=args.batch_size, d_model=E, num_heads=H, num_layers=L, dropout=0.2,
-                     eval_windows=args.eval_windows)
-    task = prepare_lm(opts).task
+    settings = LM.settings(data=args.data, seed=args.seed, tokenizer="char", model="gpt2", context=T,
+                           batch_size=args.batch_size, d_model=E, heads=H, layers=L, dropout=0.2,
+                           eval_windows=args.eval_windows)
+    task = LM.prepare(settings, None).task
+    torch.manual_seed(args.seed)
     V = task.tokenizer.vocab_size
     config = transformers.GPT2Config(vocab_size=V, n_positions=T, n_embd=E, n_layer=L, n_head=H,
                                      resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=None,

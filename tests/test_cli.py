@@ -26,7 +26,25 @@ def test_version_and_help(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "example:" in out and "--data" in out and "--resume" in out
+    assert "example:" in out and "translate" in out and "lm" in out        # the registered tasks
+
+
+def test_each_task_shows_only_its_own_options(capsys):
+    helps = {}
+    for task in ("translate", "lm"):
+        with pytest.raises(SystemExit):
+            main(["train", task, "--help"])
+        helps[task] = capsys.readouterr().out
+    for out in helps.values():
+        assert "example:" in out and "--data" in out and "--resume" in out and "--config" in out
+    for flag in ("--pre-norm", "--max-tokens", "--separate-vocab", "--label-smoothing", "--eval-size"):
+        assert flag in helps["translate"] and flag not in helps["lm"]
+    for flag in ("--context", "--experts", "--batch-size", "--eval-windows", "--sample-tokens"):
+        assert flag in helps["lm"] and flag not in helps["translate"]
+    # an option of the other task is refused, not ignored
+    with pytest.raises(SystemExit) as e:
+        main(["train", "lm", "--pre-norm"])
+    assert e.value.code == 2 and "--pre-norm" in capsys.readouterr().err
 
 
 def test_train_translate_eval_viz_on_a_user_tsv(tmp_path):
@@ -38,7 +56,7 @@ def test_train_translate_eval_viz_on_a_user_tsv(tmp_path):
                 "--steps", "6", "--eval-every", "3", "--out", str(out), *TINY)
     assert r.returncode == 0, r.stderr
     assert "BLEU" in r.stdout and (out / "metrics.jsonl").exists() and (out / "loss.png").exists()
-    assert (out / "best" / "translation.json").exists()
+    assert (out / "best" / "run.json").exists() and (out / "config.yaml").exists()
 
     r = run_cli("translate", str(out), "one cat", "two dog", "--beam", "2")
     assert r.returncode == 0, r.stderr

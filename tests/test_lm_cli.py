@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from attnlab.cli import main
 from attnlab.data.files import DataFormatError
-from attnlab.data.lm import LanguageModelTask, stdlib_corpus, text_file_corpus
+from attnlab.data.text import stdlib_corpus, text_file_corpus
+from attnlab.tasks.lm import LanguageModelTask, load_lm, text_perplexity
 from attnlab.models import GPT, GPTConfig, Mixtral, MixtralConfig
 from attnlab.tokenizer import CharTokenizer
 from _hf_fixtures import tiny_gpt2_dir  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -120,10 +121,14 @@ def test_train_lm_writes_checkpoints_and_the_loss_goes_down(trained):
     assert r.returncode == 0, r.stderr
     run = d / "run"
     for ckpt in (run / "best", run / "step-0000030"):
-        assert {"model.safetensors", "lm.json", "lm_tokenizer.json", "trainer_state.json"} <= \
+        assert {"model.safetensors", "run.json", "tokenizer.json", "trainer_state.json"} <= \
             {p.name for p in ckpt.iterdir()}
-    meta = json.loads((run / "best" / "lm.json").read_text())
-    assert meta["model_type"] == "gpt2" and meta["context"] == 32 and meta["config"]["d_model"] == 32
+    meta = json.loads((run / "best" / "run.json").read_text())
+    assert (meta["task"], meta["model_type"], meta["architecture"], meta["format"]) == \
+        ("lm", "gpt2", "GPT2LMHeadModel", 2)
+    assert meta["task_options"]["context"] == 32 and meta["config"]["d_model"] == 32
+    saved = (run / "config.yaml").read_text()                  # the resolved settings, for --resume
+    assert "task: lm" in saved and "context: 32" in saved and "beta2: 0.99" in saved
     groups = json.loads((run / "best" / "trainer_state.json").read_text())["optimizer"]["param_groups"]
     assert all(g["betas"] == [0.9, 0.99] for g in groups)          # --beta2 reached AdamW
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -142,7 +147,7 @@ def test_resume_keeps_the_checkpoints_model_and_tokenizer(trained, tmp_path, cap
                  "--resume", "--sample-tokens", "0", *TINY[:-1], "--d-model", "64", "--no-progress"])
     assert code == 0
     assert "(from the checkpoint)" in capsys.readouterr().err
-    meta = json.loads((tmp_path / "run" / "step-0000032" / "lm.json").read_text())
+    meta = json.loads((tmp_path / "run" / "step-0000032" / "run.json").read_text())
     assert meta["config"]["d_model"] == 32
 
 
@@ -158,7 +163,6 @@ class _Recorder:
 
 
 def test_load_lm_gives_an_eval_model_optimised_for_inference(trained):
-    from attnlab.data.lm import load_lm
     from attnlab.nn import InferenceLinear
     d, _ = trained
     lm = load_lm(d / "run", "cpu")
@@ -218,15 +222,18 @@ def test_bad_input_is_one_line_and_exit_code_2(trained, tmp_path, capsys):
     assert main(["generate", str(d / "run"), "--prompt", "x" * 40]) == 2
     assert "context is 32 tokens" in _one_error_line(capsys.readouterr().err, "generate")
     assert main(["train", "lm", "--model", "bert", "--data", str(d / "text.txt"), "--out", str(tmp_path / "r")]) == 2
-    assert "unknown model 'bert'" in _one_error_line(capsys.readouterr().err, "train")
+    assert "'bert' is not a registered causal-LM family" in _one_error_line(capsys.readouterr().err, "train")
+    assert main(["train", "lm", "--experts", "4", "--data", str(d / "text.txt"), "--out", str(tmp_path / "r")]) == 2
+    assert "--experts: only for mixture-of-experts" in _one_error_line(capsys.readouterr().err, "train")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "no-such-model"}')
     assert main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2
     assert "unsupported model_type 'no-such-model'" in _one_error_line(capsys.readouterr().err, "generate")
     assert main(["generate", str(tmp_path / "nothing")]) == 2
-    assert "no model at" in _one_error_line(capsys.readouterr().err, "generate")
-    assert main(["train", "translate", "--context", "8", "--out", str(tmp_path / "r")]) == 2
-    assert "--context" in _one_error_line(capsys.readouterr().err, "train")
+    assert "no checkpoint at" in _one_error_line(capsys.readouterr().err, "generate")
+    with pytest.raises(SystemExit) as e:                      # an lm option is not a translate option
+        main(["train", "translate", "--context", "8", "--out", str(tmp_path / "r")])
+    assert e.value.code == 2 and "unrecognized arguments: --context 8" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- perplexity (attnlab eval)
@@ -251,7 +258,6 @@ def _hf_sliding_window_nll(hf, ids: list[int], context: int, stride: int) -> tup
 @pytest.mark.parametrize("stride", [3, 8, 15])
 def test_text_perplexity_matches_transformers_sliding_windows(tmp_path, stride):
     pytest.importorskip("transformers")
-    from attnlab.data.lm import load_lm, text_perplexity
     hf, tok = tiny_gpt2_dir(tmp_path, n_embd=32)              # context 16
     text = " ".join(["the quick brown fox jumps over the lazy dog", "a cat"] * 7)
     ids = tok.encode(text).ids
@@ -270,7 +276,6 @@ def test_text_perplexity_matches_transformers_sliding_windows(tmp_path, stride):
 
 def test_text_perplexity_rejects_bad_arguments(tmp_path):
     pytest.importorskip("transformers")
-    from attnlab.data.lm import load_lm, text_perplexity
     tiny_gpt2_dir(tmp_path, n_embd=32)
     lm = load_lm(tmp_path, "cpu")
     for stride in (0, 16):
@@ -294,7 +299,6 @@ def test_eval_scores_a_language_model_and_its_int8_change(trained, tmp_path):
     assert first.startswith(f"{held}: ") and "stride 8" in windows and "599 tokens scored" in windows
     assert 1.0 < fp32_ppl < 30 and abs(q_ppl / fp32_ppl - 1) < 0.02               # a trained char model; int8 close
     assert re.fullmatch(r"  perplexity change with int8: [+-]\d+\.\d\d %", change)
-    from attnlab.data.lm import load_lm, text_perplexity                          # the CLI prints the API's value
     assert fp32_ppl == pytest.approx(text_perplexity(load_lm(d / "run", "cpu"), TEXT[:600], stride=8)["ppl"],
                                      abs=1e-4)
     bad = run_cli("eval", d / "run", "--data", held, "--stride", "32")

@@ -10,8 +10,15 @@ always the special tokens ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``.
 - ``BPETokenizer``: byte-pair encoding trained with Hugging Face ``tokenizers``; words are
   marked with a leading "▁" (metaspace), so ``decode(encode(s)) == s`` for text with single
   spaces between words and no leading or trailing space.
+- ``HFTokenizer``: any Hugging Face ``tokenizer.json`` (a pretrained model's own tokenizer),
+  with the special ids that model uses (from ``tokenizer_config.json`` beside it when there is
+  one); ``encode`` adds the model's own special tokens (a LLaMA BOS, say) as its post-processor
+  says, because that is what the model was trained on.
 
-``decode`` drops ``<pad>``, ``<bos>`` and ``<eos>`` wherever they are (cut at the first EOS
+:func:`load_tokenizer` reads either format: an attnlab tokenizer file, a Hugging Face
+``tokenizer.json``, or a directory holding one.
+
+For the trained kinds, ``decode`` drops ``<pad>``, ``<bos>`` and ``<eos>`` wherever they are (cut at the first EOS
 before decoding if tokens may follow it) and writes ``<unk>`` for unknown tokens, so lost
 text stays visible.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from pathlib import Path
 from itertools import chain
 from typing import ClassVar, Iterable
 
@@ -57,6 +65,10 @@ class Tokenizer:
     def tokens(self, ids: Iterable[int]) -> list[str]:
         raise NotImplementedError
 
+    def vocabulary(self) -> dict[str, int]:
+        """Piece -> id for every id (two tokenizers with equal vocabularies encode alike)."""
+        return {p: i for i, p in enumerate(self.tokens(range(self.vocab_size)))}
+
     def _state(self) -> dict:
         raise NotImplementedError
 
@@ -87,8 +99,8 @@ def _read_json(path: str | os.PathLike) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a tokenizer JSON file ({e})") from None
     if isinstance(data, dict) and "type" not in data and isinstance(data.get("model"), dict):
-        raise ValueError(f"{path}: a Hugging Face tokenizer.json, not an attnlab tokenizer file; load it with "
-                         "attnlab.load_tokenizer (the `tokenizers` library)")
+        raise ValueError(f"{path}: a Hugging Face tokenizer.json, not an attnlab tokenizer file; "
+                         "attnlab.tokenizer.load_tokenizer reads both")
     if not isinstance(data, dict) or "type" not in data:
         raise ValueError(f"{path}: not an attnlab tokenizer file (no 'type' field)")
     if data.get("version") != _FORMAT_VERSION:
@@ -97,7 +109,22 @@ def _read_json(path: str | os.PathLike) -> dict:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load any attnlab tokenizer file; the class is chosen by its "type" field."""
+    """Load a tokenizer of either format: an attnlab tokenizer file (the class is chosen by its
+    "type" field), a Hugging Face ``tokenizer.json`` (an :class:`HFTokenizer`), or a directory
+    holding a ``tokenizer.json``."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json in this directory")
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such tokenizer file")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a tokenizer JSON file ({e})") from None
+    if isinstance(raw, dict) and "type" not in raw and isinstance(raw.get("model"), dict):
+        return HFTokenizer.from_file(path)
     data = _read_json(path)
     cls = Tokenizer.registry.get(data["type"])
     if cls is None:
@@ -233,6 +260,84 @@ class BPETokenizer(Tokenizer):
     def _from_state(cls, state: dict) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         return cls(HFTokenizer.from_str(json.dumps(state["tokenizer"])))
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers.Tokenizer`` (a pretrained model's ``tokenizer.json``) behind
+    attnlab's interface: ``encode``/``decode``/``tokens``/``vocab_size`` and the special ids.
+
+    The special ids are instance attributes, None where the tokenizer has no such token; they
+    come from ``special`` (token names per role, e.g. from ``tokenizer_config.json``) or, failing
+    that, from the tokens the conventional names denote (``<pad>``, ``<s>``, ``</s>``,
+    ``<|endoftext|>``, ``<unk>``, ``[PAD]``, ``[CLS]``, ``[SEP]``, ``[UNK]``).
+    ``encode`` adds the tokenizer's own special tokens (its post-processor), ``decode`` skips
+    every special token.
+    """
+    kind = "huggingface"
+    ROLES = ("pad", "bos", "eos", "unk")
+    _CONVENTIONAL = {"pad": ("<pad>", "[PAD]", "<|pad|>"), "bos": ("<s>", "<bos>", "[CLS]", "<|begin_of_text|>"),
+                     "eos": ("</s>", "<eos>", "[SEP]", "<|endoftext|>", "<|end_of_text|>"),
+                     "unk": ("<unk>", "[UNK]", "<|unk|>")}
+
+    def __init__(self, hf_tokenizer, special: dict[str, str | None] | None = None):
+        self.hf = hf_tokenizer
+        self.special = {}
+        for role in self.ROLES:
+            names = [special[role]] if special and special.get(role) else list(self._CONVENTIONAL[role])
+            token = next((n for n in names if n is not None and hf_tokenizer.token_to_id(n) is not None), None)
+            self.special[role] = token
+            setattr(self, f"{role}_id", None if token is None else hf_tokenizer.token_to_id(token))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
+        """``tokenizer.json`` (special-token roles from ``tokenizer_config.json`` beside it)."""
+        from tokenizers import Tokenizer as _HF
+        path = Path(path)
+        try:
+            hf = _HF.from_file(str(path))
+        except Exception as e:                     # tokenizers raises a bare Exception on a bad file
+            raise ValueError(f"{path}: not a readable Hugging Face tokenizer.json: {e}") from None
+        return cls(hf, _special_from_config(path.with_name("tokenizer_config.json")))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.hf.id_to_token(i) for i in ids]
+
+    def vocabulary(self) -> dict[str, int]:
+        return self.hf.get_vocab(with_added_tokens=True)
+
+    def _state(self) -> dict:
+        return {"tokenizer": json.loads(self.hf.to_str()), "special": self.special}
+
+    @classmethod
+    def _from_state(cls, state: dict) -> HFTokenizer:
+        from tokenizers import Tokenizer as _HF
+        return cls(_HF.from_str(json.dumps(state["tokenizer"])), state.get("special"))
+
+
+def _special_from_config(path: Path) -> dict[str, str | None] | None:
+    """Token names per role from a ``tokenizer_config.json`` (values may be strings or
+    {"content": ...} objects); None if there is no readable file."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    out = {}
+    for role in HFTokenizer.ROLES:
+        value = config.get(f"{role}_token")
+        out[role] = value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+    return out
 
 
 def train_tokenizers(kind: str, src_texts: Iterable[str], tgt_texts: Iterable[str], shared: bool = True,

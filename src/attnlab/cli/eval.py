@@ -1,0 +1,57 @@
+"""``attnlab eval RUN --data FILE``: score a model on your data, as its task scores it.
+
+The run's recorded task (or a Hugging Face directory's architecture) decides what is measured:
+BLEU, chrF and exact match for translation, perplexity and bits per byte for a language model.
+Each task declares its own evaluation options; an option of another task is refused.
+"""
+from __future__ import annotations
+
+import argparse
+
+HELP = ("score a model on your data: BLEU, chrF and exact match of a translation run on a TSV, or the "
+        "perplexity of a language model on a text file")
+EXAMPLE = ("attnlab eval runs/multi30k --data valid.de-en.tsv\n"
+           "  attnlab eval runs/lm --data held_out.txt --quantize int8")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..tasks import registered_tasks
+    p.add_argument("checkpoint", help="a run directory or checkpoint, or a Hugging Face model directory")
+    p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
+                   "source<TAB>reference; language model: a UTF-8 text file)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    seen: set[str] = set()
+    for name, task in registered_tasks().items():
+        group = p.add_argument_group(f"{name} runs")
+        for o in task.eval_options:
+            if o.name in seen:
+                continue
+            seen.add(o.name)
+            users = ", ".join(n for n, t in registered_tasks().items() if o.name in {x.name for x in t.eval_options})
+            default = "" if o.default is None else f" (default: {o.default})"
+            if o.type is bool:
+                group.add_argument(o.flag, dest=o.name, action="store_true", default=None,
+                                   help=f"{users}: {o.help}")
+            else:
+                group.add_argument(o.flag, dest=o.name, type=o.type, default=None, choices=o.choices,
+                                   help=f"{users}: {o.help}{default}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import UserError, open_model_path
+    from ..tasks import registered_tasks
+    tasks = registered_tasks()
+    kinds = tuple(t.kind for t in tasks.values() if t.eval_options is not None)
+    info, kind = open_model_path(args.checkpoint, "eval", kinds)
+    task = tasks[info.run.task] if info.kind == "run" else next(t for t in tasks.values() if t.kind == kind)
+    mine = {o.name for o in task.eval_options}
+    others = sorted({o.flag for t in tasks.values() for o in t.eval_options
+                     if o.name not in mine and getattr(args, o.name) is not None})
+    if others:
+        raise UserError(f"{', '.join(others)}: not an option for {info.describe()}")
+    settings = {o.name: getattr(args, o.name) if getattr(args, o.name) is not None else o.default
+                for o in task.eval_options}
+    for o in task.eval_options:
+        o.validate(settings[o.name])
+    task.evaluate_file(args.checkpoint, info, args.data, settings, args.device)
+    return 0

@@ -1,0 +1,134 @@
+"""``attnlab train TASK``: one sub-command per registered task, each with only its own options.
+
+The settings of a run come from, in increasing priority: the task's defaults, a recipe
+(``--config NAME|FILE.yaml``), the configuration saved in the run directory (``--resume``), and
+the flags given. The resolved settings are written to ``RUN_DIR/config.yaml`` before training,
+and ``--resume`` starts from them, so a resumed run continues with what it was started with.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+HELP = "train a model on an embedded default data set or your own files"
+EXAMPLE = ("attnlab train translate --steps 400 --out runs/numbers\n"
+           "  attnlab train lm --config shakespeare-char --data input.txt --out runs/shakespeare\n"
+           "  attnlab train TASK --help          (each task's own options)")
+CONFIG_FILE = "config.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..recipes import named_recipes
+    from ..tasks import registered_tasks
+    sub = parser.add_subparsers(dest="task", metavar="TASK", title="tasks")
+    recipes = ", ".join(sorted(named_recipes()))
+    for name, task in registered_tasks().items():
+        p = sub.add_parser(name, help=task.help, description=f"Train {task.help}.",
+                           epilog=f"example:\n  {task.example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", metavar="NAME|FILE.yaml", help=f"a recipe: one of the named recipes ({recipes}) "
+                       "or a YAML file; flags given override it")
+        p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, "
+                       "with the settings saved there")
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for o in task.all_options():
+            group = groups.get(o.group) or groups.setdefault(o.group, p.add_argument_group(o.group))
+            default = "" if o.default is None else f" (default: {o.default})"
+            if o.type is bool:
+                group.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=o.help + default)
+            else:
+                group.add_argument(o.flag, dest=o.name, type=o.type, default=None, choices=o.choices,
+                                   metavar=o.metavar, help=o.help + default)
+
+
+def _given(args: argparse.Namespace, task) -> dict:
+    return {o.name: getattr(args, o.name) for o in task.all_options() if getattr(args, o.name) is not None}
+
+
+def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
+    """The run's settings and directory (see the module docstring)."""
+    from ..recipes import load_recipe
+    settings = task.defaults()
+    given = _given(args, task)
+    recipe = None
+    if args.config:
+        recipe = load_recipe(args.config)
+        if recipe.task != task.name:
+            raise ValueError(f"--config {args.config}: a recipe for 'attnlab train {recipe.task}', not '{task.name}'")
+        task.validate(recipe.settings)
+        settings.update(recipe.settings)
+    out = Path(given.get("out") or settings.get("out") or f"runs/{task.name}")
+    saved_file = out / CONFIG_FILE
+    if args.resume and saved_file.is_file():
+        saved = _read_saved(saved_file, task)
+        settings.update(saved)
+    settings.update(given)
+    settings["out"] = str(out)
+    if recipe is not None and recipe.requires_data and settings["data"] is None:
+        raise ValueError(f"--config {args.config} trains on {recipe.requires_data}: give it with --data FILE")
+    task.validate(settings)
+    return settings, out
+
+
+def _read_saved(file: Path, task) -> dict:
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"{file}: not a readable run configuration ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or data.get("task") != task.name or not isinstance(data.get("settings"), dict):
+        raise ValueError(f"{file}: not the configuration of an 'attnlab train {task.name}' run")
+    settings = data["settings"]
+    task.validate(settings)
+    return settings
+
+
+def _write_saved(out: Path, task, settings: dict) -> None:
+    from ..train.checkpoint import write_text_atomic
+    out.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump({"task": task.name, "settings": settings}, sort_keys=True)
+    write_text_atomic(out / CONFIG_FILE, f"# the resolved settings of this run (attnlab train {task.name})\n{text}")
+
+
+def _check_paths(settings: dict) -> None:
+    for key in ("data", "valid"):
+        path = settings.get(key)
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"--{key} {path}: no such file")
+    out = Path(settings["out"])
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..tasks import get_task
+    from ..train import TrainConfig, Trainer
+    if not args.task:
+        raise ValueError("name a task: attnlab train TASK (see attnlab train --help)")
+    task = get_task(args.task)
+    settings, out = resolve_settings(task, args)
+    _check_paths(settings)
+    print(f"preparing data ({settings['data'] or 'the embedded data set'}) ...", file=sys.stderr)
+    setup = task.prepare(settings, out if args.resume else None)
+    for line in setup.description:
+        print(line, file=sys.stderr)
+    own = task.train_config(settings, setup)
+    eval_every = own.pop("eval_every")
+    s = settings
+    config = TrainConfig(
+        out_dir=out, weight_decay=s["weight_decay"], schedule=s["schedule"], clip_norm=s["clip"] or None,
+        accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"],
+        eval_every=eval_every, save_every=s["save_every"] if s["save_every"] is not None else eval_every,
+        seed=s["seed"], progress=s["progress"], time_budget_s=None if s["time_budget"] is None else
+        s["time_budget"] * 60, **own)
+    trainer = Trainer(setup.task, config, resume=args.resume)
+    if trainer.env.is_main:
+        _write_saved(out, task, settings)
+    summary = trainer.fit()
+    trainer.close()
+    if trainer.env.is_main:
+        task.report(out, setup, settings)
+        print(f"metrics: {out}/metrics.jsonl, loss curve: {out}/loss.png, checkpoint: {summary['checkpoint']}")
+    return 0

@@ -1,0 +1,8 @@
+"""attnlab.tasks: one module per task (translate, lm, ...), each owning its options, data
+preparation, model construction through the model registry, Trainer task, report and loading
+a run for inference; :mod:`attnlab.tasks.run` is the run-metadata format they share."""
+from .base import Option, Setup, TaskDefinition, get_task, register_task, registered_tasks
+from .run import PathInfo, RunError, RunInfo, find_checkpoint, inspect_path, open_run, read_run
+
+__all__ = ["Option", "Setup", "TaskDefinition", "get_task", "register_task", "registered_tasks", "PathInfo",
+           "RunError", "RunInfo", "find_checkpoint", "inspect_path", "open_run", "read_run"]

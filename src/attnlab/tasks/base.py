@@ -1,0 +1,191 @@
+"""What a task is, the task registry, and the training options every task shares.
+
+A task (translate, lm, and the ones the model families add) is one module that defines a
+:class:`TaskDefinition` and registers it with :func:`register_task`. The definition owns:
+
+- its options: a list of :class:`Option` (name, type, default, help), shown by
+  ``attnlab train TASK --help`` and nothing else's; recipes and run directories store them
+  under the same names;
+- ``prepare(settings, resume_from)``: data, tokenizers and the model (built through the model
+  registry), returned as a :class:`Setup` whose ``task`` is the Trainer's Task;
+- ``train_config(settings, setup)``: the Trainer's settings with the task's defaults;
+- ``report(run_dir, setup, settings)``: what is printed after training (test scores, a sample);
+- ``load(run, device)``: a trained run, ready for inference;
+- ``eval_options`` and ``evaluate_file(path, info, data, settings, device)``: what
+  ``attnlab eval`` measures on a user's file for a model of this task's kind.
+
+Settings are one flat dict of option name -> value, resolved by the train command from, in
+increasing priority: the options' defaults, a recipe (``--config``), the configuration saved in
+the run directory (``--resume``), and the flags given. A default of None means "decided by the
+task from the data" (:meth:`TaskDefinition.train_config` says how); an explicit value, 0
+included, is always used as given.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+__all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
+           "positive", "non_negative", "fraction"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a task: ``--name-with-dashes`` on the command line, ``name`` in recipes.
+
+    ``type`` is int, float, str or bool (bool: ``--flag`` / ``--no-flag``); ``check(value)``
+    returns an error message or None; ``group`` titles the section of the help it is shown in.
+    """
+    name: str
+    type: type = str
+    default: Any = None
+    help: str = ""
+    choices: tuple | None = None
+    check: Callable[[Any], str | None] | None = None
+    group: str = "options"
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def validate(self, value: Any) -> None:
+        """ValueError naming the option if ``value`` is not acceptable (None always is)."""
+        if value is None:
+            return
+        if self.type is bool and not isinstance(value, bool) or self.type is int and (
+                isinstance(value, bool) or not isinstance(value, int)) or self.type is float and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)) \
+                or self.type is str and not isinstance(value, str):
+            raise ValueError(f"{self.flag}: expected {self.type.__name__}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.flag}: {value!r} is not one of {', '.join(map(str, self.choices))}")
+        problem = self.check(value) if self.check else None
+        if problem:
+            raise ValueError(f"{self.flag}: {problem}, got {value!r}")
+
+
+def positive(v) -> str | None:
+    return None if v > 0 else "must be positive"
+
+
+def non_negative(v) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def fraction(v) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+_T, _O = "training", "optimisation"
+TRAINING_OPTIONS = [
+    Option("data", str, None, "training data file (default: the task's embedded data set)", metavar="FILE", group=_T),
+    Option("valid", str, None, "validation data file (default: held out from --data, or the embedded split)",
+           metavar="FILE", group=_T),
+    Option("out", str, None, "run directory for checkpoints and metrics (default runs/TASK)", metavar="DIR", group=_T),
+    Option("steps", int, None, "optimizer steps (default: the task's, for its data)", check=positive, group=_T),
+    Option("time_budget", float, None, "stop (with a checkpoint) after this many minutes", check=positive,
+           metavar="MIN", group=_T),
+    Option("seed", int, 0, "seed of the initial weights, the data order and sampling", group=_T),
+    Option("skip_malformed", bool, False, "skip and count malformed data lines instead of stopping", group=_T),
+    Option("progress", bool, True, "show a progress bar", group=_T),
+    Option("lr", float, None, "peak learning rate (default: the task's)", check=positive, group=_O),
+    Option("schedule", str, "cosine", "learning-rate schedule", choices=("noam", "cosine", "constant"), group=_O),
+    Option("warmup", int, None, "warmup steps (default: the task's share of --steps)", check=non_negative, group=_O),
+    Option("accum", int, 1, "micro-batches per optimizer step", check=positive, group=_O),
+    Option("clip", float, 1.0, "gradient-norm clipping (0 = off)", check=non_negative, group=_O),
+    Option("weight_decay", float, 0.01, "AdamW's decoupled weight decay (never on norms, biases, embeddings)",
+           check=non_negative, group=_O),
+    Option("beta2", float, None, "AdamW's second-moment decay (default: the task's)", check=fraction, group=_O),
+    Option("precision", str, "auto", "arithmetic precision", choices=("auto", "fp32", "bf16", "fp16"), group=_O),
+    Option("grad_checkpointing", bool, False, "recompute activations in the backward pass to save memory",
+           group=_O),
+    Option("eval_every", int, None, "steps between validations (default: the task's; 0 = only at the end)",
+           check=non_negative, group=_O),
+    Option("save_every", int, None, "steps between checkpoints (default: --eval-every; 0 = only at the end)",
+           check=non_negative, group=_O),
+]
+
+
+@dataclass
+class Setup:
+    """What ``prepare`` returns: the Trainer's Task and what the report needs."""
+    task: Any                                     # has .model, .plan, .loss, .evaluate, .save_assets
+    description: list[str] = field(default_factory=list)   # lines printed before training
+    extra: dict = field(default_factory=dict)     # anything the task's report uses (test pairs...)
+
+
+class TaskDefinition:
+    """Base of the task definitions (see the module docstring); one instance per task."""
+    name: ClassVar[str]
+    help: ClassVar[str]
+    example: ClassVar[str]
+    kind: ClassVar[str]                           # the model kind it trains, as the model registry says it
+    options: ClassVar[list[Option]] = []
+    eval_options: ClassVar[list[Option] | None] = None     # None: `attnlab eval` does not take this task
+
+    def all_options(self) -> list[Option]:
+        return TRAINING_OPTIONS + self.options
+
+    def defaults(self) -> dict:
+        return {o.name: o.default for o in self.all_options()}
+
+    def settings(self, **overrides) -> dict:
+        """The task's defaults with ``overrides``, validated: what ``prepare`` takes from Python."""
+        out = dict(self.defaults(), **overrides)
+        self.validate(out)
+        return out
+
+    def validate(self, settings: dict) -> None:
+        known = {o.name: o for o in self.all_options()}
+        for name, value in settings.items():
+            if name not in known:
+                raise ValueError(f"'{name}' is not an option of 'attnlab train {self.name}'")
+            known[name].validate(value)
+
+    def prepare(self, settings: dict, resume_from: Path | None) -> Setup:
+        raise NotImplementedError
+
+    def train_config(self, settings: dict, setup: Setup):
+        raise NotImplementedError
+
+    def report(self, run_dir: Path, setup: Setup, settings: dict) -> None:
+        """Print what the user should see after training (default: nothing)."""
+
+    def load(self, run, device: str | None = None):
+        raise NotImplementedError
+
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+        """Score the model at ``path`` (``info``: :func:`attnlab.tasks.inspect_path`'s) on ``data``
+        and print the result; ``settings`` holds the ``eval_options``."""
+        raise NotImplementedError
+
+
+_TASKS: dict[str, TaskDefinition] = {}
+
+
+def register_task(definition: TaskDefinition) -> TaskDefinition:
+    """Make ``attnlab train NAME`` and the inference commands know a task."""
+    names = {o.name for o in definition.all_options()}
+    if len(names) != len(definition.all_options()):
+        raise ValueError(f"task {definition.name!r}: an option name is used twice")
+    _TASKS[definition.name] = definition
+    return definition
+
+
+def _load_builtin() -> None:
+    from . import lm, translate  # noqa: F401  (importing a task module registers it)
+
+
+def registered_tasks() -> dict[str, TaskDefinition]:
+    _load_builtin()
+    return dict(_TASKS)
+
+
+def get_task(name: str) -> TaskDefinition:
+    tasks = registered_tasks()
+    if name not in tasks:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(tasks))}")
+    return tasks[name]

@@ -1,0 +1,380 @@
+"""Causal language modelling: a text corpus + a tokenizer + a decoder-only LM, for the Trainer.
+
+    attnlab train lm                                       # the embedded corpus: Python's own source
+    attnlab train lm --config shakespeare-char --data input.txt
+    lm = load_lm("runs/lm")                                # best/ or latest checkpoint, or a Hugging Face dir
+    text_perplexity(lm, open("held_out.txt").read())      # {"tokens", "loss", "ppl", "bits_per_byte"}
+
+Data: :mod:`attnlab.data.text` (the standard library's source, every 20th file validating, or a
+text file whose last 10 % validates). The tokenizer is trained on the training text only.
+
+Batches (nanoGPT's sampling). ``plan(epoch, seed)`` draws ``steps_per_epoch`` micro-batches of
+``batch_size`` random window starts i with a generator seeded by (seed, epoch); the window is
+x = ids[i : i+T], y = ids[i+1 : i+T+1], T = the model's context. Only the starts are planned,
+so an epoch's plan is small whatever the corpus size.
+
+Models: any registered family of kind "causal-lm" (``--model gpt2|llama|mixtral|...``), sized
+by the task's options through the family's sizing builder; a family's own options (Mixtral's
+``--experts``) are refused for families that have no such setting.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
+from ..tokenizer import BOS_ID, EOS_ID, Tokenizer
+from .base import Option, Setup, TaskDefinition, fraction, non_negative, positive, register_task
+from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
+
+__all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
+
+_M, _D = "model", "data and evaluation"
+
+
+class LanguageModelTask:
+    """The Trainer's view of next-token prediction (see :class:`attnlab.train.Task`).
+
+    ``loss`` = the cross-entropy SUM over the B*T predicted tokens, n = B*T, plus, for a model
+    with an auxiliary loss (a mixture of experts' load balancing), ``coef * aux * n``, so that
+    after the Trainer divides by the step's tokens it is coef * aux. Extras are the model's own
+    statistics (``aux_loss``, each expert's share of the routing), logged per token.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, train_ids: Tensor, valid_ids: Tensor, *, context: int,
+                 batch_size: int, steps_per_epoch: int | None = None, eval_windows: int = 64):
+        self.model, self.tokenizer = model, tokenizer
+        self.train_ids, self.valid_ids = train_ids.long().cpu(), valid_ids.long().cpu()
+        self.context, self.batch_size, self.eval_windows = context, batch_size, eval_windows
+        if context > model.config.max_seq_len:
+            raise ValueError(f"LanguageModelTask: context {context} exceeds the model's {model.config.max_seq_len}")
+        for name, ids in (("training", self.train_ids), ("validation", self.valid_ids)):
+            if ids.dim() != 1 or len(ids) < context + 1:
+                raise ValueError(f"the {name} text has {len(ids)} tokens, fewer than context + 1 = {context + 1}; "
+                                 "use a smaller context or more text")
+        per_epoch = len(self.train_ids) // (batch_size * context)
+        self.steps_per_epoch = steps_per_epoch or max(64, min(4096, per_epoch))
+        self._offsets = torch.arange(context + 1)
+
+    def windows(self, ids: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+        """Starts (B,) -> x = ids[i : i+T] and y = ids[i+1 : i+T+1], each (B, T)."""
+        w = ids[starts.cpu()[:, None] + self._offsets]
+        return w[:, :-1], w[:, 1:]
+
+    def plan(self, epoch: int, seed: int) -> list[dict]:
+        state = np.random.SeedSequence([seed, epoch]).generate_state(2, np.uint32)
+        g = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+        high = len(self.train_ids) - self.context               # starts in [0, len - T - 1]
+        starts = torch.randint(0, high, (self.steps_per_epoch, self.batch_size), generator=g)
+        return [{"start": s} for s in starts]
+
+    def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
+        device = batch["start"].device
+        x, y = (t.to(device) for t in self.windows(self.train_ids, batch["start"]))
+        logits = model(x)                       # through the (DDP) wrapper: gradients synchronise
+        n = y.numel()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        aux = self.model.aux_loss()
+        if aux is None:
+            return loss, n, {}
+        loss = loss + self.model.config.router_aux_loss_coef * aux * n
+        stats = {k: v * n for k, v in self.model.router_stats().items()}
+        return loss, n, {"aux_loss": aux.detach() * n, **stats}
+
+    def eval_starts(self) -> Tensor:
+        """The validation windows' starts: ``eval_windows`` evenly spaced, the same every time."""
+        last = len(self.valid_ids) - self.context - 1
+        n = min(self.eval_windows, last + 1)
+        return torch.arange(n) * last // max(n - 1, 1)     # integers: exact for any corpus size
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict:
+        device = next(model.parameters()).device
+        nll, tokens = 0.0, 0
+        for starts in self.eval_starts().split(self.batch_size):
+            x, y = (t.to(device) for t in self.windows(self.valid_ids, starts))
+            nll += float(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum"))
+            tokens += y.numel()
+        loss = nll / tokens
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+    def save_assets(self, directory: Path) -> None:
+        write_run(directory, "lm", self.model, {"text": self.tokenizer}, {"context": self.context})
+
+
+@dataclass
+class LoadedLM:
+    """A causal LM ready to generate: the model (eval mode), its tokenizer and special ids."""
+    model: nn.Module
+    tokenizer: Tokenizer
+    eos_ids: list[int]                 # generation stops at any of these
+    start_id: int | None               # the token an empty prompt begins with
+    path: Path
+    kind: str                          # "attnlab" | "huggingface"
+
+    @property
+    def context(self) -> int:
+        return self.model.config.max_seq_len
+
+    def vocabulary(self) -> dict:
+        return self.tokenizer.vocabulary()
+
+    def encode_prompt(self, prompt: str, draft: "LoadedLM | None" = None) -> list[int]:
+        """The prompt's ids (an empty prompt: the start token); ValueError if they fill the context
+        of the model (or of the draft) or if the draft's vocabulary differs."""
+        if draft is not None and draft.vocabulary() != self.vocabulary():
+            raise ValueError(f"the draft model {draft.path} has a different tokenizer from {self.path}")
+        ids = self.tokenizer.encode(prompt) if prompt else []
+        if not ids:
+            if self.start_id is None:
+                raise ValueError(f"{self.path}: no BOS or EOS token to start from; give a prompt")
+            ids = [self.start_id]
+        context = min(m.context for m in (self, draft) if m is not None)
+        if len(ids) >= context:
+            raise ValueError(f"the prompt is {len(ids)} tokens long, but the model's context is {context} tokens "
+                             f"(a prompt may have at most {context - 1})")
+        return ids
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int, draft: "LoadedLM | None" = None, **options):
+        """:func:`attnlab.generate.text.complete` with this model's tokenizer and EOS ids."""
+        from ..generate.text import complete
+        return complete(self.model, self.tokenizer, prompt_ids, max_new_tokens, eos_ids=self.eos_ids,
+                        draft_model=None if draft is None else draft.model, **options)
+
+
+def _device(device) -> str:
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _family_options() -> dict[str, str]:
+    """This task's option name -> the sizing builder's keyword, for family-specific settings."""
+    return {"experts": "num_experts", "top_k": "top_k", "aux_coef": "router_aux_loss_coef"}
+
+
+class LanguageModeling(TaskDefinition):
+    name = "lm"
+    kind = "causal-lm"
+    help = "a decoder-only language model (GPT-2, LLaMA, Mixtral, ...) on text"
+    example = ('attnlab train lm --steps 2000 --out runs/lm\n'
+               '  attnlab train lm --config shakespeare-char --data input.txt --out runs/shakespeare')
+    options = [
+        Option("model", str, "gpt2", "architecture: a registered causal-LM family", group=_M),
+        Option("tokenizer", str, None, "default: bpe (embedded corpus), char (files)", choices=("char", "bpe"),
+               group=_M),
+        Option("vocab_size", int, None, "BPE vocabulary size (default 2000)", check=lambda v: None if v > 4 else
+               "must exceed the 4 special tokens", group=_M),
+        Option("context", int, 128, "context length and training window in tokens", check=positive, group=_M),
+        Option("batch_size", int, 16, "windows per micro-batch and process", check=positive, group=_M),
+        Option("d_model", int, 128, "model width", check=positive, group=_M),
+        Option("heads", int, 4, "attention heads", check=positive, group=_M),
+        Option("layers", int, 4, "layers", check=positive, group=_M),
+        Option("d_ff", int, None, "feed-forward width (default: the family's, e.g. 4 d_model for GPT-2)",
+               check=positive, group=_M),
+        Option("dropout", float, 0.0, "dropout", check=fraction, group=_M),
+        Option("experts", int, None, "mixture-of-experts families: experts per layer (Mixtral default 4)",
+               check=positive, group=_M),
+        Option("top_k", int, None, "mixture-of-experts families: experts per token (default 2)", check=positive,
+               group=_M),
+        Option("aux_coef", float, None, "mixture-of-experts families: weight of the load-balancing loss "
+               "(default 0.02)", check=non_negative, group=_M),
+        Option("corpus_mb", float, 2.0, "size of the embedded corpus in MB", check=positive, group=_D),
+        Option("eval_windows", int, 64, "validation windows per evaluation", check=positive, group=_D),
+        Option("sample_tokens", int, 200, "tokens of the sample printed after training (0 = none)",
+               check=non_negative, group=_D),
+    ]
+
+    eval_options = [
+        Option("stride", int, None, "tokens between the starts of the sliding windows (default: half the "
+               "context; every token is scored once)", check=positive),
+        Option("limit", int, None, "score only the first N items", check=positive),
+        Option("quantize", str, "none", "int8: also score the model after int8 weight-only quantisation and "
+               "print the change", choices=("none", "int8")),
+    ]
+
+    # ------------------------------------------------------------------ training
+    def _model(self, s: dict, vocab_size: int) -> nn.Module:
+        from ..models.registry import family, families
+        known = sorted(f.model_type for f in families(kind=self.kind))
+        if s["model"] not in known:
+            raise ValueError(f"--model: {s['model']!r} is not a registered causal-LM family ({', '.join(known)})")
+        fam = family(s["model"])
+        extra = {kw: s[name] for name, kw in _family_options().items() if s[name] is not None}
+        not_here = [f"--{n.replace('_', '-')}" for n, kw in _family_options().items()
+                    if s[n] is not None and kw not in fam.options]
+        if not_here:
+            raise ValueError(f"{', '.join(not_here)}: only for mixture-of-experts families, not --model {s['model']}")
+        config = fam.build_config(vocab_size=vocab_size, context=s["context"], d_model=s["d_model"],
+                                  num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
+                                  dropout=s["dropout"], bos_token_id=BOS_ID, eos_token_id=EOS_ID, **extra)
+        torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
+        return fam.for_kind(self.kind).build(config)
+
+    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+        corpus = stdlib_corpus(int(s["corpus_mb"] * 1e6)) if s["data"] is None else text_file_corpus(s["data"],
+                                                                                                      s["valid"])
+        saved = None if resume_from is None else resume_point(resume_from, self.name)
+        if saved is not None:               # the run's own tokenizer and model; the Trainer loads the weights
+            tok = load_tokenizers(saved)["text"]
+            model, context = build_model(saved.model_type, saved.config, saved.architecture), saved.task_options["context"]
+        else:
+            kind = s["tokenizer"] or ("bpe" if s["data"] is None else "char")
+            vocab = s["vocab_size"] if s["vocab_size"] is not None else (2000 if kind == "bpe" else None)
+            tok = Tokenizer.registry[kind].train(corpus.train, vocab)
+            model, context = self._model(s, tok.vocab_size), s["context"]
+        train = encode_documents(tok, corpus.train, corpus.eos_between)
+        valid = encode_documents(tok, corpus.valid, corpus.eos_between)
+        task = LanguageModelTask(model, tok, train, valid, context=context, batch_size=s["batch_size"],
+                                 eval_windows=s["eval_windows"])
+        n_params = sum(p.numel() for p in model.parameters())
+        lines = [f"data: {corpus.source}: {len(train):,} training and {len(valid):,} validation tokens",
+                 f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, context {context}, "
+                 f"vocab {tok.vocab_size}{' (from the checkpoint)' if saved else ''}"]
+        return Setup(task, lines)
+
+    def train_config(self, s: dict, setup: Setup) -> dict:
+        steps = s["steps"] if s["steps"] is not None else 2000
+        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else 1e-3,
+                    betas=(0.9, 0.95 if s["beta2"] is None else s["beta2"]), eps=1e-8, min_lr_ratio=0.1,
+                    warmup_steps=s["warmup"] if s["warmup"] is not None else max(1, steps // 25),
+                    eval_every=s["eval_every"] if s["eval_every"] is not None else max(steps // 10, 50),
+                    best_metric="val_loss", best_mode="min")
+
+    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+        """The best checkpoint continues the start of the validation text."""
+        if s["sample_tokens"] <= 0:
+            return
+        lm = load_lm(run_dir)
+        prompt = setup.task.valid_ids[: max(1, min(16, lm.context // 4))].tolist()
+        result = lm.complete(prompt, s["sample_tokens"], temperature=0.8, top_k=40, seed=s["seed"])
+        print("sample (the start of the validation text, continued at temperature 0.8, top-k 40):")
+        print(lm.tokenizer.decode(prompt) + result.text)
+
+    # ------------------------------------------------------------------ inference
+    def load(self, run: RunInfo, device: str | None = None) -> LoadedLM:
+        from ..nn.linear import optimize_for_inference
+        tok = load_tokenizers(run)["text"]
+        model = optimize_for_inference(load_model(run).to(_device(device)).eval())
+        return LoadedLM(model, tok, [tok.eos_id], tok.eos_id, run.path, "attnlab")
+
+
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+        from ..data.text import read_text_file
+        text = read_text_file(data)
+        lm = load_lm(path, device)
+        progress = sys.stderr.isatty()
+
+        def score(label: str) -> dict:
+            r = text_perplexity(lm, text, stride=settings["stride"], max_tokens=settings["limit"], progress=progress)
+            print(f"{label}: loss {r['loss']:.4f} nats/token, perplexity {r['ppl']:.4f}, "
+                  f"{r['bits_per_byte']:.4f} bits per byte")
+            return r
+
+        first = score(f"{data}: {lm.path}")
+        print(f"  ({first['tokens']:,} tokens scored in {first['windows']} windows of up to {first['context']} "
+              f"tokens, stride {first['stride']})")
+        if settings["quantize"] == "int8":
+            from ..quantize import quantize_int8
+            quantize_int8(lm.model)
+            second = score("int8 weight-only (attnlab.quantize)")
+            print(f"  perplexity change with int8: {(second['ppl'] / first['ppl'] - 1) * 100:+.2f} %")
+
+
+LM = register_task(LanguageModeling())
+
+
+def load_hf_lm(path: Path, device: str | None = None) -> LoadedLM:
+    """A Hugging Face causal-LM directory (config.json + weights + tokenizer.json)."""
+    from ..hub import from_pretrained
+    from ..nn.linear import optimize_for_inference
+    from ..tokenizer import load_tokenizer
+    model = from_pretrained(path)
+    tok = load_tokenizer(path)
+    V = model.config.vocab_size
+    eos = model.config.eos_token_id
+    eos = [i for i in ([eos] if isinstance(eos, int) else eos or []) if 0 <= i < V]
+    bos = model.config.bos_token_id
+    start = bos if bos is not None and 0 <= bos < V else (eos[0] if eos else None)
+    return LoadedLM(optimize_for_inference(model.to(_device(device)).eval()), tok, eos, start, path, "huggingface")
+
+
+def load_lm(path: str | Path, device: str | torch.device | None = None) -> LoadedLM:
+    """An LM run or checkpoint (best/, else latest) or a Hugging Face causal-LM directory, in eval
+    mode with :func:`attnlab.nn.optimize_for_inference` applied (faster gradient-free CPU calls).
+    RunError naming what the path holds when it is not a language model."""
+    info = inspect_path(path)
+    if info.kind == "run":
+        if info.run.task != "lm":
+            raise RunError(f"{path}: {info.describe()}, not a language model")
+        return LM.load(info.run, device)
+    from .run import architecture_for
+    if architecture_for(info.model_type, info.architectures, str(Path(path) / "config.json")).kind != "causal-lm":
+        raise RunError(f"{path}: {info.describe()}, not a causal language model")
+    return load_hf_lm(Path(path), device)
+
+
+@torch.no_grad()
+def text_perplexity(lm: LoadedLM, text: str, *, stride: int | None = None, batch_size: int = 8,
+                    max_tokens: int | None = None, progress: bool = False) -> dict:
+    """Perplexity of ``text`` under ``lm`` (the tokens of one document), with sliding windows.
+
+    The text's ids are cut into windows of the model's context T that start every ``stride``
+    tokens (default T // 2); each window scores only the tokens that no earlier window scored,
+    so every token but the first is predicted exactly once, with at least T - stride tokens of
+    left context (except in the first window). ``max_tokens`` keeps the first that many ids.
+    Returns ``tokens`` (scored), ``loss`` (mean negative log-likelihood, nats per token),
+    ``ppl`` = exp(loss) and ``bits_per_byte`` (the total negative log-likelihood in bits over
+    the scored part's UTF-8 bytes: comparable across tokenizers).
+    """
+    ids = list(lm.tokenizer.encode(text))
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
+    cut = max_tokens is not None and len(ids) > max_tokens
+    ids = ids[:max_tokens] if cut else ids
+    n, T = len(ids), lm.context
+    if n < 2:
+        raise ValueError(f"the text has {n} token(s); a perplexity needs at least 2")
+    stride = T // 2 if stride is None else stride
+    if not 1 <= stride <= T - 1:
+        raise ValueError(f"stride must be in [1, context - 1] = [1, {T - 1}], got {stride}")
+    V = lm.model.config.vocab_size
+    if max(ids) >= V:
+        raise ValueError(f"the tokenizer produced id {max(ids)}, beyond the model's vocabulary of {V}")
+    # window k: ids[b_k : e_k], e_k = min(b_k + T, n); it scores ids[s_k : e_k], s_k = e_{k-1} (s_0 = 1)
+    windows, scored_to = [], 1
+    for b in range(0, n, stride):
+        e = min(b + T, n)
+        windows.append((b, e, scored_to))
+        scored_to = e
+        if e == n:
+            break
+    ids_t = torch.tensor(ids, dtype=torch.long, device=next(lm.model.parameters()).device)
+    per_call = max(1, min(batch_size, (256 << 20) // max(1, T * V * 4)))     # logits of one call <= ~256 MiB
+    short = len(windows) > 1 and windows[-1][1] - windows[-1][0] != T          # a short last window goes alone
+    full = windows[:-1] if short else windows
+    groups = [full[i:i + per_call] for i in range(0, len(full), per_call)] + ([windows[-1:]] if short else [])
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=n - 1, unit="tok", desc="perplexity", file=sys.stderr, leave=False)
+    total = ids_t.new_zeros((), dtype=torch.float64)                 # summed on the device: one sync at the end
+    for group in groups:
+        logits = lm.model(torch.stack([ids_t[b:e] for b, e, _ in group]))
+        for row, (b, e, s) in enumerate(group):
+            total += F.cross_entropy(logits[row, s - 1 - b:e - 1 - b].float(), ids_t[s:e], reduction="sum")
+            if bar is not None:
+                bar.update(e - s)
+    if bar is not None:
+        bar.close()
+    nll, tokens = float(total), n - 1
+    loss = nll / tokens
+    text_bytes = len((lm.tokenizer.decode(ids) if cut else text).encode("utf-8"))
+    return {"tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
+            "bits_per_byte": nll / math.log(2) / max(1, text_bytes), "windows": len(windows), "stride": stride,
+            "context": T}

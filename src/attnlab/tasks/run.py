@@ -1,0 +1,260 @@
+"""One run-metadata format for every task, and finding what a path on disk holds.
+
+Every checkpoint directory the Trainer writes for a task holds, beside the Trainer's own
+files (model.safetensors, optimizer.safetensors, trainer_state.json):
+
+    run.json          {"format": 2, "task": "lm", "model_type": "gpt2", "architecture": "GPT",
+                       "config": the model config's fields, "tokenizers": {"text": "tokenizer.json"},
+                       "task_options": what the task needs to use the model (e.g. its context)}
+    tokenizer files   named in "tokenizers" (attnlab's JSON, any kind of attnlab.tokenizer)
+
+Run directories written before this format (format 1: ``lm.json`` for language models,
+``translation.json`` for translation) are read too: :func:`read_run` turns their metadata into
+the format above and :func:`load_model` renames the weights that have been renamed since, so
+they load for inference. Resuming training needs a run of the current format.
+
+:func:`inspect_path` says what a path is (an attnlab run or checkpoint, a Hugging Face model
+directory, or nothing attnlab reads), so that every command can dispatch on the recorded task
+or architecture and name the command that takes a checkpoint of another kind.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+from torch import Tensor, nn
+
+from ..tokenizer import Tokenizer, load_tokenizer
+from ..train.checkpoint import resolve_checkpoint
+
+__all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "write_run", "read_run", "find_checkpoint", "open_run",
+           "resume_point", "inspect_path", "build_model", "architecture_for", "load_model", "load_tokenizers", "RunError"]
+
+RUN_FILE, FORMAT = "run.json", 2
+_LEGACY_FILES = ("lm.json", "translation.json")
+
+
+class RunError(ValueError):
+    """A path that is not what a command needs; the message is one line for the user."""
+
+
+@dataclass
+class RunInfo:
+    """The parsed run.json of one checkpoint directory."""
+    path: Path                       # the checkpoint directory
+    task: str
+    model_type: str
+    architecture: str
+    config: dict
+    tokenizers: dict[str, str]       # role -> file name inside ``path``
+    task_options: dict
+    legacy: bool = False             # read from a format-1 file
+
+
+def build_model(model_type: str, config: dict, architecture: str | None = None) -> nn.Module:
+    """A fresh model of a registered family and architecture (None: the family's default) from
+    its config's fields."""
+    from ..models.registry import family
+    fam = family(model_type, "run.json")
+    return fam.architecture(architecture or None, "run.json").build(fam.config_cls(**config))
+
+
+def architecture_for(model_type: str | None, architectures: tuple[str, ...] | list[str], where: str):
+    """The registered architecture a Hugging Face config.json names (its first "architectures"
+    entry, else the family's default)."""
+    from ..models.registry import family
+    return family(model_type, where).architecture(architectures[0] if architectures else None, where)
+
+
+def write_run(directory: Path, task: str, model: nn.Module, tokenizers: dict[str, Tokenizer],
+              task_options: dict | None = None) -> None:
+    """Write run.json and the tokenizers into a checkpoint directory (a Task's ``save_assets``).
+    A tokenizer shared by several roles is written once."""
+    directory = Path(directory)
+    files: dict[str, str] = {}
+    written: dict[int, str] = {}
+    for role, tok in tokenizers.items():
+        if id(tok) not in written:
+            name = "tokenizer.json" if not written else f"{role}_tokenizer.json"
+            tok.save(directory / name)
+            written[id(tok)] = name
+        files[role] = written[id(tok)]
+    from ..models.registry import architecture_of
+    arch = architecture_of(model)
+    model_type, architecture = arch.model_type, arch.name
+    config = asdict(model.config) if is_dataclass(model.config) else dict(model.config)
+    meta = {"format": FORMAT, "task": task, "model_type": model_type, "architecture": architecture,
+            "config": config, "tokenizers": files, "task_options": dict(task_options or {})}
+    (directory / RUN_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RunError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _legacy(ckpt: Path) -> RunInfo:
+    """Format 1: lm.json {"task": "lm", "format": 1, "model_type", "config", "context", "tokenizer"}
+    or translation.json {"task": "translate", "model": config, "shared_vocab"}."""
+    if (ckpt / "lm.json").is_file():
+        m = _read_json(ckpt / "lm.json")
+        if m.get("task") != "lm" or m.get("format") != 1:
+            raise RunError(f"{ckpt / 'lm.json'}: not an attnlab language-model checkpoint of format 1")
+        return RunInfo(ckpt, "lm", m["model_type"], "", m["config"], {"text": m["tokenizer"]},
+                       {"context": m["context"]}, legacy=True)
+    m = _read_json(ckpt / "translation.json")
+    shared = m.get("shared_vocab", True)
+    toks = {"source": "src_tokenizer.json", "target": "src_tokenizer.json" if shared else "tgt_tokenizer.json"}
+    return RunInfo(ckpt, "translate", "transformer", "Transformer", m["model"], toks, {}, legacy=True)
+
+
+def read_run(ckpt: str | Path) -> RunInfo:
+    """The metadata of a checkpoint directory (either format); RunError if it has none."""
+    ckpt = Path(ckpt)
+    if not (ckpt / RUN_FILE).is_file():
+        if any((ckpt / f).is_file() for f in _LEGACY_FILES):
+            return _legacy(ckpt)
+        raise RunError(f"{ckpt}: not an attnlab checkpoint (no {RUN_FILE})")
+    m = _read_json(ckpt / RUN_FILE)
+    if m.get("format") != FORMAT:
+        raise RunError(f"{ckpt / RUN_FILE}: run format {m.get('format')!r}; this attnlab reads format {FORMAT} "
+                       "(and the older lm.json / translation.json)")
+    missing = [k for k in ("task", "model_type", "architecture", "config", "tokenizers") if k not in m]
+    if missing:
+        raise RunError(f"{ckpt / RUN_FILE}: missing {', '.join(missing)}")
+    return RunInfo(ckpt, m["task"], m["model_type"], m["architecture"], m["config"], m["tokenizers"],
+                   m.get("task_options", {}))
+
+
+def _has_meta(d: Path) -> bool:
+    return (d / RUN_FILE).is_file() or any((d / f).is_file() for f in _LEGACY_FILES)
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint a run directory stands for: the directory itself if it is one, else its
+    best/ checkpoint, else the one its ``latest`` file names; None if there is none."""
+    path = Path(path)
+    for candidate in (path, path / "best"):
+        if _has_meta(candidate):
+            return candidate
+    try:
+        ckpt = resolve_checkpoint(path)
+    except FileNotFoundError:
+        return None
+    return ckpt if ckpt is not None and _has_meta(ckpt) else None
+
+
+def open_run(path: str | Path) -> RunInfo:
+    """The run a path stands for (see :func:`find_checkpoint`); FileNotFoundError if none."""
+    path = Path(path)
+    ckpt = find_checkpoint(path) if path.is_dir() else None
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return read_run(ckpt)
+
+
+def resume_point(run_dir: str | Path, task: str) -> RunInfo | None:
+    """The checkpoint ``--resume`` continues from (the one ``latest`` names, not best/), or None
+    for a directory without one. RunError if it is another task's run or of the old format."""
+    try:
+        ckpt = resolve_checkpoint(run_dir)
+    except FileNotFoundError as e:
+        raise RunError(str(e)) from None
+    if ckpt is None:
+        return None
+    run = read_run(ckpt)
+    if run.task != task:
+        raise RunError(f"{run_dir}: holds an attnlab '{run.task}' run; it cannot be resumed as '{task}'")
+    if run.legacy:
+        raise RunError(f"{ckpt}: written by an older attnlab (run format 1); it loads for inference, but training "
+                       "can only resume runs of format 2: start a new run")
+    return run
+
+
+@dataclass
+class PathInfo:
+    """What a path holds: an attnlab run ("run", with ``run``) or a Hugging Face model directory
+    ("huggingface", with its config.json's model_type and architectures)."""
+    kind: str
+    path: Path
+    run: RunInfo | None = None
+    model_type: str | None = None
+    architectures: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.kind == "run":
+            return f"an attnlab '{self.run.task}' run ({self.run.model_type})"
+        return f"a Hugging Face {'/'.join(self.architectures) or self.model_type} directory"
+
+
+def inspect_path(path: str | Path) -> PathInfo:
+    """Classify ``path``; FileNotFoundError if it does not exist, RunError if attnlab reads nothing there."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    ckpt = find_checkpoint(path) if path.is_dir() else None
+    if ckpt is not None:
+        return PathInfo("run", path, run=read_run(ckpt))
+    if path.is_dir() and (path / "config.json").is_file():
+        config = _read_json(path / "config.json")
+        archs = config.get("architectures") or ()
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise RunError(f"{path / 'config.json'}: 'architectures' must be a list of class names")
+        return PathInfo("huggingface", path, model_type=config.get("model_type"), architectures=tuple(archs))
+    raise RunError(f"{path}: neither an attnlab run or checkpoint (no {RUN_FILE}) nor a Hugging Face model "
+                   "directory (no config.json)")
+
+
+# sub-module names of the attention blocks before they were given readable names
+_RENAMED_KEYS: list[tuple[re.Pattern, str]] = []
+
+
+def _upgrade_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for key, value in state.items():
+        for pattern, replacement in _RENAMED_KEYS:
+            key = pattern.sub(replacement, key)
+        out[key] = value
+    return out
+
+
+def load_model(run: RunInfo) -> nn.Module:
+    """The run's model with its trained weights (strict), in train mode on the CPU."""
+    from safetensors.torch import load_file
+    model = build_model(run.model_type, run.config, run.architecture)
+    file = run.path / "model.safetensors"
+    if not file.is_file():
+        raise RunError(f"{run.path}: no model.safetensors")
+    try:
+        state = load_file(str(file))
+    except Exception as e:                    # safetensors raises its own error types on a damaged file
+        raise RunError(f"{file}: not a readable safetensors file ({e})") from None
+    if run.legacy:
+        state = _upgrade_keys(state)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied: dict[int, set[str]] = {}               # a tied weight is stored under one of its names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), set()).add(name)
+    missing = [k for k in missing if not any(k in names and names & state.keys() for names in tied.values())]
+    if missing or unexpected:
+        raise RunError(f"{file}: weights do not match the recorded model: missing {missing[:5]}, "
+                       f"unexpected {unexpected[:5]}")
+    return model
+
+
+def load_tokenizers(run: RunInfo) -> dict[str, Tokenizer]:
+    """The run's tokenizers by role; a file shared by roles is loaded once."""
+    loaded: dict[str, Tokenizer] = {}
+    out = {}
+    for role, name in run.tokenizers.items():
+        if name not in loaded:
+            loaded[name] = load_tokenizer(run.path / name)
+        out[role] = loaded[name]
+    return out

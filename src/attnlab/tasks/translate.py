@@ -1,0 +1,275 @@
+"""The translation task: parallel text + tokenizers + an encoder-decoder model, for the Trainer.
+
+    attnlab train translate                                  # the embedded English->German corpus
+    attnlab train translate --data train.tsv --valid valid.tsv --pre-norm
+
+Data: the embedded corpus (:mod:`attnlab.data.numbers`, with a held-out test split) or a TSV of
+source<TAB>target (``--data``; 2 % of it held out for validation unless ``--valid`` is given).
+Source ids carry no BOS/EOS; the decoder reads BOS + target and predicts target + EOS. Batches
+hold at most ``--max-tokens`` padded tokens and group pairs of similar length.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..data.batching import collate, pair_lengths, plan_batches
+from ..data.files import read_tsv
+from ..data.numbers import number_corpus
+from ..tokenizer import train_tokenizers
+from ..train.losses import label_smoothed_cross_entropy
+from .base import Option, Setup, TaskDefinition, fraction, non_negative, positive, register_task
+from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
+
+__all__ = ["TranslationTask", "Translate", "Translator", "load_translator", "score_translations", "read_pairs"]
+
+_M, _D = "model", "data and evaluation"
+
+
+def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
+    """Corpus BLEU and chrF (sacrebleu, default settings) and exact-match accuracy in %."""
+    import sacrebleu
+    refs = list(references)
+    exact = sum(h.strip() == r.strip() for h, r in zip(hypotheses, refs))
+    return {"bleu": sacrebleu.corpus_bleu(list(hypotheses), [refs]).score,
+            "chrf": sacrebleu.corpus_chrf(list(hypotheses), [refs]).score,
+            "exact": 100.0 * exact / max(len(refs), 1)}
+
+
+def read_pairs(path: str, skip_malformed: bool = False) -> tuple[list[tuple[str, str]], int]:
+    """(pairs, skipped lines) of a TSV; ValueError if it holds no pair."""
+    reader = read_tsv(path, skip_malformed=skip_malformed)
+    pairs = list(reader)
+    if not pairs:
+        raise ValueError(f"{path}: no sentence pairs found")
+    return pairs, reader.skipped
+
+
+class TranslationTask:
+    """The Trainer's view of translation (see :class:`attnlab.train.Task`).
+
+    Targets are right-padded, so the causal mask already keeps real positions away from
+    padding; the loss ignores padded targets.
+    """
+
+    def __init__(self, model: nn.Module, src_tok, tgt_tok, train: list[tuple[list[int], list[int]]],
+                 valid: list[tuple[str, str]], *, max_tokens: int = 4096, label_smoothing: float = 0.1,
+                 eval_size: int = 500, eval_beam: int = 1):
+        if not train:
+            raise ValueError("TranslationTask: no training pairs")
+        self.model, self.src_tok, self.tgt_tok = model, src_tok, tgt_tok
+        self.train, self.valid = train, list(valid)
+        self.lengths = pair_lengths(train)
+        self.max_tokens, self.label_smoothing = max_tokens, label_smoothing
+        self.eval_size, self.eval_beam = eval_size, eval_beam
+        self._valid_ids = [(src_tok.encode(s), tgt_tok.encode(t)) for s, t in self.valid]
+
+    def plan(self, epoch: int, seed: int) -> list[dict]:
+        batches = plan_batches(self.lengths, self.max_tokens, seed=seed, epoch=epoch)
+        tok = self.tgt_tok
+        return [collate(self.train, b, tok.pad_id, tok.bos_id, tok.eos_id) for b in batches]
+
+    def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
+        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"])
+        target = batch["tgt_out"]
+        loss = label_smoothed_cross_entropy(logits, target, self.label_smoothing, self.tgt_tok.pad_id)
+        with torch.no_grad():
+            correct = ((logits.argmax(-1) == target) & batch["tgt_mask"]).sum()
+        return loss, int(batch["num_tokens"]), {"token_acc": correct}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict:
+        from ..generate import translate
+        device = next(model.parameters()).device
+        tok = self.tgt_tok
+        nll, tokens = 0.0, 0
+        for b in plan_batches(pair_lengths(self._valid_ids), self.max_tokens, shuffle=False):
+            batch = collate(self._valid_ids, b, tok.pad_id, tok.bos_id, tok.eos_id)
+            logits = model(batch["src"].to(device), batch["tgt_in"].to(device), batch["src_mask"].to(device))
+            nll += float(label_smoothed_cross_entropy(logits, batch["tgt_out"].to(device), 0.0, tok.pad_id))
+            tokens += int(batch["num_tokens"])
+        metrics = {"val_loss": nll / max(tokens, 1)}
+        subset = self.valid[: self.eval_size]
+        if subset:
+            hyps = translate(model, self.src_tok, tok, [s for s, _ in subset], beam_size=self.eval_beam,
+                             src_eos=False)
+            metrics.update(score_translations(hyps, [t for _, t in subset]))
+        return metrics
+
+    def save_assets(self, directory: Path) -> None:
+        write_run(directory, "translate", self.model, {"source": self.src_tok, "target": self.tgt_tok})
+
+
+class Translator:
+    """A trained translation run, ready to translate: ``translator(["a text", ...]) -> [str]``."""
+
+    def __init__(self, model: nn.Module, src_tok, tgt_tok, path: Path):
+        self.model, self.src_tok, self.tgt_tok, self.path = model, src_tok, tgt_tok, path
+
+    def __call__(self, texts: Sequence[str], beam_size: int = 1, length_penalty: float = 1.0) -> list[str]:
+        from ..generate import translate
+        return translate(self.model, self.src_tok, self.tgt_tok, texts, beam_size=beam_size,
+                         length_penalty=length_penalty, src_eos=False)
+
+
+def _device(device) -> str:
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Translate(TaskDefinition):
+    name = "translate"
+    kind = "seq2seq"
+    help = "an encoder-decoder Transformer translating one language into another"
+    example = ("attnlab train translate --steps 400 --out runs/numbers\n"
+               "  attnlab train translate --config multi30k --data train.de-en.tsv --valid valid.de-en.tsv")
+    options = [
+        Option("model", str, "transformer", "architecture: a registered encoder-decoder family", group=_M),
+        Option("tokenizer", str, None, "default: word (embedded corpus), bpe (files)", choices=("word", "char", "bpe"),
+               group=_M),
+        Option("vocab_size", int, None, "BPE vocabulary size (default 8000)", check=lambda v: None if v > 4 else
+               "must exceed the 4 special tokens", group=_M),
+        Option("separate_vocab", bool, False, "separate source and target vocabularies", group=_M),
+        Option("d_model", int, None, "model width (default 128 embedded, 256 files)", check=positive, group=_M),
+        Option("heads", int, None, "attention heads (default 4)", check=positive, group=_M),
+        Option("layers", int, None, "encoder and decoder layers each (default 2 embedded, 3 files)", check=positive,
+               group=_M),
+        Option("d_ff", int, None, "feed-forward width (default 256 embedded, 1024 files)", check=positive, group=_M),
+        Option("dropout", float, None, "dropout (default 0.1)", check=fraction, group=_M),
+        Option("pre_norm", bool, False, "Pre-Norm layers (default: Post-Norm, as the paper)", group=_M),
+        Option("max_tokens", int, None, "padded tokens per micro-batch (default 2048 embedded, 4096 files)",
+               check=positive, group=_D),
+        Option("max_len", int, 256, "longer training pairs are skipped and counted", check=positive, group=_D),
+        Option("label_smoothing", float, 0.1, "label smoothing of the loss", check=fraction, group=_D),
+        Option("eval_size", int, 500, "validation pairs translated for BLEU at each evaluation (0 = none)",
+               check=non_negative, group=_D),
+        Option("corpus_size", int, 20000, "embedded corpus: training pairs", check=positive, group=_D),
+    ]
+
+    eval_options = [
+        Option("beam", int, 4, "beam size (1 = greedy)", check=positive),
+        Option("limit", int, None, "score only the first N items", check=positive),
+        Option("skip_malformed", bool, False, "skip malformed lines of the data file"),
+    ]
+
+    # ------------------------------------------------------------------ training
+    def _sizes(self, s: dict) -> dict:
+        embedded = s["data"] is None
+        base = dict(d_model=128, heads=4, layers=2, d_ff=256, dropout=0.1, tokenizer="word") if embedded else \
+            dict(d_model=256, heads=4, layers=3, d_ff=1024, dropout=0.1, tokenizer="bpe")
+        return {k: (s[k] if s[k] is not None else v) for k, v in base.items()}
+
+    def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
+        """A fresh model of the chosen family through the model registry, sized by the options."""
+        from ..models.registry import families, family
+        known = sorted(f.model_type for f in families(kind=self.kind))
+        if s["model"] not in known:
+            raise ValueError(f"--model: {s['model']!r} is not a registered encoder-decoder family ({', '.join(known)})")
+        fam = family(s["model"])
+        config = fam.build_config(
+            vocab_size=src_tok.vocab_size, tgt_vocab_size=tgt_tok.vocab_size, context=max(s["max_len"] + 2, 64),
+            d_model=d["d_model"], num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"],
+            dropout=d["dropout"], norm_first=s["pre_norm"], tie_output=True, share_embeddings=src_tok is tgt_tok)
+        torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
+        return fam.for_kind(self.kind).build(config)
+
+    def _data(self, s: dict) -> tuple[list, list, list, int]:
+        if s["data"] is None:
+            train, valid, test = number_corpus(n_train=s["corpus_size"], seed=s["seed"])
+            return train, valid, test, 0
+        train, skipped = read_pairs(s["data"], s["skip_malformed"])
+        if s["valid"]:
+            valid, more = read_pairs(s["valid"], s["skip_malformed"])
+            return train, valid, [], skipped + more
+        order = list(range(len(train)))                  # hold out a deterministic 2% (at most 1000 pairs)
+        random.Random(s["seed"]).shuffle(order)
+        held = set(order[:min(1000, max(1, len(train) // 50))])
+        return ([p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held],
+                [], skipped)
+
+    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+        d = self._sizes(s)
+        train, valid, test, skipped = self._data(s)
+        saved = None if resume_from is None else resume_point(resume_from, self.name)
+        if saved is not None:               # the run's own tokenizers and model; the Trainer loads the weights
+            toks = load_tokenizers(saved)
+            src_tok, tgt_tok = toks["source"], toks["target"]
+            model = build_model(saved.model_type, saved.config, saved.architecture)
+        else:
+            src_tok, tgt_tok = train_tokenizers(d["tokenizer"], [a for a, _ in train], [b for _, b in train],
+                                                shared=not s["separate_vocab"], vocab_size=s["vocab_size"] or 8000)
+            model = self._model(s, d, src_tok, tgt_tok)
+        encoded = [(src_tok.encode(a), tgt_tok.encode(b)) for a, b in train]
+        keep = [i for i, n in enumerate(pair_lengths(encoded)) if n <= s["max_len"]]
+        skipped += len(encoded) - len(keep)
+        encoded = [encoded[i] for i in keep]
+        embedded = s["data"] is None
+        task = TranslationTask(model, src_tok, tgt_tok, encoded, valid,
+                               max_tokens=s["max_tokens"] or (2048 if embedded else 4096),
+                               label_smoothing=s["label_smoothing"], eval_size=s["eval_size"])
+        n_params = sum(p.numel() for p in model.parameters())
+        lines = [f"data: {'the embedded English->German corpus' if embedded else s['data']}: {len(encoded):,} "
+                 f"training pairs, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")]
+        if skipped:
+            lines.append(f"skipped {skipped} training pairs (malformed or longer than {s['max_len']} tokens)")
+        lines.append(f"model: {n_params / 1e6:.2f}M parameters, vocab {src_tok.vocab_size}/{tgt_tok.vocab_size}"
+                     + (" (from the checkpoint)" if saved else ""))
+        return Setup(task, lines, {"test": test})
+
+    def train_config(self, s: dict, setup: Setup) -> dict:
+        embedded = s["data"] is None
+        steps = s["steps"] if s["steps"] is not None else (400 if embedded else 100_000)
+        eval_every = s["eval_every"] if s["eval_every"] is not None else max(steps // 5, 100)
+        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else (2e-3 if embedded else 1e-3),
+                    betas=(0.9, 0.98 if s["beta2"] is None else s["beta2"]),
+                    warmup_steps=s["warmup"] if s["warmup"] is not None else min(4000, max(1, steps // 10)),
+                    eval_every=eval_every, best_metric="bleu" if s["eval_size"] else "val_loss",
+                    best_mode="max" if s["eval_size"] else "min")
+
+    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+        """A few held-out translations and the test (embedded corpus) or validation scores."""
+        translator = self.load(open_run(run_dir))
+        pairs = setup.extra["test"] or setup.task.valid[:500]
+        if not pairs:
+            return
+        hyps = translator([a for a, _ in pairs])
+        for (a, b), h in list(zip(pairs, hyps))[:5]:
+            print(f"  {a}\n    -> {h}\n    ref {b}")
+        scores = score_translations(hyps, [b for _, b in pairs])
+        name = "test" if setup.extra["test"] else "validation"
+        print(f"{name} ({len(pairs)} pairs): BLEU {scores['bleu']:.2f}  chrF {scores['chrf']:.2f}  "
+              f"exact match {scores['exact']:.1f}%")
+
+    # ------------------------------------------------------------------ inference
+    def load(self, run: RunInfo, device: str | None = None) -> Translator:
+        from ..nn.linear import optimize_for_inference
+        toks = load_tokenizers(run)
+        model = optimize_for_inference(load_model(run).to(_device(device)).eval())
+        return Translator(model, toks["source"], toks["target"], run.path)
+
+
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+        pairs, _ = read_pairs(data, settings["skip_malformed"])
+        pairs = pairs[: settings["limit"]]
+        translator = self.load(info.run, device)
+        hyps = translator([a for a, _ in pairs], beam_size=settings["beam"])
+        s = score_translations(hyps, [b for _, b in pairs])
+        print(f"{data}: {len(pairs)} pairs, beam {settings['beam']}: BLEU {s['bleu']:.2f}  chrF {s['chrf']:.2f}  "
+              f"exact match {s['exact']:.1f}%")
+
+
+TRANSLATE = register_task(Translate())
+
+
+def load_translator(path: str | Path, device: str | torch.device | None = None):
+    """(model in eval mode, source tokenizer, target tokenizer) of a translation run or checkpoint
+    (a run directory resolves to its best/ checkpoint, else its latest)."""
+    run = open_run(path)
+    if run.task != "translate":
+        raise ValueError(f"{path}: an attnlab '{run.task}' run, not a translation run")
+    t = TRANSLATE.load(run, device)
+    return t.model, t.src_tok, t.tgt_tok
