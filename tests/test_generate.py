@@ -170,7 +170,7 @@ class LookupModel:
         full = tgt if cache is None else cache.extend(tgt)
         T, L = tgt.size(1), full.size(1)
         logits = [[self.logprobs(full[b, 1:p + 1].tolist()) for p in range(L - T, L)] for b in range(tgt.size(0))]
-        return torch.stack([torch.stack(r) for r in logits]).float(), None
+        return torch.stack([torch.stack(r) for r in logits]).float()
 
     def sequence_logprob(self, tokens):
         return sum(self.logprobs(tokens[:i])[t].item() for i, t in enumerate(tokens))

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import attnlab.generate.causal as G
-from attnlab.generate import GenerationStats, apply_repetition_penalty, generate, seen_tokens, truncate_cache
+import attnlab.generate.speculative as G
+from attnlab.generate import GenerationStats, apply_repetition_penalty, generate, seen_tokens
 from attnlab.models import GPT, GPTConfig, Llama, LlamaConfig
 from attnlab.nn.cache import KVCache
 
@@ -158,17 +158,19 @@ def test_cache_grows_by_doubling_not_every_step(gpt, monkeypatch):
     assert len(calls) <= 4 * len(gpt.layers), calls
 
 
-def test_truncate_cache(gpt):
+def test_cache_truncate(gpt):
     cache = gpt.new_cache()
     ids = _ids(1, 9, 5)
     with torch.no_grad():
         gpt(ids, cache=cache)
-        truncate_cache(cache, 5)
+        cache.truncate(5)
         assert cache.length == 5
         resumed = gpt(ids[:, 5:], cache=cache)
-        assert torch.allclose(resumed, gpt(ids)[:, 5:], atol=1e-5)
-    with pytest.raises(ValueError, match="length"):
-        truncate_cache(cache, 10)
+        want = gpt(ids)[:, 5:]
+    torch.testing.assert_close(resumed, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for bad in (10, -1, 2.0, True):
+        with pytest.raises(ValueError, match="length"):
+            cache.truncate(bad)
 
 
 # ---------------------------------------------------------------------------- sampling
