@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from attnlab.generate import (Seq2SeqState, beam_search, beam_search_nbest, greedy_decode, sample, sample_decode,
-                              top_k_filter, top_p_filter, translate)
+from attnlab.generate import (GenerationStats, Seq2SeqState, beam_search, beam_search_nbest, greedy_decode, sample,
+                              sample_decode, speculative_decode, top_k_filter, top_p_filter, translate)
 from attnlab.generate.seq2seq import _prepare
 from attnlab.models import Transformer
 from _decoding import chi2_sf, chi_square  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -317,6 +317,56 @@ def test_sampled_first_token_follows_softmax_over_temperature(model):
     assert df >= 3 and chi2_sf(x, df) > 0.001, f"chi2 {x:.1f} with {df} df"
     x, df = chi_square(counts, logits.double().softmax(-1))         # the test can tell T = 1 from T = 0.7
     assert chi2_sf(x, df) < 0.001, f"chi2 {x:.1f} with {df} df"
+
+
+def _perturbed(model, noise, seed=0):
+    """A copy of ``model`` with N(0, noise**2) added to every matrix: a draft that mostly agrees."""
+    import copy
+    draft, g = copy.deepcopy(model), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() >= 2:
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    return draft
+
+
+def test_speculative_greedy_equals_greedy(model):
+    src, mask, _ = ragged_batch([6, 4, 7, 5, 3])
+    kw = dict(max_len=[12, 3, 12, 8, 12], bos_id=BOS, eos_id=EOS)
+    greedy = greedy_decode(model, src, mask, **kw)
+    rates = {}
+    for name, draft in (("self", model), ("perturbed", _perturbed(model, 0.02)), ("far", _perturbed(model, 1.0))):
+        stats = rates[name] = GenerationStats()
+        got = speculative_decode(model, draft, src, mask, num_draft_tokens=3, stats=stats, **kw)
+        assert torch.equal(got, greedy), name
+    assert rates["self"].accepted == rates["self"].drafted > 0
+    assert 0 < rates["perturbed"].acceptance_rate < 1, rates["perturbed"]
+    assert rates["far"].acceptance_rate < rates["perturbed"].acceptance_rate
+    sampled = [speculative_decode(model, _perturbed(model, 0.02), src, mask, temperature=1.2,
+                                  generator=_seeded(s), **kw) for s in (0, 0, 1)]
+    assert torch.equal(sampled[0], sampled[1]) and not torch.equal(sampled[0], sampled[2])
+
+
+def test_seq2seq_state_truncates_and_refuses_holes(model):
+    src, mask, _ = ragged_batch([3, 4])
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        state, fresh = (Seq2SeqState(model, memory, mask, BOS, use_cache=c) for c in (True, False))
+        state.append(torch.tensor([[5, 6, 7], [8, 9, 10]]))
+        state.next_logits()                                     # the cache has seen all four tokens
+        state.truncate(2)
+        state.append(torch.tensor([11, 12]))
+        assert state.cache.length == 2 and state.tokens.tolist() == [[BOS, 5, 11], [BOS, 8, 12]]
+        fresh.append(torch.tensor([[5, 11], [8, 12]]))
+        got, want = state.next_logits(), fresh.next_logits()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    state.hide(1, torch.tensor([2, 2]))                         # keeps every token: nothing to hide
+    with pytest.raises(ValueError, match="holes"):
+        state.hide(1, torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="holes"):
+        state.append(torch.tensor([[5], [6]]), real=torch.tensor([[True], [False]]))
+    with pytest.raises(ValueError, match="length"):
+        state.truncate(0)
 
 
 def test_translate_samples_reproducibly(model):

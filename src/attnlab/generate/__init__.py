@@ -13,8 +13,8 @@ Three layers:
   :func:`run_beam_search` and :func:`run_speculative` (Leviathan et al. 2023; Chen et al. 2023).
 
 Front doors: :func:`generate` for causal LMs (sampling, ``num_beams``, ``draft_model``);
-:func:`greedy_decode`, :func:`sample_decode`, :func:`beam_search`, :func:`beam_search_nbest` and
-:func:`translate` for encoder-decoder models (anything with ``encode(src, src_padding_mask) ->
+:func:`greedy_decode`, :func:`sample_decode`, :func:`speculative_decode`, :func:`beam_search`,
+:func:`beam_search_nbest` and :func:`translate` for encoder-decoder models (anything with ``encode(src, src_padding_mask) ->
 memory``, ``new_cache()`` and ``decode(tgt, memory, src_padding_mask, cache=) -> logits``).
 
 Glossary: B sources or prompts, K beams, S source length, t tokens generated so far,
@@ -35,10 +35,10 @@ from .sampling import top_k_filter, top_p_filter, token_probs, sample, seen_toke
 from .state import CausalState, Seq2SeqState
 from .search import GenerationStats, Hypothesis, Rows, Sampling, run_beam_search, run_sampling
 from .speculative import run_speculative
-from .seq2seq import greedy_decode, sample_decode, beam_search, beam_search_nbest, translate
+from .seq2seq import greedy_decode, sample_decode, speculative_decode, beam_search, beam_search_nbest, translate
 from .causal import generate
 
 __all__ = ["top_k_filter", "top_p_filter", "token_probs", "sample", "seen_tokens", "apply_repetition_penalty",
            "CausalState", "Seq2SeqState", "GenerationStats", "Hypothesis", "Rows", "Sampling", "run_beam_search",
-           "run_sampling", "run_speculative", "greedy_decode", "sample_decode", "beam_search", "beam_search_nbest",
-           "translate", "generate"]
+           "run_sampling", "run_speculative", "greedy_decode", "sample_decode", "speculative_decode", "beam_search",
+           "beam_search_nbest", "translate", "generate"]

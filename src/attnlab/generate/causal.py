@@ -141,7 +141,7 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
             out = run_sampling(state, rows, sampling, generator, stats, streamer)
         else:
             draft = CausalState(draft_model, input_ids, mask)
-            out = run_speculative(state, draft, rows, num_draft_tokens, sampling, V, generator, stats, streamer)
+            out = run_speculative(state, draft, rows, num_draft_tokens, sampling, generator, stats, streamer)
     stats.new_tokens += out.size(1)
     return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
 

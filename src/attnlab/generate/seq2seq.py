@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from .sampling import _check_sampling
-from .search import Hypothesis, Rows, Sampling, check_beam_options, run_beam_search, run_sampling
+from .search import GenerationStats, Hypothesis, Rows, Sampling, check_beam_options, run_beam_search, run_sampling
+from .speculative import run_speculative
 from .state import Seq2SeqState
 
 
@@ -80,6 +81,39 @@ def greedy_decode(model, src: Tensor, src_padding_mask: Tensor | None = None, *,
     at temperature 0)."""
     return sample_decode(model, src, src_padding_mask, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
                          pad_id=pad_id, temperature=0.0, use_cache=use_cache)
+
+
+@torch.no_grad()
+def speculative_decode(model, draft_model, src: Tensor, src_padding_mask: Tensor | None = None, *,
+                       max_len: MaxLen, bos_id: int, eos_id: int, pad_id: int = 0, num_draft_tokens: int = 4,
+                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                       generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> Tensor:
+    """:func:`sample_decode` with speculative decoding -> tokens (B, L): ``draft_model``, an
+    encoder-decoder over the same vocabularies, proposes ``num_draft_tokens`` tokens per round
+    and ``model`` checks them in one decoder pass (:func:`attnlab.generate.run_speculative`);
+    the output distribution is ``model``'s, and greedy output (temperature 0) is
+    :func:`greedy_decode`'s. Sources decode one at a time: decoder positions count tokens, so
+    rows that accept different numbers of drafts could not stay aligned in one batch.
+    """
+    _check_sampling("speculative_decode", temperature, top_k, top_p)
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"speculative_decode: num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    src, mask, limits = _prepare(model, src, src_padding_mask, max_len, "speculative_decode",
+                                 bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    out = torch.full((src.size(0), max(limits)), pad_id, dtype=torch.long, device=src.device)
+    width = 0
+    for b in range(src.size(0)):
+        one, m = src[b:b + 1], None if mask is None else mask[b:b + 1]
+        target = Seq2SeqState(model, model.encode(one, m), m, bos_id)
+        draft = Seq2SeqState(draft_model, draft_model.encode(one, m), m, bos_id)
+        rows = Rows(torch.tensor([limits[b]], device=src.device), torch.tensor([eos_id], device=src.device), pad_id)
+        tokens = run_speculative(target, draft, rows, num_draft_tokens, Sampling(temperature, top_k, top_p),
+                                 generator, stats)[0]
+        out[b, :tokens.numel()] = tokens
+        width = max(width, tokens.numel())
+    if stats is not None:
+        stats.new_tokens += width
+    return out[:, :width]
 
 
 # ---------------------------------------------------------------------------- beam search

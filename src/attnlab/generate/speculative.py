@@ -33,22 +33,23 @@ def _residual(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
 
 
-def _propose(draft, rows: Rows, k: int, sampling: Sampling, generator, stats: GenerationStats,
-             V: int) -> tuple[Tensor, Tensor]:
+def _propose(draft, rows: Rows, k: int, sampling: Sampling, generator,
+             stats: GenerationStats) -> tuple[Tensor, Tensor | None]:
     """k draft tokens (N, k) drawn autoregressively by the ``draft`` state (which keeps them), and
-    their q (N, k, V)."""
-    N, device = draft.rows, rows.out.device
-    tokens, probs = [torch.empty(N, 0, dtype=torch.long, device=device)], [torch.empty(N, 0, V, device=device)]
+    their q (N, k, V); q is None when k is 0."""
+    tokens, probs = [], []
     for i in range(k):
         if i:
             draft.append(tokens[-1])
         logits = draft.logits()[:, -1]
         stats.draft_passes += 1
-        token, q = _draft_sample(rows.penalize(logits, torch.cat(tokens, 1)), sampling.filters, generator)
+        so_far = torch.cat(tokens, 1) if tokens else None
+        token, q = _draft_sample(rows.penalize(logits, so_far), sampling.filters, generator)
         tokens.append(token[:, None])
         probs.append(q[:, None])
-    if k:
-        draft.append(tokens[-1])        # the state holds every draft, as the target's will
+    if not k:
+        return torch.empty(draft.rows, 0, dtype=torch.long, device=rows.out.device), None
+    draft.append(tokens[-1])            # the state holds every draft, as the target's will
     return torch.cat(tokens, 1), torch.cat(probs, 1)
 
 
@@ -75,10 +76,10 @@ def _verify(drafts: Tensor, q: Tensor, p: Tensor, generator) -> tuple[Tensor, Te
 
 
 @torch.no_grad()
-def run_speculative(target, draft, rows: Rows, k: int, sampling: Sampling, vocab_size: int, generator=None,
+def run_speculative(target, draft, rows: Rows, k: int, sampling: Sampling, generator=None,
                     stats: GenerationStats | None = None, streamer=None) -> Tensor:
     """Decode every row of the ``target`` state with proposals from the ``draft`` state (both
-    adaptors over the same rows and tokens, models over the same ``vocab_size``) -> ``rows.result()``.
+    adaptors over the same rows and tokens, models over one vocabulary) -> ``rows.result()``.
 
     Each round the draft proposes up to k tokens, the target scores them in one pass, and both
     states are rolled back to the longest accepted prefix; rows that accepted fewer drafts keep
@@ -90,10 +91,11 @@ def run_speculative(target, draft, rows: Rows, k: int, sampling: Sampling, vocab
     while True:
         k_now = min(k, rows.remaining() - 1)               # never past a row's limit (nor the context)
         L = target.length
-        drafts, q = _propose(draft, rows, k_now, sampling, generator, stats, vocab_size)
+        drafts, q = _propose(draft, rows, k_now, sampling, generator, stats)
         N = drafts.size(0)
         target.append(drafts)
         p = token_probs(rows.penalize(target.logits(k_now + 1), drafts), *sampling.filters)
+        q = p.new_zeros(N, 0, p.size(-1)) if q is None else q
         stats.target_passes += 1
         n, token = _verify(drafts, q, p, generator)
         stats.drafted, stats.accepted = stats.drafted + N * k_now, stats.accepted + int(n.sum())
