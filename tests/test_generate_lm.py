@@ -67,8 +67,9 @@ def _left_padded(prompts, pad=0):
 
 
 # ---------------------------------------------------------------------------- parity with transformers
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
+def _hf_pair(family, path):
+    """A tiny random transformers model of ``family`` (weights large enough for peaked
+    distributions) and the attnlab model that attnlab.from_pretrained makes of it."""
     transformers = pytest.importorskip("transformers")
     import attnlab
     if family == "gpt2":
@@ -83,8 +84,13 @@ def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
         for name, p in hf.named_parameters():
             mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0          # norm scales around 1
             p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
-    hf.eval().save_pretrained(tmp_path)
-    ours = attnlab.from_pretrained(tmp_path)
+    hf.eval().save_pretrained(path)
+    return hf, attnlab.from_pretrained(path)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
+    hf, ours = _hf_pair(family, tmp_path)
     prompt = _ids(2, 6, seed=8)
     for penalty in (1.0, 1.8):
         with torch.no_grad():
@@ -93,6 +99,21 @@ def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
         got = generate(ours, prompt, 32, repetition_penalty=penalty)
         assert got.shape == (2, 38)
         assert torch.equal(got, want), f"{family} penalty {penalty}:\nattnlab {got.tolist()}\nHF      {want.tolist()}"
+
+
+def test_beam_search_equals_transformers_without_eos(tmp_path):
+    """Without an EOS every hypothesis ends at max_new_tokens, where attnlab's search (K best
+    extensions, exact stop) and transformers' (K live beams, heuristic stop) coincide; with an
+    EOS they differ by design (see generate's docstring), and the exhaustive test covers it."""
+    hf, ours = _hf_pair("gpt2", tmp_path)
+    ids, mask = _left_padded([_ids(1, 6, 80)[0], _ids(1, 3, 81)[0]])
+    for beams, length_penalty in ((2, 1.0), (4, 0.0), (5, 2.0)):
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=beams,
+                               do_sample=False, length_penalty=length_penalty, eos_token_id=None, pad_token_id=0)
+        got = generate(ours, ids, 10, attention_mask=mask, num_beams=beams, length_penalty=length_penalty)
+        assert torch.equal(got[:, -10:], want[:, -10:]), f"{beams} beams:\nattnlab {got.tolist()}\nHF {want.tolist()}"
+        assert not torch.equal(got, generate(ours, ids, 10, attention_mask=mask)), "beams should beat greedy here"
 
 
 def test_repetition_penalty_equals_transformers_processor():
