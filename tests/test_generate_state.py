@@ -125,6 +125,13 @@ def test_recurrent_beam_search(rnn, length_penalty):
         assert beams[i, 5:5 + alone.numel()].tolist() == alone.tolist()
 
 
+def test_run_beam_search_checks_its_limits(rnn):
+    _, ids, mask = _prompts()
+    for bad in ([4, 4], [4, 4, 0], [4, 4, 2.0]):
+        with pytest.raises(ValueError, match="limits"):
+            run_beam_search(CausalState(rnn, ids, mask), bad, [3])
+
+
 def test_recurrent_speculative_decoding_needs_truncation(rnn):
     _, ids, mask = _prompts()
     plain = generate(rnn, ids, 10, attention_mask=mask)

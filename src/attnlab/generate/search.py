@@ -247,8 +247,10 @@ def run_beam_search(state, limits: list[int], eos: list[int], *, beam_size: int 
     its limit. ``beam_size=1`` is exactly greedy decoding: its only beam ends at the first EOS.
     """
     check_beam_options("beam_search", beam_size, length_penalty)
-    stats = GenerationStats() if stats is None else stats
     B, K, eos_set = state.rows, beam_size, set(eos)
+    if len(limits) != B or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
+        raise ValueError(f"run_beam_search: limits must be one int >= 1 per row ({B}), got {limits!r}")
+    stats = GenerationStats() if stats is None else stats
     logits = state.logits()[:, -1]
     stats.target_passes += 1
     device = logits.device
