@@ -5,7 +5,7 @@ written once, against these methods, never against a model class or a cache's in
 
 - ``rows``: the number N of rows being decoded; ``length``: the positions each row holds;
 - ``logits(last=1) -> (N, last, V)``: the model's next-token logits at the last ``last``
-  positions given so far (the last row is the next token's);
+  positions given so far (the last of them predicts the next token);
 - ``append(tokens (N, m), real=None)``: give every row m more tokens;
 - ``select(index)``: keep rows ``index`` in that order (beam search, finished rows leaving);
 - ``truncate(length)``: forget every position from ``length`` on (speculative decoding);
