@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from attnlab.generate import (Seq2SeqState, beam_search, beam_search_nbest, greedy_decode, sample, top_k_filter,
-                              top_p_filter, translate)
+from attnlab.generate import (GenerationStats, Seq2SeqState, beam_search, beam_search_nbest, greedy_decode, sample,
+                              sample_decode, speculative_decode, top_k_filter, top_p_filter, translate)
 from attnlab.generate.seq2seq import _prepare
 from attnlab.models import Transformer
+from _decoding import chi2_sf, chi_square  # noqa: E402  (tests/ is on sys.path under pytest)
 
 PAD, BOS, EOS = 0, 1, 17      # with this seed, EOS 17 ends some rows early and not others
 ATOL = 1e-5
@@ -170,7 +171,7 @@ class LookupModel:
         full = tgt if cache is None else cache.extend(tgt)
         T, L = tgt.size(1), full.size(1)
         logits = [[self.logprobs(full[b, 1:p + 1].tolist()) for p in range(L - T, L)] for b in range(tgt.size(0))]
-        return torch.stack([torch.stack(r) for r in logits]).float(), None
+        return torch.stack([torch.stack(r) for r in logits]).float()
 
     def sequence_logprob(self, tokens):
         return sum(self.logprobs(tokens[:i])[t].item() for i, t in enumerate(tokens))
@@ -278,6 +279,108 @@ def test_sample_temperature_zero_is_argmax_and_filters_restrict_support():
     assert set(draws.tolist()) == set(logits[0, 0].topk(2).indices.tolist())
 
 
+# ---------------------------------------------------------------------------- sampling
+def _seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_sampling_cached_equals_uncached_with_the_same_seed(model):
+    src, mask, _ = ragged_batch([6, 4, 7, 5, 3])
+    kw = dict(max_len=12, bos_id=BOS, eos_id=EOS, temperature=1.3, top_p=0.95)
+    cached = sample_decode(model, src, mask, generator=_seeded(0), **kw)
+    assert torch.equal(cached, sample_decode(model, src, mask, generator=_seeded(0), use_cache=False, **kw))
+    assert not torch.equal(cached, sample_decode(model, src, mask, generator=_seeded(1), **kw))
+    assert not torch.equal(cached, greedy_decode(model, src, mask, max_len=12, bos_id=BOS, eos_id=EOS))
+
+
+def test_sampling_limits_are_greedy(model):
+    src, mask, _ = ragged_batch([6, 4, 7, 5, 3])
+    kw = dict(max_len=12, bos_id=BOS, eos_id=EOS)
+    greedy = greedy_decode(model, src, mask, **kw)
+    assert torch.equal(sample_decode(model, src, mask, temperature=0.0, **kw), greedy)
+    assert torch.equal(sample_decode(model, src, mask, temperature=1e-4, generator=_seeded(0), **kw), greedy)
+    assert torch.equal(sample_decode(model, src, mask, temperature=2.0, top_k=1, generator=_seeded(0), **kw), greedy)
+    assert torch.equal(sample_decode(model, src, mask, temperature=2.0, top_p=1e-6, generator=_seeded(0), **kw),
+                       greedy)
+
+
+def test_sampled_first_token_follows_softmax_over_temperature(model):
+    """3000 copies of one source sample their first token from softmax(logits / T) (chi-square)."""
+    src, mask, _ = ragged_batch([5])
+    T, n = 0.7, 3000
+    with torch.no_grad():
+        logits = Seq2SeqState(model, model.encode(src, mask), mask, BOS).next_logits()[0]
+    first = sample_decode(model, src.expand(n, -1), mask.expand(n, -1), max_len=1, bos_id=BOS, eos_id=EOS,
+                          temperature=T, generator=_seeded(0))[:, 0]
+    counts = torch.bincount(first, minlength=logits.numel()).double()
+    x, df = chi_square(counts, (logits.double() / T).softmax(-1))
+    assert df >= 3 and chi2_sf(x, df) > 0.001, f"chi2 {x:.1f} with {df} df"
+    x, df = chi_square(counts, logits.double().softmax(-1))         # the test can tell T = 1 from T = 0.7
+    assert chi2_sf(x, df) < 0.001, f"chi2 {x:.1f} with {df} df"
+
+
+def _perturbed(model, noise, seed=0):
+    """A copy of ``model`` with N(0, noise**2) added to every matrix: a draft that mostly agrees."""
+    import copy
+    draft, g = copy.deepcopy(model), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() >= 2:
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    return draft
+
+
+def test_speculative_greedy_equals_greedy(model):
+    src, mask, _ = ragged_batch([6, 4, 7, 5, 3])
+    kw = dict(max_len=[12, 3, 12, 8, 12], bos_id=BOS, eos_id=EOS)
+    greedy = greedy_decode(model, src, mask, **kw)
+    rates = {}
+    for name, draft in (("self", model), ("perturbed", _perturbed(model, 0.02)), ("far", _perturbed(model, 1.0))):
+        stats = rates[name] = GenerationStats()
+        got = speculative_decode(model, draft, src, mask, num_draft_tokens=3, stats=stats, **kw)
+        assert torch.equal(got, greedy), name
+    assert rates["self"].accepted == rates["self"].drafted > 0
+    assert 0 < rates["perturbed"].acceptance_rate < 1, rates["perturbed"]
+    assert rates["far"].acceptance_rate < rates["perturbed"].acceptance_rate
+    sampled = [speculative_decode(model, _perturbed(model, 0.02), src, mask, temperature=1.2,
+                                  generator=_seeded(s), **kw) for s in (0, 0, 1)]
+    assert torch.equal(sampled[0], sampled[1]) and not torch.equal(sampled[0], sampled[2])
+
+
+def test_seq2seq_state_truncates_and_refuses_holes(model):
+    src, mask, _ = ragged_batch([3, 4])
+    with torch.no_grad():
+        memory = model.encode(src, mask)
+        state, fresh = (Seq2SeqState(model, memory, mask, BOS, use_cache=c) for c in (True, False))
+        state.append(torch.tensor([[5, 6, 7], [8, 9, 10]]))
+        state.next_logits()                                     # the cache has seen all four tokens
+        state.truncate(2)
+        state.append(torch.tensor([11, 12]))
+        assert state.cache.length == 2 and state.tokens.tolist() == [[BOS, 5, 11], [BOS, 8, 12]]
+        fresh.append(torch.tensor([[5, 11], [8, 12]]))
+        got, want = state.next_logits(), fresh.next_logits()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    state.hide(1, torch.tensor([2, 2]))                         # keeps every token: nothing to hide
+    with pytest.raises(ValueError, match="holes"):
+        state.hide(1, torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="holes"):
+        state.append(torch.tensor([[5], [6]]), real=torch.tensor([[True], [False]]))
+    with pytest.raises(ValueError, match="length"):
+        state.truncate(0)
+
+
+def test_translate_samples_reproducibly(model):
+    tok = DigitTokenizer()
+    texts = ["123", "9876543", "5", "44"]
+    one = translate(model, tok, tok, texts, temperature=1.5, generator=_seeded(3))
+    assert one == translate(model, tok, tok, texts, temperature=1.5, generator=_seeded(3))
+    assert one != translate(model, tok, tok, texts)
+    assert translate(model, tok, tok, texts, temperature=1.5, top_k=1, generator=_seeded(3)) == \
+        translate(model, tok, tok, texts)
+    with pytest.raises(ValueError, match="sample"):
+        translate(model, tok, tok, texts, beam_size=2, temperature=1.0)
+
+
 # ---------------------------------------------------------------------------- translate and arguments
 class DigitTokenizer:
     pad_id, bos_id, eos_id = 0, 1, 17
@@ -322,6 +425,8 @@ def test_bad_arguments_raise(model):
         lambda: top_p_filter(src.float(), 0.0),
         lambda: top_p_filter(src.float(), 1.5),
         lambda: sample(src.float(), -1.0),
+        lambda: sample_decode(model, src, mask, temperature=-1.0, **kw),
+        lambda: sample_decode(model, src, mask, top_k=0, **kw),
         lambda: translate(model, DigitTokenizer(), DigitTokenizer(), "123"),
         lambda: translate(model, DigitTokenizer(), DigitTokenizer(), ["1" * 70]),
     ]

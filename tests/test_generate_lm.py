@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 
-import attnlab.generate.causal as G
-from attnlab.generate import GenerationStats, apply_repetition_penalty, generate, seen_tokens, truncate_cache
+import attnlab.generate.speculative as G
+from attnlab.generate import GenerationStats, apply_repetition_penalty, generate, seen_tokens
 from attnlab.models import GPT, GPTConfig, Llama, LlamaConfig
 from attnlab.nn.cache import KVCache
+from _decoding import CRITICAL_0001, causal_logprob, chi2_sf as _chi2_sf, chi_square as _chi_square  # noqa: E402
+from _decoding import exhaustive_best  # noqa: E402
 
 V, CTX = 64, 256
 
@@ -65,8 +67,9 @@ def _left_padded(prompts, pad=0):
 
 
 # ---------------------------------------------------------------------------- parity with transformers
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
+def _hf_pair(family, path):
+    """A tiny random transformers model of ``family`` (weights large enough for peaked
+    distributions) and the attnlab model that attnlab.from_pretrained makes of it."""
     transformers = pytest.importorskip("transformers")
     import attnlab
     if family == "gpt2":
@@ -81,8 +84,13 @@ def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
         for name, p in hf.named_parameters():
             mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0          # norm scales around 1
             p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
-    hf.eval().save_pretrained(tmp_path)
-    ours = attnlab.from_pretrained(tmp_path)
+    hf.eval().save_pretrained(path)
+    return hf, attnlab.from_pretrained(path)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
+    hf, ours = _hf_pair(family, tmp_path)
     prompt = _ids(2, 6, seed=8)
     for penalty in (1.0, 1.8):
         with torch.no_grad():
@@ -91,6 +99,21 @@ def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
         got = generate(ours, prompt, 32, repetition_penalty=penalty)
         assert got.shape == (2, 38)
         assert torch.equal(got, want), f"{family} penalty {penalty}:\nattnlab {got.tolist()}\nHF      {want.tolist()}"
+
+
+def test_beam_search_equals_transformers_without_eos(tmp_path):
+    """Without an EOS every hypothesis ends at max_new_tokens, where attnlab's search (K best
+    extensions, exact stop) and transformers' (K live beams, heuristic stop) coincide; with an
+    EOS they differ by design (see generate's docstring), and the exhaustive test covers it."""
+    hf, ours = _hf_pair("gpt2", tmp_path)
+    ids, mask = _left_padded([_ids(1, 6, 80)[0], _ids(1, 3, 81)[0]])
+    for beams, length_penalty in ((2, 1.0), (4, 0.0), (5, 2.0)):
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=beams,
+                               do_sample=False, length_penalty=length_penalty, eos_token_id=None, pad_token_id=0)
+        got = generate(ours, ids, 10, attention_mask=mask, num_beams=beams, length_penalty=length_penalty)
+        assert torch.equal(got[:, -10:], want[:, -10:]), f"{beams} beams:\nattnlab {got.tolist()}\nHF {want.tolist()}"
+        assert not torch.equal(got, generate(ours, ids, 10, attention_mask=mask)), "beams should beat greedy here"
 
 
 def test_repetition_penalty_equals_transformers_processor():
@@ -158,17 +181,19 @@ def test_cache_grows_by_doubling_not_every_step(gpt, monkeypatch):
     assert len(calls) <= 4 * len(gpt.layers), calls
 
 
-def test_truncate_cache(gpt):
+def test_cache_truncate(gpt):
     cache = gpt.new_cache()
     ids = _ids(1, 9, 5)
     with torch.no_grad():
         gpt(ids, cache=cache)
-        truncate_cache(cache, 5)
+        cache.truncate(5)
         assert cache.length == 5
         resumed = gpt(ids[:, 5:], cache=cache)
-        assert torch.allclose(resumed, gpt(ids)[:, 5:], atol=1e-5)
-    with pytest.raises(ValueError, match="length"):
-        truncate_cache(cache, 10)
+        want = gpt(ids)[:, 5:]
+    torch.testing.assert_close(resumed, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for bad in (10, -1, 2.0, True):
+        with pytest.raises(ValueError, match="length"):
+            cache.truncate(bad)
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -230,6 +255,71 @@ def test_bad_arguments_raise(llama, gpt):
         generate(llama, prompt, 2, draft_model=gpt, num_draft_tokens=0)
     with pytest.raises(ValueError, match="draft model's context"):
         generate(llama, prompt, 100, draft_model=_gpt(layers=1, ctx=64))
+
+
+# ---------------------------------------------------------------------------- beam search (pitfall 12)
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_beam_one_equals_greedy(llama, length_penalty):
+    from attnlab.generate import CausalState, run_beam_search
+    prompts = [_ids(1, n, 40 + n)[0] for n in (6, 3, 5)]
+    ids, mask = _left_padded(prompts)
+    eos = int(generate(llama, ids, 10, attention_mask=mask)[0, 6 + 3])      # row 0 ends early
+    greedy = generate(llama, ids, 10, attention_mask=mask, eos_token_id=eos)[:, 6:].tolist()
+    assert any(eos not in row for row in greedy), "the case should mix EOS and max_new_tokens endings"
+    nbest = run_beam_search(CausalState(llama, ids, mask), [10] * 3, [eos], beam_size=1,
+                            length_penalty=length_penalty)
+    for row, hyps in zip(greedy, nbest):
+        assert hyps[0].tokens == (row[:row.index(eos) + 1] if eos in row else row)
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_causal_beam_equals_exhaustive_search(length_penalty):
+    """With K >= the live prefixes (4**3 before the last step), beam search is exhaustive: it must
+    find the best of all sequences, and its early stop must not end it with a shorter, worse one
+    (with length_penalty 2, greedy's one-token [EOS] finishes first and loses to four tokens)."""
+    from attnlab.generate import CausalState, run_beam_search
+    model, eos, max_new = _gpt(seed=7, vocab=5, layers=1, d_model=16, scale=0.3), 4, 4
+    beaten = 0
+    for seed in range(4):
+        prompt = _ids(1, 4, 60 + seed, vocab=5)[0]
+        (best, best_tokens), (second, _) = exhaustive_best(causal_logprob(model, prompt), 5, max_new, eos,
+                                                           length_penalty)
+        hyps = run_beam_search(CausalState(model, prompt[None]), [max_new], [eos], beam_size=64,
+                               length_penalty=length_penalty)[0]
+        assert hyps[0].normalized_score == pytest.approx(best, rel=1e-5, abs=1e-6)
+        assert best - second > 1e-3, "pick cases without near-ties"
+        assert hyps[0].tokens == best_tokens, f"seed {seed}"
+        out = generate(model, prompt[None], max_new, eos_token_id=eos, num_beams=64, length_penalty=length_penalty)
+        assert out[0, 4:].tolist() == best_tokens
+        greedy = generate(model, prompt[None], max_new, eos_token_id=eos)[0, 4:].tolist()
+        beaten += greedy != best_tokens
+    assert beaten, "some case should have a best sequence that greedy misses"
+
+
+def test_causal_beam_cached_uncached_and_batched_equal_alone(llama):
+    prompts = [_ids(1, n, 70 + n)[0] for n in (5, 2, 7)]
+    ids, mask = _left_padded(prompts)
+    eos = int(generate(llama, ids, 8, attention_mask=mask)[1, 7 + 2])
+    opts = dict(attention_mask=mask, eos_token_id=eos, num_beams=3, pad_token_id=0)
+    cached = generate(llama, ids, 8, **opts)
+    assert torch.equal(cached, generate(llama, ids, 8, use_cache=False, **opts))
+    for i, p in enumerate(prompts):
+        alone = generate(llama, p[None], 8, eos_token_id=eos, num_beams=3, pad_token_id=0)[0, len(p):]
+        assert cached[i, 7:7 + alone.numel()].tolist() == alone.tolist(), f"row {i}"
+    stats = GenerationStats()
+    generate(llama, ids, 8, stats=stats, **opts)
+    assert 1 <= stats.target_passes <= 8
+
+
+def test_causal_beam_bad_combinations_raise(llama, gpt):
+    prompt = _ids(1, 5, 7)
+    for bad, match in [(dict(num_beams=0), "num_beams"), (dict(num_beams=2, length_penalty=math.inf), "length"),
+                       (dict(num_beams=2, temperature=0.7), "temperature"), (dict(num_beams=2, top_k=3), "top_k"),
+                       (dict(num_beams=2, draft_model=gpt), "draft_model"),
+                       (dict(num_beams=2, repetition_penalty=1.2), "repetition_penalty"),
+                       (dict(num_beams=2, streamer=print), "streamer")]:
+        with pytest.raises(ValueError, match=match):
+            generate(llama, prompt, 4, **bad)
 
 
 # ---------------------------------------------------------------------------- speculative decoding
@@ -295,42 +385,9 @@ def test_speculative_sampling_reproducible_and_with_penalty(llama):
 
 # --- the output distribution is the target's (pitfall 13), tested with a chi-square test
 SMALL_V, SAMPLES, OPTS = 6, 3000, dict(temperature=1.0, top_k=4)
-# chi-square critical values at p = 0.001 from standard tables, to check _chi2_sf against
-CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 10: 29.588, 15: 37.697}
-
-
-def _chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df), integer df, in closed form (no scipy): for even df,
-    exp(-x/2) sum_{i < df/2} (x/2)^i / i!; for odd df, erfc(sqrt(x/2)) + sqrt(2x/pi) exp(-x/2)
-    sum_{i=1}^{(df-1)/2} x^(i-1) / (1 * 3 * ... * (2i - 1))."""
-    if df % 2 == 0:
-        term = total = math.exp(-x / 2)
-        for i in range(1, df // 2):
-            term *= x / 2 / i
-            total += term
-        return total
-    total, term = math.erfc(math.sqrt(x / 2)), math.sqrt(2 * x / math.pi) * math.exp(-x / 2)
-    for i in range(1, (df - 1) // 2 + 1):
-        total += term
-        term *= x / (2 * i + 1)
-    return total
-
-
 def test_chi2_sf_matches_tables():
     for df, x in CRITICAL_0001.items():
         assert _chi2_sf(x, df) == pytest.approx(0.001, rel=2e-3), df
-
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic and degrees of freedom; cells expecting < 5 samples are pooled into one.
-    A sample in a cell of probability 0 gives an infinite statistic."""
-    expected = probs * counts.sum()
-    if bool((counts[probs == 0] > 0).any()):
-        return math.inf, 1
-    small, big = (expected > 0) & (expected < 5), expected >= 5
-    obs = torch.cat([counts[big], counts[small].sum().view(1)]) if small.any() else counts[big]
-    exp = torch.cat([expected[big], expected[small].sum().view(1)]) if small.any() else expected[big]
-    return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,26 @@
-"""Decoding: sampling filters, greedy and beam search for encoder-decoder models, translate,
-and causal-LM generation with speculative decoding.
+"""Decoding, written once over a small state protocol: greedy, sampling, beam search and
+speculative decoding for every model that provides it.
 
-Glossary: B sources, K beams, S source length, t tokens generated so far, V vocabulary;
-for causal LMs N live rows, L cache slots, k draft tokens.
+Three layers:
 
-An encoder-decoder model is anything with ``encode(src, src_padding_mask) -> memory``,
-``new_cache() -> LayerCaches`` and ``decode(tgt, memory, src_padding_mask, cache=cache) ->
-(logits, _)`` (see attnlab.models.transformer). Generation lives here, outside the model:
-the source is encoded once, then one loop asks :class:`Seq2SeqState` for the next-token
-logits, picks tokens and appends them. With the cache the decoder sees only the new token
-each step; without it the whole prefix is recomputed (kept for the equality tests).
+- the model's decoding state (:mod:`attnlab.nn.cache`): a KV cache or a recurrent state with
+  ``length``, ``reorder(index)`` and ``truncate(length)``;
+- one adaptor per kind of model (:mod:`attnlab.generate.state`), owning that state and the
+  token history: :class:`CausalState` (left-padded prompts, a growing attention mask,
+  positions from its cumulative sum, holes for rejected drafts) and :class:`Seq2SeqState`
+  (memory encoded once, BOS start, memory rows following the cache's);
+- one set of loops over any adaptor: :func:`run_sampling` (greedy when temperature is 0),
+  :func:`run_beam_search` and :func:`run_speculative` (Leviathan et al. 2023; Chen et al. 2023).
 
-Conventions shared by every function here:
+Front doors: :func:`generate` for causal LMs (sampling, ``num_beams``, ``draft_model``);
+:func:`greedy_decode`, :func:`sample_decode`, :func:`speculative_decode`, :func:`beam_search`,
+:func:`beam_search_nbest` and :func:`translate` for encoder-decoder models (anything with ``encode(src, src_padding_mask) ->
+memory``, ``new_cache()`` and ``decode(tgt, memory, src_padding_mask, cache=) -> logits``).
+
+Glossary: B sources or prompts, K beams, S source length, t tokens generated so far,
+V vocabulary, N live rows, L slots, k draft tokens.
+
+Conventions of the encoder-decoder functions:
 
 - outputs never contain BOS and contain EOS where the model produced it; a hypothesis that
   reaches ``max_len`` without EOS ends there;
@@ -21,16 +30,15 @@ Conventions shared by every function here:
   model's config has a ``pad_id``, it is derived from the ids (as ``Transformer.forward`` does).
 
 The sampling filters are pure functions of a (..., V) logits tensor, for every decoder.
-
-A causal LM (:class:`attnlab.models.CausalLM`) generates with :func:`generate`: one prefill,
-then one cached step per token, left-padded batches, repetition penalty, EOS stopping, a
-streamer, and speculative decoding with a draft model (Leviathan et al. 2023; Chen et al.
-2023), whose rejected tokens are dropped from both caches by :func:`truncate_cache`.
 """
 from .sampling import top_k_filter, top_p_filter, token_probs, sample, seen_tokens, apply_repetition_penalty
-from .seq2seq import Seq2SeqState, greedy_decode, Hypothesis, beam_search, beam_search_nbest, translate
-from .causal import GenerationStats, truncate_cache, generate
+from .state import CausalState, Seq2SeqState
+from .search import GenerationStats, Hypothesis, Rows, Sampling, run_beam_search, run_sampling
+from .speculative import run_speculative
+from .seq2seq import greedy_decode, sample_decode, speculative_decode, beam_search, beam_search_nbest, translate
+from .causal import generate
 
-__all__ = ["top_k_filter", "top_p_filter", "token_probs", "sample", "seen_tokens",
-           "apply_repetition_penalty", "Seq2SeqState", "greedy_decode", "Hypothesis", "beam_search",
-           "beam_search_nbest", "translate", "GenerationStats", "truncate_cache", "generate"]
+__all__ = ["top_k_filter", "top_p_filter", "token_probs", "sample", "seen_tokens", "apply_repetition_penalty",
+           "CausalState", "Seq2SeqState", "GenerationStats", "Hypothesis", "Rows", "Sampling", "run_beam_search",
+           "run_sampling", "run_speculative", "greedy_decode", "sample_decode", "speculative_decode", "beam_search",
+           "beam_search_nbest", "translate", "generate"]

@@ -1,57 +1,19 @@
-"""Encoder-decoder decoding: batched greedy and beam search with the KV cache, translate()."""
+"""Encoder-decoder decoding: greedy, sampling and beam search over a :class:`Seq2SeqState`
+(the shared loops of :mod:`attnlab.generate.search`), and translate()."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .sampling import _check_sampling
+from .search import GenerationStats, Hypothesis, Rows, Sampling, check_beam_options, run_beam_search, run_sampling
+from .speculative import run_speculative
+from .state import Seq2SeqState
+
 
 MaxLen = int | Sequence[int] | Tensor
-
-
-# ---------------------------------------------------------------------------- decoder state
-class Seq2SeqState:
-    """The decoder side of an encoder-decoder model during generation, N rows at a time.
-
-    Holds the encoder ``memory`` (N, S, E), the source mask, the tokens so far (N, 1 + t)
-    starting with BOS, and with ``use_cache`` the model's cache: :meth:`next_logits` then feeds
-    the decoder only the tokens the cache has not seen, otherwise the whole prefix.
-    """
-
-    def __init__(self, model, memory: Tensor, src_padding_mask: Tensor | None, bos_id: int,
-                 use_cache: bool = True):
-        self.model = model
-        self.memory = memory
-        self.src_padding_mask = src_padding_mask
-        self.tokens = torch.full((memory.size(0), 1), bos_id, dtype=torch.long, device=memory.device)
-        self.cache = model.new_cache() if use_cache else None
-
-    def next_logits(self) -> Tensor:
-        """Logits (N, V) for the token after the current prefix."""
-        if self.cache is None:
-            logits, _ = self.model.decode(self.tokens, self.memory, self.src_padding_mask)
-        else:
-            new = self.tokens[:, self.cache.length:]
-            if new.size(1) == 0:
-                raise RuntimeError("Seq2SeqState.next_logits: append a token before asking again")
-            logits, _ = self.model.decode(new, self.memory, self.src_padding_mask, cache=self.cache)
-        return logits[:, -1]
-
-    def append(self, tokens: Tensor) -> None:
-        """Add one token (N,) to every row."""
-        self.tokens = torch.cat([self.tokens, tokens.view(-1, 1).to(self.tokens)], dim=1)
-
-    def select(self, index: Tensor) -> None:
-        """Keep rows ``index`` in that order (follow surviving beams, drop finished sources)."""
-        self.tokens = self.tokens.index_select(0, index)
-        self.memory = self.memory.index_select(0, index)
-        if self.src_padding_mask is not None:
-            self.src_padding_mask = self.src_padding_mask.index_select(0, index)
-        if self.cache is not None:
-            self.cache.reorder(index)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -90,159 +52,96 @@ def _prepare(model, src: Tensor, src_padding_mask: Tensor | None, max_len: MaxLe
     return src.long(), src_padding_mask, limits
 
 
-# ---------------------------------------------------------------------------- greedy
+# ---------------------------------------------------------------------------- greedy and sampling
 @torch.no_grad()
+def sample_decode(model, src: Tensor, src_padding_mask: Tensor | None = None, *, max_len: MaxLen,
+                  bos_id: int, eos_id: int, pad_id: int = 0, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None, generator: torch.Generator | None = None,
+                  use_cache: bool = True) -> Tensor:
+    """Sampled decoding of a batch of sources -> tokens (B, L), L <= max(max_len).
+
+    Each token is drawn from :func:`attnlab.generate.token_probs` (temperature, then top-k,
+    then top-p); temperature 0 is greedy. Each row runs up to and including EOS, then
+    ``pad_id``. A row stops at EOS or at its own max_len; finished rows leave the batch, and
+    the loop ends when none is left. ``use_cache=False`` recomputes the whole prefix every step
+    (same result; with a ``generator`` seeded alike, the same draws).
+    """
+    _check_sampling("sample_decode", temperature, top_k, top_p)
+    src, mask, limits = _prepare(model, src, src_padding_mask, max_len, "sample_decode",
+                                 bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    state = Seq2SeqState(model, model.encode(src, mask), mask, bos_id, use_cache)
+    rows = Rows(torch.tensor(limits, device=src.device), torch.tensor([eos_id], device=src.device), pad_id)
+    return run_sampling(state, rows, Sampling(temperature, top_k, top_p), generator)
+
+
 def greedy_decode(model, src: Tensor, src_padding_mask: Tensor | None = None, *, max_len: MaxLen,
                   bos_id: int, eos_id: int, pad_id: int = 0, use_cache: bool = True) -> Tensor:
-    """Greedy decoding of a batch of sources -> tokens (B, L), L <= max(max_len).
+    """Greedy decoding of a batch of sources -> tokens (B, L), L <= max(max_len): the argmax
+    continuation of each row up to and including EOS, then ``pad_id`` (:func:`sample_decode`
+    at temperature 0)."""
+    return sample_decode(model, src, src_padding_mask, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
+                         pad_id=pad_id, temperature=0.0, use_cache=use_cache)
 
-    Each row is the argmax continuation up to and including EOS, then ``pad_id``. A row stops
-    at EOS or at its own max_len; finished rows leave the batch, and the loop ends when none
-    is left. ``use_cache=False`` recomputes the whole prefix every step (same result).
+
+@torch.no_grad()
+def speculative_decode(model, draft_model, src: Tensor, src_padding_mask: Tensor | None = None, *,
+                       max_len: MaxLen, bos_id: int, eos_id: int, pad_id: int = 0, num_draft_tokens: int = 4,
+                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                       generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> Tensor:
+    """:func:`sample_decode` with speculative decoding -> tokens (B, L): ``draft_model``, an
+    encoder-decoder over the same vocabularies, proposes ``num_draft_tokens`` tokens per round
+    and ``model`` checks them in one decoder pass (:func:`attnlab.generate.run_speculative`);
+    the output distribution is ``model``'s, and greedy output (temperature 0) is
+    :func:`greedy_decode`'s. Sources decode one at a time: decoder positions count tokens, so
+    rows that accept different numbers of drafts could not stay aligned in one batch.
     """
-    src, mask, limits = _prepare(model, src, src_padding_mask, max_len, "greedy_decode",
+    _check_sampling("speculative_decode", temperature, top_k, top_p)
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"speculative_decode: num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    src, mask, limits = _prepare(model, src, src_padding_mask, max_len, "speculative_decode",
                                  bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-    B = src.size(0)
-    state = Seq2SeqState(model, model.encode(src, mask), mask, bos_id, use_cache)
-    rows = torch.arange(B, device=src.device)              # source of each live row
-    limit = torch.tensor(limits, device=src.device)
-    out = torch.full((B, max(limits)), pad_id, dtype=torch.long, device=src.device)
-    for step in range(max(limits)):
-        # topk(1), not argmax, so that beam_size=1 (which ranks with topk) ties the same way
-        token = state.next_logits().topk(1, dim=-1).indices[:, 0]
-        out[rows, step] = token
-        done = (token == eos_id) | (limit[rows] <= step + 1)
-        if bool(done.all()):
-            return out[:, :step + 1]
-        state.append(token)
-        if bool(done.any()):
-            keep = (~done).nonzero()[:, 0]
-            state.select(keep)
-            rows = rows[keep]
-    return out
+    out = torch.full((src.size(0), max(limits)), pad_id, dtype=torch.long, device=src.device)
+    width = 0
+    for b in range(src.size(0)):
+        one, m = src[b:b + 1], None if mask is None else mask[b:b + 1]
+        target = Seq2SeqState(model, model.encode(one, m), m, bos_id)
+        draft = Seq2SeqState(draft_model, draft_model.encode(one, m), m, bos_id)
+        rows = Rows(torch.tensor([limits[b]], device=src.device), torch.tensor([eos_id], device=src.device), pad_id)
+        tokens = run_speculative(target, draft, rows, num_draft_tokens, Sampling(temperature, top_k, top_p),
+                                 generator, stats)[0]
+        out[b, :tokens.numel()] = tokens
+        width = max(width, tokens.numel())
+    if stats is not None:
+        stats.new_tokens += width
+    return out[:, :width]
 
 
 # ---------------------------------------------------------------------------- beam search
-@dataclass
-class Hypothesis:
-    """One finished beam: ``tokens`` without BOS, ending with EOS unless cut at max_len.
-
-    ``score`` is the sum of the tokens' log-probabilities; ``normalized_score`` =
-    score / len(tokens) ** length_penalty ranks the hypotheses.
-    """
-    tokens: list[int]
-    score: float
-    normalized_score: float
-
-
-def _normalize(score: float, length: int, alpha: float) -> float:
-    return score / length ** alpha
-
-
-def _best_possible(score: float, length: int, limit: int, alpha: float) -> float:
-    """An upper bound on the normalized score of any completion of a live beam.
-
-    The beam has ``length`` tokens and log-prob sum ``score`` <= 0. A completion adds
-    log-probs <= 0, so its sum s <= score, and ends at a length L in [length + 1, limit].
-    Then s / L**alpha <= score / L**alpha, and score / L**alpha is monotonic in L (rising for
-    alpha > 0 because score <= 0, falling for alpha < 0), so its maximum is at an end of the
-    range: for alpha > 0 that is L = limit, i.e. score / limit**alpha.
-    """
-    return max(_normalize(score, length + 1, alpha), _normalize(score, limit, alpha))
-
-
-def _beam_step(state: Seq2SeqState, scores: Tensor, K: int) -> tuple[Tensor, Tensor]:
-    """Extend every beam; return the K best (A, K) scores and tokens, ``state`` following them.
-
-    The best K extensions of all beams lie within each beam's K best tokens, so only A*K*K
-    candidates are ranked. Dead beams carry -inf and are never preferred to a live one.
-    """
-    A = scores.size(0)
-    logits = state.next_logits()                                               # (A*K, V)
-    k = min(K, logits.size(-1))
-    top_tokens = logits.topk(k, dim=-1).indices                                # (A*K, k)
-    logp = logits.float().log_softmax(dim=-1).gather(-1, top_tokens)
-    candidates = (scores.view(-1, 1) + logp).view(A, K * k)
-    new_scores, flat = candidates.topk(K, dim=-1)                              # (A, K)
-    tokens = top_tokens.view(A, K * k).gather(1, flat)
-    parents = torch.arange(A, device=scores.device).view(A, 1) * K + flat // k
-    state.select(parents.view(-1))
-    state.append(tokens.view(-1))
-    return new_scores, tokens
-
-
-def _settle(prefixes: list[list[int]], scores: list[float], tokens: list[int], finished: list[Hypothesis],
-            limit: int, eos_id: int, alpha: float) -> tuple[list[float], bool]:
-    """Move one source's EOS beams to ``finished``; return the live scores and whether it is done.
-
-    A source is done when no beam is live, at its max_len (live beams then compete as they
-    are), or when no live beam can beat the best finished one (:func:`_best_possible`).
-    """
-    length = len(prefixes[0])
-    for j, (prefix, s, tok) in enumerate(zip(prefixes, scores, tokens)):
-        if s != float("-inf") and (tok == eos_id or length >= limit):
-            finished.append(Hypothesis(prefix, s, _normalize(s, length, alpha)))
-            scores[j] = float("-inf")
-    live = [s for s in scores if s != float("-inf")]
-    if not live or length >= limit:
-        return scores, True
-    best = max((h.normalized_score for h in finished), default=float("-inf"))
-    return scores, max(_best_possible(s, length, limit, alpha) for s in live) <= best
-
-
 @torch.no_grad()
 def beam_search_nbest(model, src: Tensor, src_padding_mask: Tensor | None = None, *, beam_size: int = 4,
                       max_len: MaxLen, bos_id: int, eos_id: int, pad_id: int = 0,
-                      length_penalty: float = 1.0) -> list[list[Hypothesis]]:
-    """Beam search over a batch of sources -> per source, every finished hypothesis, best first.
-
-    B*K rows decode together with one cache; ``cache.reorder`` follows the surviving beams and
-    sources that are done leave the batch. Each step the K best extensions are kept; those
-    ending in EOS move to the source's finished list (the beam is refilled next step). Ranking
-    is score / len**length_penalty with len counting EOS (0: plain log-prob sum; 1: mean
-    log-prob). No early stop can return a shorter-but-worse hypothesis: a source stops only when
-    no live beam can still beat its best finished one, or at max_len. ``beam_size=1`` is
-    exactly :func:`greedy_decode`: its only beam ends at the first EOS. ``pad_id`` is unused by
-    the search itself (outputs are lists) and accepted for symmetry with greedy_decode.
+                      length_penalty: float = 1.0, use_cache: bool = True) -> list[list[Hypothesis]]:
+    """Beam search over a batch of sources -> per source, every finished hypothesis, best first
+    (tokens without BOS). The search is :func:`attnlab.generate.run_beam_search`: ranking by
+    score / len**length_penalty, no early stop that could return a shorter-but-worse hypothesis,
+    ``beam_size=1`` exactly :func:`greedy_decode`. The source is encoded once and its memory rows
+    follow the beams. ``pad_id`` is unused by the search itself (outputs are lists) and accepted
+    for symmetry with greedy_decode.
     """
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_search: beam_size must be an int >= 1, got {beam_size!r}")
-    if not (isinstance(length_penalty, (int, float)) and math.isfinite(length_penalty)):
-        raise ValueError(f"beam_search: length_penalty must be a finite number, got {length_penalty!r}")
+    check_beam_options("beam_search", beam_size, length_penalty)
     src, mask, limits = _prepare(model, src, src_padding_mask, max_len, "beam_search",
                                  bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-    B, K = src.size(0), beam_size
-    memory = model.encode(src, mask)
-    state = Seq2SeqState(model, memory.repeat_interleave(K, dim=0),
-                         None if mask is None else mask.repeat_interleave(K, dim=0), bos_id)
-    scores = torch.full((B, K), float("-inf"), device=src.device)
-    scores[:, 0] = 0.0                     # all beams start as BOS: keep one, or K copies would fill the beam
-    alive = list(range(B))
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    while alive:
-        scores, tokens = _beam_step(state, scores, K)
-        prefixes = state.tokens[:, 1:].tolist()
-        new_scores, keep = scores.tolist(), []
-        for a, b in enumerate(alive):
-            new_scores[a], done = _settle(prefixes[a * K:(a + 1) * K], new_scores[a], tokens[a].tolist(),
-                                          finished[b], limits[b], eos_id, length_penalty)
-            if not done:
-                keep.append(a)
-        alive = [alive[a] for a in keep]
-        scores = torch.tensor([new_scores[a] for a in keep], device=src.device).view(len(keep), K)
-        if alive and len(keep) < len(new_scores):
-            index = torch.tensor(keep, device=src.device)
-            state.select((index.view(-1, 1) * K + torch.arange(K, device=src.device)).view(-1))
-    return [sorted(hyps, key=lambda h: h.normalized_score, reverse=True) for hyps in finished]
+    state = Seq2SeqState(model, model.encode(src, mask), mask, bos_id, use_cache)
+    return run_beam_search(state, limits, [eos_id], beam_size=beam_size, length_penalty=length_penalty)
 
 
 def beam_search(model, src: Tensor, src_padding_mask: Tensor | None = None, *, beam_size: int = 4,
                 max_len: MaxLen, bos_id: int, eos_id: int, pad_id: int = 0,
-                length_penalty: float = 1.0) -> list[list[int]]:
+                length_penalty: float = 1.0, use_cache: bool = True) -> list[list[int]]:
     """The best hypothesis of :func:`beam_search_nbest` per source: tokens without BOS, with EOS
     where produced (as :func:`greedy_decode`, without the padding)."""
     nbest = beam_search_nbest(model, src, src_padding_mask, beam_size=beam_size, max_len=max_len, bos_id=bos_id,
-                              eos_id=eos_id, pad_id=pad_id, length_penalty=length_penalty)
+                              eos_id=eos_id, pad_id=pad_id, length_penalty=length_penalty, use_cache=use_cache)
     return [hyps[0].tokens for hyps in nbest]
 
 
@@ -254,18 +153,26 @@ def _strip(ids: list[int], eos_id: int, pad_id: int) -> list[int]:
 
 def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int = 1,
               max_len: int | None = None, device: torch.device | str | None = None, batch_size: int = 32,
-              src_eos: bool = True, length_penalty: float = 1.0) -> list[str]:
+              src_eos: bool = True, length_penalty: float = 1.0, temperature: float = 0.0,
+              top_k: int | None = None, top_p: float | None = None,
+              generator: torch.Generator | None = None) -> list[str]:
     """Translate ``texts`` with an encoder-decoder model -> one string per text, in order.
 
     Sources are ``src_tok.encode(text)`` plus ``src_tok.eos_id`` when ``src_eos`` (as the
     training data is built), right-padded with ``src_tok.pad_id`` in batches of similar
     length. ``max_len`` defaults per text to 2 * len(source) + 10, capped by the model's
-    ``config.max_seq_len``, so a text's translation does not depend on its batch. beam_size 1
-    is greedy. The model runs in eval mode and gets its previous mode back. ``device`` defaults
-    to the model's.
+    ``config.max_seq_len``, so a greedy or beam translation does not depend on its batch.
+    beam_size 1 decodes with :func:`sample_decode`: greedy at ``temperature`` 0 (the default),
+    sampled otherwise (``top_k``, ``top_p``, ``generator``); beam search does not sample. The
+    model runs in eval mode and gets its previous mode back. ``device`` defaults to the model's.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"translate: batch_size must be an int >= 1, got {batch_size!r}")
+    _check_sampling("translate", temperature, top_k, top_p)
+    check_beam_options("translate", beam_size, length_penalty)
+    if beam_size > 1 and (temperature > 0 or top_k is not None or top_p is not None):
+        raise ValueError("translate: beam search (beam_size > 1) does not sample: leave temperature 0, "
+                         "top_k and top_p None")
     if isinstance(texts, str):
         raise ValueError("translate: texts must be a sequence of strings, not one string")
     if device is None:
@@ -296,7 +203,8 @@ def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int =
             common = dict(max_len=[limits[i] for i in batch], bos_id=tgt_tok.bos_id, eos_id=tgt_tok.eos_id,
                           pad_id=tgt_tok.pad_id)
             if beam_size == 1:
-                outputs = greedy_decode(model, src.to(device), mask.to(device), **common).tolist()
+                outputs = sample_decode(model, src.to(device), mask.to(device), temperature=temperature,
+                                        top_k=top_k, top_p=top_p, generator=generator, **common).tolist()
             else:
                 outputs = beam_search(model, src.to(device), mask.to(device), beam_size=beam_size,
                                       length_penalty=length_penalty, **common)

@@ -167,10 +167,11 @@ class CausalLM(nn.Module):
                  top_p: float | None = None, eos_token_id: int | None = None, draft_model=None, **options) -> Tensor:
         """Continue ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens -> (B, T + n).
 
-        Temperature 0 is greedy; ``draft_model`` turns on speculative decoding. Generation lives
-        outside the model: this calls :func:`attnlab.generate.generate`, which documents the keyword
-        ``options`` (attention_mask, repetition_penalty, generator, num_draft_tokens, streamer,
-        pad_token_id, use_cache, stats).
+        Temperature 0 is greedy; ``draft_model`` turns on speculative decoding, ``num_beams`` > 1
+        beam search. Generation lives outside the model: this calls
+        :func:`attnlab.generate.generate`, which documents the keyword ``options`` (attention_mask,
+        repetition_penalty, generator, num_draft_tokens, streamer, pad_token_id, use_cache, stats,
+        num_beams, length_penalty).
         """
         from ..generate import generate
         return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, draft_model,

@@ -1,4 +1,4 @@
-"""Key/value caches for incremental decoding.
+"""Decoding state: the KV cache, and the protocol a recurrent state also meets.
 
 A decoder that generates token by token recomputes nothing for earlier tokens: each
 attention layer keeps the keys and values it has already projected. ``KVCache`` holds them
@@ -7,12 +7,51 @@ token is an in-place copy, not a re-allocation of the whole history every step.
 
 A *static* cache holds the projected encoder memory for cross-attention: it is filled once
 on the first decoding step and reused unchanged afterwards.
+
+The decoding state protocol
+---------------------------
+Generation (:mod:`attnlab.generate`) never looks inside a model's state. It needs three
+things, which :class:`LayerCaches` provides and a recurrent model (Mamba, RWKV, an RNN)
+provides with its own constant-size state:
+
+- ``length`` (int): how many positions of each row the state has consumed;
+- ``reorder(index)``: keep batch rows ``index`` (N',) in that order, repeats allowed (beam
+  search follows its surviving hypotheses, finished rows leave the batch);
+- ``truncate(length)``: forget every position from ``length`` on (speculative decoding drops
+  rejected draft tokens). A state that cannot go back raises :class:`CannotTruncateError`;
+  truncating to the current length is always allowed and changes nothing.
+
+:class:`RecurrentState` is that protocol for a list of per-row tensors that a recurrent model
+overwrites each step; it cannot truncate, because a constant-size state has forgotten the past.
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from torch import Tensor
 
-__all__ = ["KVCache", "LayerCaches"]
+__all__ = ["DecodingState", "CannotTruncateError", "KVCache", "LayerCaches", "RecurrentState"]
+
+
+@runtime_checkable
+class DecodingState(Protocol):
+    """What generation needs from a model's state (see the module docstring)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def reorder(self, index: Tensor) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+
+class CannotTruncateError(RuntimeError):
+    """Raised by a state asked to forget positions it cannot roll back (a recurrent state)."""
+
+
+def _check_length(who: str, length, current: int) -> None:
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= current:
+        raise ValueError(f"{who}.truncate: length must be an int in [0, {current}], got {length!r}")
 
 
 class KVCache:
@@ -72,9 +111,20 @@ class KVCache:
             self.k = self.k.index_select(0, index)
             self.v = self.v.index_select(0, index)
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on. The buffers are read up to ``length`` and the
+        next keys/values are written at ``length``, so nothing is copied or freed. A static
+        (cross-attention) cache holds the encoder memory, which decoding never rolls back: it
+        is left as it is."""
+        if self.static:
+            return
+        _check_length("KVCache", length, self.length)
+        self.length = length
+
 
 class LayerCaches:
-    """One self-attention cache (and optionally one cross-attention cache) per layer."""
+    """One self-attention cache (and optionally one cross-attention cache) per layer; meets the
+    decoding state protocol, its ``length`` being the decoder positions seen."""
 
     def __init__(self, num_layers: int, cross: bool = False, capacity: int = 64):
         self.self_attn = [KVCache(capacity=capacity) for _ in range(num_layers)]
@@ -87,3 +137,38 @@ class LayerCaches:
     def reorder(self, index: Tensor) -> None:
         for c in self.self_attn + (self.cross_attn or []):
             c.reorder(index)
+
+    def truncate(self, length: int) -> None:
+        """Forget the decoder positions from ``length`` on, in every layer."""
+        _check_length("LayerCaches", length, self.length)
+        for c in self.self_attn:
+            c.truncate(length)
+
+
+class RecurrentState:
+    """A constant-size state: ``tensors``, each (B, ...) with rows first, that a recurrent model
+    reads and replaces each step (``state.tensors[i] = new``), plus the count of positions
+    consumed, which the model advances with :meth:`advance`.
+
+    Reordering rows is exact. Truncating is not possible: after a step the previous state is
+    gone, so :meth:`truncate` to fewer positions raises :class:`CannotTruncateError`.
+    """
+
+    def __init__(self, tensors: list[Tensor] | None = None):
+        self.tensors: list[Tensor | None] = list(tensors or [])
+        self.length = 0
+
+    def advance(self, steps: int) -> None:
+        """Count ``steps`` more positions consumed."""
+        self.length += steps
+
+    def reorder(self, index: Tensor) -> None:
+        self.tensors = [None if t is None else t.index_select(0, index) for t in self.tensors]
+
+    def truncate(self, length: int) -> None:
+        _check_length(type(self).__name__, length, self.length)
+        if length != self.length:
+            raise CannotTruncateError(
+                f"{type(self).__name__} cannot go back from {self.length} to {length} positions: a recurrent "
+                f"state keeps no history. Speculative decoding needs a model whose state can truncate "
+                f"(a KV cache): generate with this model without a draft model, and do not use it as one.")

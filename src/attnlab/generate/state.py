@@ -1,0 +1,171 @@
+"""Adaptors between a model and the decoding loops: one per kind of model.
+
+The loops in :mod:`attnlab.generate.search` and :mod:`attnlab.generate.speculative` are
+written once, against these methods, never against a model class or a cache's insides:
+
+- ``rows``: the number N of rows being decoded; ``length``: the positions each row holds;
+- ``logits(last=1) -> (N, last, V)``: the model's next-token logits at the last ``last``
+  positions given so far (the last of them predicts the next token);
+- ``append(tokens (N, m), real=None)``: give every row m more tokens;
+- ``select(index)``: keep rows ``index`` in that order (beam search, finished rows leaving);
+- ``truncate(length)``: forget every position from ``length`` on (speculative decoding);
+- ``hide(start, keep)``: turn positions from ``start + keep[i]`` on into holes in row i, so
+  that rows of one batch that accepted different numbers of draft tokens stay aligned (causal
+  LMs; an encoder-decoder state accepts only calls that leave no hole).
+
+Each adaptor owns the token history and the model's decoding state (``model.new_cache()``, an
+object meeting :class:`attnlab.nn.cache.DecodingState`: a KV cache or a recurrent state); it
+feeds the model only the positions the state has not consumed. Without a state
+(``use_cache=False``) the whole history is recomputed each call (kept for equality tests).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check_new(who: str, tokens: Tensor, rows: int) -> Tensor:
+    tokens = tokens.view(rows, -1) if tokens.dim() < 2 else tokens
+    if tokens.size(0) != rows:
+        raise ValueError(f"{who}.append: expected tokens for {rows} rows, got shape {tuple(tokens.shape)}")
+    return tokens.long()
+
+
+class CausalState:
+    """A causal LM decoding N rows (``model(ids, attention_mask=, cache=) -> (N, T, V)``).
+
+    ``seq`` (N, L) holds every *slot* of a row: its prompt with left padding, generated tokens
+    and rejected draft tokens; ``mask`` (N, L) is True for the real ones. The model takes a
+    row's positions from the cumulative sum of its mask, so a left-padded prompt decodes as it
+    would alone and a hole shifts nothing. The model's state has consumed ``seq[:, :cache.length]``.
+    """
+
+    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None, use_cache: bool = True):
+        self.model = model
+        self.seq = input_ids.long()
+        self.mask = torch.ones_like(self.seq, dtype=torch.bool) if attention_mask is None \
+            else attention_mask.bool().to(self.seq.device)
+        self.cache = model.new_cache() if use_cache else None
+
+    @property
+    def rows(self) -> int:
+        return self.seq.size(0)
+
+    @property
+    def length(self) -> int:
+        return self.seq.size(1)
+
+    def logits(self, last: int = 1) -> Tensor:
+        """Logits (N, last, V) at the last ``last`` slots; the model sees only unconsumed slots."""
+        if self.cache is None:
+            return self.model(self.seq, attention_mask=self.mask)[:, -last:]
+        new = self.seq[:, self.cache.length:]
+        if new.size(1) < last:
+            raise RuntimeError(f"CausalState.logits: {new.size(1)} new slots, asked for the last {last}: "
+                               f"append tokens before asking again")
+        return self.model(new, attention_mask=self.mask, cache=self.cache)[:, -last:]
+
+    def next_logits(self) -> Tensor:
+        """Logits (N, V) for the token after every row."""
+        return self.logits(1)[:, 0]
+
+    def append(self, tokens: Tensor, real: Tensor | None = None) -> None:
+        """Add slots ``tokens`` (N, m) (or (N,)); ``real`` (N, m) False marks holes."""
+        tokens = _check_new("CausalState", tokens, self.rows)
+        real = torch.ones_like(tokens, dtype=torch.bool) if real is None else real.bool()
+        self.seq = torch.cat([self.seq, tokens], dim=1)
+        self.mask = torch.cat([self.mask, real], dim=1)
+
+    def select(self, index: Tensor) -> None:
+        self.seq, self.mask = self.seq.index_select(0, index), self.mask.index_select(0, index)
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` slots; the model's state forgets what lies beyond them."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 < length <= self.seq.size(1):
+            raise ValueError(f"CausalState.truncate: length must be an int in [1, {self.seq.size(1)}], "
+                             f"got {length!r}")
+        self.seq, self.mask = self.seq[:, :length], self.mask[:, :length]
+        if self.cache is not None and self.cache.length > length:
+            self.cache.truncate(length)
+
+    def hide(self, start: int, keep: Tensor) -> None:
+        """Row i's slots from ``start + keep[i]`` on become holes (rejected drafts, kept so that
+        all rows keep one length; the model's state may keep their keys, which the mask hides)."""
+        j = torch.arange(self.seq.size(1) - start, device=keep.device)
+        self.mask = torch.cat([self.mask[:, :start], self.mask[:, start:] & (j < keep[:, None])], dim=1)
+
+
+_NO_HOLES = ("Seq2SeqState: an encoder-decoder state cannot hold holes (decoder positions count tokens); "
+             "decode rows that may accept different numbers of draft tokens one at a time")
+
+
+class Seq2SeqState:
+    """The decoder side of an encoder-decoder model during generation, N rows at a time.
+
+    The model is anything with ``decode(tgt, memory, src_padding_mask, cache=) -> logits
+    (N, T, V)`` and ``new_cache()`` (see :class:`attnlab.models.Transformer`). Holds the encoder
+    ``memory`` (N, S, E), encoded once, the source mask, the tokens so far (N, 1 + t) starting
+    with BOS, and with ``use_cache`` the decoder's state; memory rows follow the state's rows.
+    Holes are not supported: decoder positions count tokens, not a mask.
+    """
+
+    def __init__(self, model, memory: Tensor, src_padding_mask: Tensor | None, bos_id: int,
+                 use_cache: bool = True):
+        self.model = model
+        self.memory = memory
+        self.src_padding_mask = src_padding_mask
+        self.tokens = torch.full((memory.size(0), 1), bos_id, dtype=torch.long, device=memory.device)
+        self.cache = model.new_cache() if use_cache else None
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.size(0)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.size(1)
+
+    def logits(self, last: int = 1) -> Tensor:
+        """Logits (N, last, V) after the last ``last`` tokens; the decoder sees only unconsumed ones."""
+        if self.cache is None:
+            return self.model.decode(self.tokens, self.memory, self.src_padding_mask)[:, -last:]
+        new = self.tokens[:, self.cache.length:]
+        if new.size(1) < last:
+            raise RuntimeError(f"Seq2SeqState.logits: {new.size(1)} new tokens, asked for the last {last}: "
+                               f"append a token before asking again")
+        return self.model.decode(new, self.memory, self.src_padding_mask, cache=self.cache)[:, -last:]
+
+    def next_logits(self) -> Tensor:
+        """Logits (N, V) for the token after the current prefix."""
+        return self.logits(1)[:, 0]
+
+    def append(self, tokens: Tensor, real: Tensor | None = None) -> None:
+        """Add tokens (N, m) (or one token (N,)) to every row."""
+        if real is not None and not bool(real.all()):
+            raise ValueError(_NO_HOLES)
+        self.tokens = torch.cat([self.tokens, _check_new("Seq2SeqState", tokens, self.rows)], dim=1)
+
+    def select(self, index: Tensor) -> None:
+        """Keep rows ``index`` in that order (follow surviving beams, drop finished sources)."""
+        self.tokens = self.tokens.index_select(0, index)
+        self.memory = self.memory.index_select(0, index)
+        if self.src_padding_mask is not None:
+            self.src_padding_mask = self.src_padding_mask.index_select(0, index)
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (BOS included)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 < length <= self.tokens.size(1):
+            raise ValueError(f"Seq2SeqState.truncate: length must be an int in [1, {self.tokens.size(1)}], "
+                             f"got {length!r}")
+        self.tokens = self.tokens[:, :length]
+        if self.cache is not None and self.cache.length > length:
+            self.cache.truncate(length)
+
+    def hide(self, start: int, keep: Tensor) -> None:
+        """Only allowed when it leaves no hole: every row keeps all its tokens from ``start`` on."""
+        if not bool((keep >= self.tokens.size(1) - start).all()):
+            raise ValueError(_NO_HOLES)
