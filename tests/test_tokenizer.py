@@ -93,3 +93,50 @@ def test_train_tokenizers_shared_and_separate():
     assert t.decode(t.encode(tgt[0])) == tgt[0] and s.decode(s.encode(src[0])) == src[0]
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
         train_tokenizers("sentencepiece", src, tgt)
+
+
+# ----------------------------------------------------------------------------- Hugging Face tokenizer.json
+def _hf_file(directory, with_config: bool):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "[UNK]": 3, "hello": 4, "world": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.add_special_tokens(["<s>", "</s>", "<pad>", "[UNK]"])
+    tok.save(str(directory / "tokenizer.json"))
+    if with_config:
+        (directory / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>", "unk_token": "[UNK]"}))
+    return tok
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_a_hugging_face_tokenizer_json_is_a_first_class_tokenizer(tmp_path, with_config):
+    from attnlab.tokenizer import HFTokenizer
+    hf = _hf_file(tmp_path, with_config)
+    for where in (tmp_path, tmp_path / "tokenizer.json"):          # a directory or the file: one loader
+        tok = load_tokenizer(where)
+        assert isinstance(tok, HFTokenizer) and tok.vocab_size == hf.get_vocab_size() == 6
+        assert tok.encode("hello there world") == hf.encode("hello there world").ids == [0, 4, 3, 5]
+        assert tok.decode([0, 4, 5, 1]) == "hello world"                # special tokens skipped
+        assert tok.tokens([4, 5]) == ["hello", "world"]
+        # the roles: from tokenizer_config.json, else the conventional names
+        assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (0, 1, 2, 3)
+    tok.save(tmp_path / "attnlab.json")                                # into attnlab's own file and back
+    again = load_tokenizer(tmp_path / "attnlab.json")
+    assert isinstance(again, HFTokenizer) and again.encode("world hello") == [0, 5, 4]
+    assert (again.bos_id, again.eos_id) == (0, 1) and again.vocabulary() == tok.vocabulary()
+
+
+def test_load_tokenizer_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json in this directory"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"broken\.json: not a tokenizer JSON file"):
+        load_tokenizer(tmp_path / "broken.json")
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Nonsense"}}))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a readable Hugging Face tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match=r"other\.json: not an attnlab tokenizer file"):
+        load_tokenizer(tmp_path / "other.json")

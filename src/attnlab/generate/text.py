@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .causal import GenerationStats
+from .search import GenerationStats
 
 __all__ = ["TextStreamer", "Completion", "complete"]
 

@@ -210,9 +210,10 @@ class LanguageModeling(TaskDefinition):
                     if s[n] is not None and kw not in fam.options]
         if not_here:
             raise ValueError(f"{', '.join(not_here)}: only for mixture-of-experts families, not --model {s['model']}")
+        special = {k: v for k, v in (("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID)) if k in fam.options}
         config = fam.build_config(vocab_size=vocab_size, context=s["context"], d_model=s["d_model"],
                                   num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], bos_token_id=BOS_ID, eos_token_id=EOS_ID, **extra)
+                                  dropout=s["dropout"], **special, **extra)
         torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
         return fam.for_kind(self.kind).build(config)
 
@@ -222,7 +223,8 @@ class LanguageModeling(TaskDefinition):
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:               # the run's own tokenizer and model; the Trainer loads the weights
             tok = load_tokenizers(saved)["text"]
-            model, context = build_model(saved.model_type, saved.config, saved.architecture), saved.task_options["context"]
+            model = build_model(saved.model_type, saved.config, saved.architecture)
+            context = saved.task_options["context"]
         else:
             kind = s["tokenizer"] or ("bpe" if s["data"] is None else "char")
             vocab = s["vocab_size"] if s["vocab_size"] is not None else (2000 if kind == "bpe" else None)
