@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from ..nn.block import DecoderLayer, EncoderLayer
 from ..nn.cache import LayerCaches
+from ..nn.checkpoint import checkpoint
 from ..nn.norm import make_norm
 from ..nn.position import PositionalEncoding
 
@@ -128,9 +128,9 @@ class Transformer(nn.Module):
                              f"min {int(ids.min())}, max {int(ids.max())}")
         return self.pos_encoding(embedding(ids) * math.sqrt(self.config.d_model), offset=offset)
 
-    def _run(self, layer: nn.Module, *args, **kwargs):
+    def _run(self, layer: nn.Module, *args, **kwargs) -> Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+            return checkpoint(layer, *args, **kwargs)
         return layer(*args, **kwargs)
 
     def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
@@ -138,17 +138,16 @@ class Transformer(nn.Module):
         src_padding_mask = self._padding(src, src_padding_mask)
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder_layers:
-            x, _ = self._run(layer, x, src_padding_mask)
+            x = self._run(layer, x, src_padding_mask)
         return self.encoder_norm(x)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None,
-               tgt_padding_mask: Tensor | None = None, *, cache: LayerCaches | None = None,
-               return_weights: bool = False) -> tuple[Tensor, list | None]:
-        """Target ids (B, T) and memory (B, S, E) -> (logits (B, T, V), weights or None).
+               tgt_padding_mask: Tensor | None = None, *, cache: LayerCaches | None = None) -> Tensor:
+        """Target ids (B, T) and memory (B, S, E) -> logits (B, T, V).
 
         With ``cache`` (``new_cache()``), pass only the new tokens each step: positions are
-        offset by the cache length and earlier keys/values are reused. ``weights`` is, per
-        layer, the pair (self-attention, cross-attention) weights (B, H, T, ·).
+        offset by the cache length and earlier keys/values are reused. Attention weights:
+        ``attnlab.viz.record_attention(model)``.
         """
         offset = 0 if cache is None else cache.length
         if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != self.config.d_model:
@@ -156,14 +155,11 @@ class Transformer(nn.Module):
                              f"got {tuple(memory.shape)}")
         tgt_padding_mask = self._padding(tgt, tgt_padding_mask) if cache is None else tgt_padding_mask
         x = self._embed(tgt, self.tgt_embedding, offset)
-        weights = [] if return_weights else None
         for i, layer in enumerate(self.decoder_layers):
             layer_cache = None if cache is None else (cache.self_attn[i], cache.cross_attn[i])
-            x, w_self, w_cross = self._run(layer, x, memory, src_padding_mask, tgt_key_padding_mask=tgt_padding_mask,
-                                           cache=layer_cache, return_weights=return_weights)
-            if return_weights:
-                weights.append((w_self, w_cross))
-        return self.output_projection(self.decoder_norm(x)), weights
+            x = self._run(layer, x, memory, src_padding_mask, tgt_key_padding_mask=tgt_padding_mask,
+                          cache=layer_cache)
+        return self.output_projection(self.decoder_norm(x))
 
     def new_cache(self) -> LayerCaches:
         """An empty cache for step-by-step decoding with :meth:`decode`."""
@@ -173,5 +169,4 @@ class Transformer(nn.Module):
                 tgt_padding_mask: Tensor | None = None) -> Tensor:
         src_padding_mask = self._padding(src, src_padding_mask)
         memory = self.encode(src, src_padding_mask)
-        logits, _ = self.decode(tgt, memory, src_padding_mask, tgt_padding_mask)
-        return logits
+        return self.decode(tgt, memory, src_padding_mask, tgt_padding_mask)

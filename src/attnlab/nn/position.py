@@ -8,8 +8,10 @@ Relative (an :class:`AttentionPosition` plugged into ``MultiHeadAttention(positi
     add a (·, H, T, S) bias to the scores.
 
 Positions are absolute token indices. With a KV cache the new queries start at the cache
-length, not at 0: ``MultiHeadAttention`` passes ``cache.length + arange(T)`` (pitfall 9), and
-the absolute modules take ``offset=`` or ``positions=`` for the same reason.
+length, not at 0: ``MultiHeadAttention`` defaults to ``cache.length + arange(T)`` (pitfall 9),
+and the absolute modules take ``offset=`` or ``positions=`` for the same reason. A left-padded
+batch passes per-row query *and* key positions counted over real tokens, so relative schemes
+see true distances.
 Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
@@ -24,20 +26,24 @@ __all__ = ["AttentionPosition", "sinusoidal_table", "PositionalEncoding", "Learn
 
 
 class AttentionPosition(nn.Module):
-    """Base of the position modules that plug into :class:`MultiHeadAttention`.
+    """Base of the position modules that plug into :class:`MultiHeadAttention`. Both hooks see
+    the projected heads and the positions, so a scheme may use positions only (RoPE, ALiBi, T5)
+    or content too (DeBERTa's content-to-position and position-to-content terms, He et al. 2021).
 
-    ``transform(q, k, positions)`` rotates queries/keys (RoPE); ``bias(q_pos, k_pos)``
-    returns a float score bias broadcastable to (B, H, T, S) (ALiBi, T5). The defaults do
-    nothing, so a subclass overrides the one it needs.
+    ``transform(q, k, q_pos, k_pos=None) -> (q, k)``: the new queries (B, H, T, D) and new keys
+    (B, G, T', D), before the keys enter a KV cache (RoPE rotates them); k_pos defaults to q_pos.
+    ``bias(q, k, q_pos, k_pos) -> Tensor | None``: a float bias broadcastable to (B, H, T, S),
+    added to the scaled scores, given the queries and *every* key (cached and new) (B, G, S, D).
 
-    positions / q_pos: (T,) or (B, T) absolute positions of the new queries (a KV cache
-    offsets them by its length); k_pos: (S,) positions of all keys.
+    Positions are integer (T,) / (B, T) for queries, (S,) / (B, S) for keys: true token positions
+    (offset by a cache; counted over real tokens in a left-padded or speculative batch), so
+    ``k_pos[b, j] - q_pos[b, i]`` is the real distance. The defaults do nothing.
     """
 
-    def transform(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def transform(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return q, k
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    def bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         return None
 
 
@@ -139,8 +145,8 @@ class RotaryEmbedding(AttentionPosition):
             interpolation, Chen et al. 2023); ``{"type": "ntk", "factor": f}`` uses
             base * f^(d/(d-2)) ("NTK-aware" scaling, bloc97 2023).
 
-    ``transform(q (B, H, T, D), k (B, G, T, D), positions (T,) or (B, T))`` returns rotated
-    q, k in their dtype. Frequencies, angles, cos/sin and the rotation are computed in fp32
+    ``transform(q (B, H, T, D), k (B, G, T', D), q_pos (T,) or (B, T), k_pos=None)`` returns
+    rotated q, k in their dtype (k_pos, (T',) or (B, T'), defaults to q_pos). Frequencies, angles, cos/sin and the rotation are computed in fp32
     (pitfall 8); cos/sin are cached for the largest position seen so far.
     """
 
@@ -198,9 +204,13 @@ class RotaryEmbedding(AttentionPosition):
         rot = torch.stack((r1, r2), dim=-1).flatten(-2) if self.interleaved else torch.cat((r1, r2), dim=-1)
         return torch.cat((rot.to(x.dtype), x[..., d:]), dim=-1)
 
-    def transform(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self._cos_sin(positions, q.size(-2))
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def transform(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        cos, sin = self._cos_sin(q_pos, q.size(-2))
+        if k_pos is not None and k_pos is not q_pos:
+            k_cos, k_sin = self._cos_sin(k_pos, k.size(-2))
+        else:
+            k_cos, k_sin = cos, sin
+        return self._rotate(q, cos, sin), self._rotate(k, k_cos, k_sin)
 
 
 # --------------------------------------------------------------------------- T5 relative bias
@@ -238,7 +248,8 @@ class T5RelativePositionBias(AttentionPosition):
     Args: num_heads H; num_buckets, max_distance (see :func:`relative_position_bucket`);
     bidirectional: True for the encoder, False for causal decoder self-attention.
 
-    ``bias(q_pos (T,) or (B, T), k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S).
+    ``position_bias(q_pos (T,) or (B, T), k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S);
+    ``bias(q, k, q_pos, k_pos)``, the attention hook, ignores the content and returns it.
     For **self-attention only**: T5's cross-attention has no position bias, so never pass
     this module to a cross-attention layer (pitfall 9, transformers PR#8518). T5 computes it
     in the first layer and shares it with the others; share the module to do the same.
@@ -251,7 +262,10 @@ class T5RelativePositionBias(AttentionPosition):
         self.bidirectional = bidirectional
         self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.position_bias(q_pos, k_pos)
+
+    def position_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         relative = k_pos[..., None, :] - q_pos[..., :, None]                 # (T, S) or (B, T, S)
         buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         values = self.relative_attention_bias(buckets).movedim(-1, -3)       # (..., H, T, S)
@@ -282,8 +296,9 @@ class ALiBi(AttentionPosition):
     :func:`alibi_slopes`; no position embedding anywhere else. Press et al. 2022, section 3.
 
     Meant for causal attention: the score of a key d tokens behind the query gets -m_h * d
-    (keys ahead of the query are masked anyway). ``bias(q_pos (T,) or (B, T), k_pos (S,))``
-    -> (1, H, T, S) or (B, H, T, S) float32.
+    (keys ahead of the query are masked anyway). ``position_bias(q_pos (T,) or (B, T),
+    k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S) float32; ``bias(q, k, q_pos, k_pos)``,
+    the attention hook, ignores the content and returns it.
     """
 
     def __init__(self, num_heads: int):
@@ -291,7 +306,10 @@ class ALiBi(AttentionPosition):
         self.num_heads = num_heads
         self.slopes: Tensor = alibi_slopes(num_heads)    # plain attribute: stays float32
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.position_bias(q_pos, k_pos)
+
+    def position_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         distance = (q_pos[..., :, None] - k_pos[..., None, :]).abs().float()  # (T, S) or (B, T, S)
         out = -self.slopes.to(distance.device)[:, None, None] * distance.unsqueeze(-3)
         return out if out.dim() == 4 else out[None]
