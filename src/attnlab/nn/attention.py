@@ -277,8 +277,8 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_out, bias=bias)
             self.v_proj = nn.Linear(vdim, kv_out, bias=bias)
         self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias)
-        # None, or a list-like that every forward appends its (B, H, T, S) weights to
-        # (attnlab.viz.record_attention sets it); the only cost when not recording is this check
+        # None, or a list that every forward appends its detached (B, H, T, S) weights to
+        # (attnlab.viz.record_attention sets it); the only cost when not recording is one check
         self.attention_record = None
 
     @property
@@ -388,11 +388,19 @@ class MultiHeadAttention(nn.Module):
         causal = is_causal and T > 1
         out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights)
         if self.attention_record is not None and not recomputing():
-            # computed apart from the output, so that recording never changes what the layer returns
-            seen = weights if weights is not None else scaled_dot_product_attention(q, k, v, full, 0.0, causal, True)[1]
-            self.attention_record.append(seen)
+            self.attention_record.append(self._recorded(q, k, v, full, causal, weights))
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.out_proj(out), weights
+
+    @staticmethod
+    def _recorded(q, k, v, mask, causal, weights) -> Tensor:
+        """Weights for ``attention_record``: detached, and computed apart from the output without
+        autograd, so that recording changes neither the output nor what backward (or a
+        checkpoint's recomputation) saves."""
+        if weights is not None:
+            return weights.detach()
+        with torch.no_grad():
+            return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True)[1]
 
     @staticmethod
     def _positions(positions, key_positions, B, T, S, offset, device) -> tuple[Tensor, Tensor]:

@@ -10,8 +10,7 @@ checkpoint saved. :func:`checkpoint` marks the recomputation so those modules sk
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from contextlib import nullcontext
 
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
@@ -26,17 +25,18 @@ def recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-@contextmanager
-def _recomputation() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Recomputation:
+    """Marks the recomputation; a class, not a generator, because torch may enter it again."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
         _state.depth -= 1
 
 
 def _contexts():
-    return nullcontext(), _recomputation()
+    return nullcontext(), _Recomputation()
 
 
 def checkpoint(function, *args, **kwargs):

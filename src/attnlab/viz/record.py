@@ -26,25 +26,14 @@ from ..nn.attention import MultiHeadAttention
 __all__ = ["AttentionRecord", "record_attention"]
 
 
-class _Calls(list):
-    """The per-call weights of one attention module; what the module appends to."""
-
-    def __init__(self, detach: bool):
-        super().__init__()
-        self.detach = detach
-
-    def append(self, weights: Tensor) -> None:
-        super().append(weights.detach() if self.detach else weights)
-
-
 class AttentionRecord(Mapping):
     """Qualified module name -> list of per-call (B, H, T, S) weight tensors, in model order.
 
     Every attention module of the model has an entry, empty if it did not run.
     """
 
-    def __init__(self, names: list[str], detach: bool):
-        self._calls = {name: _Calls(detach) for name in names}
+    def __init__(self, names: list[str]):
+        self._calls: dict[str, list[Tensor]] = {name: [] for name in names}
 
     def __getitem__(self, name: str) -> list[Tensor]:
         return self._calls[name]
@@ -79,22 +68,21 @@ class AttentionRecord(Mapping):
 
 
 @contextmanager
-def record_attention(model: nn.Module, *, detach: bool = True) -> Iterator[AttentionRecord]:
+def record_attention(model: nn.Module) -> Iterator[AttentionRecord]:
     """Collect the attention weights of every :class:`MultiHeadAttention` in ``model`` during the
     forward passes inside the ``with`` block; yields an :class:`AttentionRecord`.
 
     Names are those of ``model.named_modules()`` ("decoder_layers.0.cross_attn"). Each call
-    appends one (B, H, T, S) tensor, so a KV-cached decoding loop records one per step.
-    ``detach=False`` keeps the weights in the autograd graph (for gradient-based attributions).
-    Recording costs an extra attention-weights computation per layer call; a checkpointed
-    layer's recomputation in the backward pass is not recorded again.
+    appends one detached (B, H, T, S) tensor, so a KV-cached decoding loop records one per step.
+    Recording costs one extra attention-weights computation per layer call (without autograd);
+    a checkpointed layer's recomputation in the backward pass is not recorded again.
     """
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     if not modules:
         raise ValueError(f"record_attention: {type(model).__name__} has no attnlab MultiHeadAttention")
     if any(m.attention_record is not None for _, m in modules):
         raise RuntimeError("record_attention: this model is already being recorded")
-    record = AttentionRecord([name for name, _ in modules], detach)
+    record = AttentionRecord([name for name, _ in modules])
     try:
         for name, m in modules:
             m.attention_record = record[name]
