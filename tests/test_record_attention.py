@@ -145,7 +145,8 @@ def _hf(family):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():                                  # O(1) scores, so that mapping errors show
         for name, p in model.named_parameters():
-            p.copy_((1.0 if p.dim() == 1 and name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
+            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0      # norm scales near 1
+            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
