@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from attnlab.models import Transformer
 from attnlab.nn import causal_mask, generate_square_subsequent_mask, scaled_dot_product_attention
 from attnlab.nn.block import DecoderLayer, EncoderLayer
+from attnlab.viz import record_attention
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -91,19 +92,22 @@ def test_decoder_layer_self_attention_is_causal_and_cross_attention_reads_memory
     torch.manual_seed(0)
     layer = DecoderLayer(32, 4, 64, dropout=0.0).eval()
     x, memory = torch.randn(2, 6, 32), torch.randn(2, 9, 32)
-    out, w_self, w_cross = layer(x, memory, return_weights=True)
+    with record_attention(layer) as record:
+        out = layer(x, memory)
+    w_self, w_cross = record.weights("self_attn"), record.weights("cross_attn")
     assert w_self.shape == (2, 4, 6, 6) and w_cross.shape == (2, 4, 6, 9)
     assert torch.equal(w_self[0, 0] > 0, causal_mask(6))
     x2 = x.clone()
     x2[:, -1] += 5.0                                            # change the last target token only
-    out2, _, _ = layer(x2, memory)
+    out2 = layer(x2, memory)
     assert (out2[:, :-1] - out[:, :-1]).abs().max() <= ATOL, "earlier positions must not see the future"
-    out3, _, _ = layer(x, memory + 1.0)
+    out3 = layer(x, memory + 1.0)
     assert (out3 - out).abs().max() > 1e-3, "cross-attention must read the memory"
     # the encoder layer's optional mask is a mask, never a memory: a (T, T) mask leaves shapes intact
     enc = EncoderLayer(32, 4, 64, dropout=0.0).eval()
-    y, w = enc(x, mask=causal_mask(6), return_weights=True)
-    assert y.shape == x.shape and torch.equal(w[0, 0] > 0, causal_mask(6))
+    with record_attention(enc) as record:
+        y = enc(x, mask=causal_mask(6))
+    assert y.shape == x.shape and torch.equal(record.weights("self_attn")[0, 0] > 0, causal_mask(6))
 
 
 def test_padded_targets_do_not_change_the_loss():

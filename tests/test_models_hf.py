@@ -163,14 +163,15 @@ def test_mixtral_router_logits_and_aux_loss(saved):
     ours = attnlab.from_pretrained(path)
     ids = _ids(seed=6)
     with torch.no_grad():
-        logits, routers = ours.forward_with_router_logits(ids)
+        logits = ours(ids)
         out = hf(ids, output_router_logits=True)
-    assert isinstance(ours(ids), torch.Tensor), "forward returns logits only"
-    assert len(routers) == 2 and routers[0].shape == (2 * 12, 4)
+    assert isinstance(logits, torch.Tensor), "forward returns logits only"
+    routers, mask = ours.routing()
+    assert len(routers) == 2 and routers[0].shape == (2 * 12, 4) and mask is None
     for i, (a, b) in enumerate(zip(routers, out.router_logits)):
         _close(a, b, f"router logits of layer {i}")
     # HF's load_balancing_loss_func does not divide the token fractions by k: its value is k * ours
-    _close(2 * ours.aux_loss(routers), out.aux_loss, "load-balancing loss x top_k", tol=1e-5)
+    _close(2 * ours.aux_loss(), out.aux_loss, "load-balancing loss x top_k", tol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["gpt2-eager", "llama-linear", "mixtral"])

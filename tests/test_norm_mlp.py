@@ -165,7 +165,8 @@ def _mixtral_pair(num_experts=4, top_k=2):
 def test_sparse_moe_matches_mixtral(num_experts, top_k):
     ours, ref = _mixtral_pair(num_experts, top_k)
     x = torch.randn(3, 7, E)
-    y, logits = ours(x)
+    y = ours(x)
+    logits = ours.router_logits
     want = ref(x.clone())
     want_logits, _, _ = ref.gate(x.reshape(-1, E))
     assert logits.shape == (21, num_experts), f"router logits shape {tuple(logits.shape)}"
@@ -179,8 +180,9 @@ def test_sparse_moe_padding_and_gradients():
     ours, _ = _mixtral_pair()
     x = torch.randn(2, 6, E, requires_grad=True)
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2], dtype=torch.bool)
-    y_full, _ = ours(x)
-    y, _ = ours(x, padding_mask=mask)
+    y_full = ours(x)
+    y = ours(x, padding_mask=mask)
+    assert ours.router_logits.shape == (12, 4) and torch.equal(ours.router_mask, mask.flatten())
     err = _max_err(y[mask], y_full[mask])
     assert err <= 1e-6, f"padding changed real-token outputs: err {err} > 1e-6"
     assert torch.equal(y[~mask], torch.zeros_like(y[~mask])), "padding tokens must get zero output"

@@ -248,11 +248,11 @@ def test_t5_bias_matches_hf_compute_bias(is_decoder):
     with torch.no_grad():
         ours.relative_attention_bias.weight.copy_(hf.relative_attention_bias.weight)
     T, past = 6, 150 if is_decoder else 0                         # decoder: queries after a cache of 150
-    got = ours.bias(torch.arange(past, past + T), torch.arange(past + T))
+    got = ours.position_bias(torch.arange(past, past + T), torch.arange(past + T))
     want = hf.compute_bias(T, past + T, past_seen_tokens=past)
     close(got, want, 0.0, "T5 bias vs HF compute_bias (exact: same embedding rows)")
     rows = torch.stack([torch.arange(past, past + T), torch.arange(past + 2, past + T + 2)])
-    per_row = ours.bias(rows, torch.arange(past + T + 2))
+    per_row = ours.position_bias(rows, torch.arange(past + T + 2))
     assert per_row.shape == (2, 4, T, past + T + 2)
     close(per_row[0, :, :, :past + T], want[0], 0.0, "(B, T) positions: row 0 (exact)")
 
@@ -277,7 +277,7 @@ def test_alibi_slopes_match_bloom(num_heads):
 def test_alibi_bias_sign_and_shape():
     alibi = ALiBi(6)
     T, S = 4, 9
-    bias = alibi.bias(torch.arange(S - T, S), torch.arange(S))    # queries at positions 5..8
+    bias = alibi.position_bias(torch.arange(S - T, S), torch.arange(S))    # queries at positions 5..8
     assert bias.shape == (1, 6, T, S) and bias.dtype == torch.float32
     slopes = alibi_slopes(6)
     for h in range(6):

@@ -31,13 +31,14 @@ def to_torch(model: Transformer) -> nn.Transformer:
     for ours, theirs in zip(model.encoder_layers, ref.encoder.layers):
         _copy_attn(ours.self_attn, theirs.self_attn)
         for a, b in ((ours.ff.linear1, theirs.linear1), (ours.ff.linear2, theirs.linear2),
-                     (ours.sub1.norm, theirs.norm1), (ours.sub2.norm, theirs.norm2)):
+                     (ours.self_attn_norm, theirs.norm1), (ours.ff_norm, theirs.norm2)):
             b.load_state_dict(a.state_dict())
     for ours, theirs in zip(model.decoder_layers, ref.decoder.layers):
         _copy_attn(ours.self_attn, theirs.self_attn)
         _copy_attn(ours.cross_attn, theirs.multihead_attn)
         for a, b in ((ours.ff.linear1, theirs.linear1), (ours.ff.linear2, theirs.linear2),
-                     (ours.sub1.norm, theirs.norm1), (ours.sub2.norm, theirs.norm2), (ours.sub3.norm, theirs.norm3)):
+                     (ours.self_attn_norm, theirs.norm1), (ours.cross_attn_norm, theirs.norm2),
+                     (ours.ff_norm, theirs.norm3)):
             b.load_state_dict(a.state_dict())
     ref.encoder.norm.load_state_dict(model.encoder_norm.state_dict())
     ref.decoder.norm.load_state_dict(model.decoder_norm.state_dict())
@@ -84,7 +85,7 @@ def test_matches_torch_transformer_forward_and_gradients(norm_first):
         (torch.cat([ours_grads[f"decoder_layers.1.cross_attn.{x}_proj.weight"] for x in "qkv"]),
          ref_dec1.multihead_attn.in_proj_weight.grad),
         (ours_grads["decoder_layers.1.ff.linear1.weight"], ref_dec1.linear1.weight.grad),
-        (ours_grads["encoder_layers.0.sub2.norm.weight"], ref_enc0.norm2.weight.grad),
+        (ours_grads["encoder_layers.0.ff_norm.weight"], ref_enc0.norm2.weight.grad),
         (ours_grads["src_embedding.weight"], model.src_embedding.weight.grad),
         (ours_grads["output_projection.weight"], model.output_projection.weight.grad),
     ]
@@ -109,7 +110,7 @@ def test_cached_step_decoding_equals_full_forward(norm_first):
     full = model(src, tgt, src_real)
     memory = model.encode(src, src_real)
     cache = model.new_cache()
-    steps = [model.decode(tgt[:, t:t + 1], memory, src_real, cache=cache)[0] for t in range(tgt.size(1))]
+    steps = [model.decode(tgt[:, t:t + 1], memory, src_real, cache=cache) for t in range(tgt.size(1))]
     assert (torch.cat(steps, 1) - full).abs().max() <= ATOL, "cached decoding differs (1e-5)"
 
 

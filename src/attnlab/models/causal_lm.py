@@ -2,16 +2,19 @@
 
     ids (B, T) -> embed (+ positions) -> N x CausalLayer -> final norm -> lm_head -> logits (B, T, V)
 
-A model file builds ``token_embedding``, ``layers`` (a ModuleList of :class:`CausalLayer`),
-``norm`` and ``lm_head`` and may override :meth:`CausalLM.embed` (GPT adds learned positions);
-this base holds the one forward, the cache, the checks, initialisation and ``generate``.
+A model file builds ``token_embedding``, ``layers`` (a ModuleList of
+:class:`~attnlab.nn.CausalLayer`), ``norm`` and ``lm_head`` and may override
+:meth:`CausalLM.embed` (GPT adds learned positions); this base holds the one forward, the
+cache, the checks, initialisation, the auxiliary-loss interface and ``generate``.
 
 Masks and positions (shape letters as in :mod:`attnlab.nn.attention`; P = cached tokens,
 S = P + T): ``attention_mask`` (B, S) is True/1 for real tokens and covers the cached tokens
 too; it is combined with the causal triangle inside attention. Without padding and without a
-cache the fused SDPA kernel runs with ``is_causal`` (pitfall 24). Positions default to
-``P + arange(T)``, or, when a mask is given, to ``cumsum(mask) - 1`` clamped at 0 (left-padded
-batches: every row's first real token is position 0; pitfalls 9 and 11).
+cache the fused SDPA kernel runs with ``is_causal`` (pitfall 24). Without a mask, positions
+are ``P + arange(T)``; with one, every slot's position is ``cumsum(mask) - 1`` clamped at 0,
+for the queries and for the keys: a left-padded row's first real token is position 0, and
+the False slots a speculative decoder leaves for rejected drafts are not counted, so ALiBi
+and the T5 bias see true distances (pitfalls 9 and 11).
 """
 from __future__ import annotations
 
@@ -19,37 +22,11 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from ..nn.block import EncoderLayer
-from ..nn.cache import KVCache, LayerCaches
-from ..nn.mlp import SparseMoE
+from ..nn.cache import LayerCaches
+from ..nn.checkpoint import checkpoint
 
-__all__ = ["CausalLayer", "CausalLM"]
-
-
-class CausalLayer(EncoderLayer):
-    """One decoder-only block (EncoderLayer's wiring with causal attention, a cache and positions):
-
-        Pre-Norm:  x = x + Attn(Norm(x));  x = x + FF(Norm(x))
-
-    ``forward(x (B, T, E), key_padding_mask (B, S) or None, positions (T,) or (B, T), cache,
-    token_mask (B, T) or None) -> (x (B, T, E), router logits (B*T, X) or None)``. A
-    :class:`SparseMoE` feed-forward gets ``token_mask`` (padding is routed nowhere) and returns
-    its router logits; a dense one returns None.
-    """
-
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *, positions: Tensor | None = None,
-                cache: KVCache | None = None, token_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        h = self.sub1.pre(x)
-        a, _ = self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, cache=cache, positions=positions)
-        x = self.sub1.post(x, a)
-        h = self.sub2.pre(x)
-        if isinstance(self.ff, SparseMoE):
-            y, router_logits = self.ff(h, token_mask)
-        else:
-            y, router_logits = self.ff(h), None
-        return self.sub2.post(x, y), router_logits
+__all__ = ["CausalLM"]
 
 
 class CausalLM(nn.Module):
@@ -58,6 +35,8 @@ class CausalLM(nn.Module):
 
     ``forward(input_ids (B, T), attention_mask=None (B, S), positions=None (B, T) or (T,),
     cache=None) -> logits (B, T, V)``; see the module docstring for masks and positions.
+    ``aux_loss()``, ``aux_loss_coef`` and ``aux_stats()`` give a training loop the auxiliary
+    loss of the last forward (Mixtral's load balancing) without knowing what produced it.
     """
 
     init_std = 0.02                       # N(0, 0.02) for every matrix, as GPT-2 and LLaMA
@@ -114,31 +93,38 @@ class CausalLM(nn.Module):
         return None if bool(mask.all()) else mask      # no padding: keep the fused causal path
 
     def _positions(self, positions: Tensor | None, mask: Tensor | None, past: int, B: int, T: int,
-                   device) -> Tensor:
+                   device) -> tuple[Tensor, Tensor | None]:
+        """(query positions (T,) or (B, T), key positions (B, S) or None = arange(S))."""
+        keys = None
         if positions is None:
             if mask is None:
                 positions = torch.arange(past, past + T, device=device)
             else:
-                positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+                keys = (mask.long().cumsum(-1) - 1).clamp(min=0)                 # (B, S)
+                positions = keys[:, -T:]
         elif positions.shape not in ((T,), (B, T)) or positions.is_floating_point():
             raise ValueError(f"{type(self).__name__}: positions must be integer (T,) or (B, T) = {(B, T)}, "
                              f"got {positions.dtype} {tuple(positions.shape)}")
+        elif past == 0:
+            keys = positions                         # without a cache the keys are these tokens
         hi, limit = int(positions.max()), self.config.max_seq_len
         if hi >= limit:
             raise ValueError(f"{type(self).__name__}: position {hi} is beyond the model's context of {limit} "
                              f"tokens (cached + new)")
-        return positions
+        return positions, keys
 
-    def _run(self, layer: nn.Module, x: Tensor, mask, **kwargs):
+    def _run(self, layer: nn.Module, x: Tensor, mask, **kwargs) -> Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and kwargs["cache"] is None:
-            return checkpoint(layer, x, mask, use_reentrant=False, **kwargs)
+            return checkpoint(layer, x, mask, **kwargs)
         return layer(x, mask, **kwargs)
 
-    def forward_with_router_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                                   positions: Tensor | None = None, cache: LayerCaches | None = None,
-                                   ) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`forward` plus the router logits of every mixture-of-experts layer, a list of
-        (B*T, X) tensors (empty for a dense model), for the load-balancing loss."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: LayerCaches | None = None) -> Tensor:
+        """Token ids (B, T) -> next-token logits (B, T, V).
+
+        ``positions`` (T,) or (B, T) overrides the query positions; without a cache they are
+        the keys' positions too (with one, the keys' come from the mask, or are arange(S)).
+        """
         self._check_ids(input_ids)
         B, T = input_ids.shape
         past = 0 if cache is None else cache.length
@@ -146,21 +132,30 @@ class CausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__}: cache has {len(cache.self_attn)} layers, the model "
                              f"{len(self.layers)}; use model.new_cache()")
         mask = self._padding(attention_mask, B, past + T)
-        positions = self._positions(positions, mask, past, B, T, input_ids.device)
+        positions, key_positions = self._positions(positions, mask, past, B, T, input_ids.device)
         x = self.embed(input_ids, positions)
-        token_mask = None if mask is None else mask[:, -T:]
-        router_logits = []
         for i, layer in enumerate(self.layers):
-            x, r = self._run(layer, x, mask, positions=positions, token_mask=token_mask,
-                             cache=None if cache is None else cache.self_attn[i])
-            if r is not None:
-                router_logits.append(r)
-        return self.lm_head(self.norm(x)), router_logits
+            x = self._run(layer, x, mask, positions=positions, key_positions=key_positions,
+                          cache=None if cache is None else cache.self_attn[i])
+        return self.lm_head(self.norm(x))
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: LayerCaches | None = None) -> Tensor:
-        """Token ids (B, T) -> next-token logits (B, T, V)."""
-        return self.forward_with_router_logits(input_ids, attention_mask, positions, cache)[0]
+    # ------------------------------------------------------------------ auxiliary losses
+    @property
+    def aux_loss_coef(self) -> float:
+        """Weight of :meth:`aux_loss` in the training loss (0.0 for a model without one)."""
+        return 0.0
+
+    def aux_loss(self) -> Tensor | None:
+        """The auxiliary training loss of the last forward, a scalar fp32 tensor with its graph,
+        to add as ``aux_loss_coef * aux_loss()`` to the mean per-token loss; None for a model
+        without one (the dense ones). Read from the model itself, so it works when the forward
+        ran through a DDP wrapper or with gradient checkpointing."""
+        return None
+
+    def aux_stats(self) -> dict[str, Tensor]:
+        """Statistics of the last forward worth logging beside the loss, each a detached scalar
+        averaged over the real tokens (Mixtral: each expert's share of the routing); {} by default."""
+        return {}
 
     # ------------------------------------------------------------------ generation and saving
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,

@@ -18,10 +18,11 @@ from torch import Tensor, nn
 
 from .convert import TRANSPOSE, Rule, register_model
 from ..nn.attention import MultiHeadAttention
+from ..nn.block import CausalLayer
 from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
-from .causal_lm import CausalLayer, CausalLM
+from .causal_lm import CausalLM
 
 __all__ = ["GPTConfig", "GPT", "GPT2_WEIGHT_MAP"]
 
@@ -92,10 +93,10 @@ def _conv1d(ours: str, theirs: str) -> list[Rule]:
 GPT2_WEIGHT_MAP = [
     Rule("token_embedding.weight", "transformer.wte.weight"),
     Rule("position_embedding.weight", "transformer.wpe.weight"),
-    Rule("layers.{i}.sub1.norm.{p}", "transformer.h.{i}.ln_1.{p}"),
+    Rule("layers.{i}.self_attn_norm.{p}", "transformer.h.{i}.ln_1.{p}"),
     *_conv1d("layers.{i}.self_attn.qkv_proj", "transformer.h.{i}.attn.c_attn"),
     *_conv1d("layers.{i}.self_attn.out_proj", "transformer.h.{i}.attn.c_proj"),
-    Rule("layers.{i}.sub2.norm.{p}", "transformer.h.{i}.ln_2.{p}"),
+    Rule("layers.{i}.ff_norm.{p}", "transformer.h.{i}.ln_2.{p}"),
     *_conv1d("layers.{i}.ff.linear1", "transformer.h.{i}.mlp.c_fc"),
     *_conv1d("layers.{i}.ff.linear2", "transformer.h.{i}.mlp.c_proj"),
     Rule("norm.{p}", "transformer.ln_f.{p}"),

@@ -24,10 +24,11 @@ from torch import nn
 
 from .convert import PermuteRope, Rule, register_model
 from ..nn.attention import MultiHeadAttention
+from ..nn.block import CausalLayer
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
 from ..nn.position import RotaryEmbedding
-from .causal_lm import CausalLayer, CausalLM
+from .causal_lm import CausalLM
 
 __all__ = ["LlamaConfig", "Llama", "llama_weight_map", "LLAMA_WEIGHT_MAP"]
 
@@ -123,8 +124,8 @@ def llama_weight_map(mlp: list[Rule]) -> list[Rule]:
         Rule("layers.{i}.self_attn.k_proj.{p}", f"{attn}.k_proj.{{p}}", PermuteRope("num_kv_heads")),
         Rule("layers.{i}.self_attn.v_proj.{p}", f"{attn}.v_proj.{{p}}"),
         Rule("layers.{i}.self_attn.out_proj.{p}", f"{attn}.o_proj.{{p}}"),
-        Rule("layers.{i}.sub1.norm.weight", "model.layers.{i}.input_layernorm.weight"),
-        Rule("layers.{i}.sub2.norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+        Rule("layers.{i}.self_attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        Rule("layers.{i}.ff_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
         *mlp,
         Rule("norm.weight", "model.norm.weight"),
         Rule("lm_head.weight", "lm_head.weight"),     # tied: omitted on save, ignored if a checkpoint has it

@@ -5,9 +5,9 @@
 
 The router ``gate`` scores X experts per token; the k best (renormalised softmax weights g)
 run, so a token costs k expert passes, not X. Everything else is :mod:`attnlab.models.llama`.
-For training, :meth:`Mixtral.forward_with_router_logits` returns the logits and every layer's
-router logits, and :meth:`Mixtral.aux_loss` turns them into the load-balancing loss
-(pitfall 20); ``forward`` returns logits only, like every causal LM.
+``forward`` returns logits only, like every causal LM; each layer's router keeps the routing
+of the last forward, and :meth:`Mixtral.aux_loss` turns it into the load-balancing loss
+(pitfall 20), :meth:`Mixtral.aux_stats` into each expert's share of the routing.
 
 Weights: Hugging Face writes Mixtral checkpoints with one tensor per expert
 (``block_sparse_moe.experts.{e}.w1/w3/w2`` = gate/up/down), while transformers 5.x keeps
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .convert import Fuse, Rule, register_model
 from ..nn.cache import LayerCaches
-from ..nn.mlp import SparseMoE, load_balancing_loss
+from ..nn.mlp import SparseMoE, expert_counts, load_balancing_loss
 from . import llama
 from .llama import Llama, LlamaConfig, llama_weight_map
 
@@ -59,21 +59,40 @@ class Mixtral(Llama):
         return SparseMoE(c.d_model, c.d_ff, c.num_experts, c.top_k, activation=c.activation,
                          router_jitter=c.router_jitter)
 
-    def forward_with_router_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                                   positions: Tensor | None = None, cache: LayerCaches | None = None,
-                                   ) -> tuple[Tensor, list[Tensor]]:
-        """-> (logits (B, T, V), one (B*T, X) router-logit tensor per layer)."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: LayerCaches | None = None) -> Tensor:
         window = self.config.sliding_window
         total = input_ids.size(-1) + (0 if cache is None else cache.length)
         if window is not None and total > window:
             raise ValueError(f"Mixtral: {total} tokens exceed the sliding window of {window}; sliding-window "
                              f"attention is not implemented")
-        return super().forward_with_router_logits(input_ids, attention_mask, positions, cache)
+        return super().forward(input_ids, attention_mask, positions, cache)
 
-    def aux_loss(self, router_logits: list[Tensor], attention_mask: Tensor | None = None) -> Tensor:
-        """Load-balancing loss over all layers (padding excluded); add ``router_aux_loss_coef`` times
-        it to the LM loss. ``attention_mask``: (B, T) of the tokens the logits came from."""
-        return load_balancing_loss(router_logits, self.config.num_experts, self.config.top_k, attention_mask)
+    def routing(self) -> tuple[list[Tensor], Tensor | None]:
+        """The last forward's router logits, one (B*T, X) tensor per layer, and the (B*T,) mask of
+        real tokens (None: no padding)."""
+        moe = [layer.ff for layer in self.layers]
+        if any(m.router_logits is None for m in moe):
+            raise RuntimeError("Mixtral: no routing recorded yet; run a forward pass first")
+        return [m.router_logits for m in moe], moe[0].router_mask
+
+    @property
+    def aux_loss_coef(self) -> float:
+        return self.config.router_aux_loss_coef
+
+    def aux_loss(self) -> Tensor:
+        """Load-balancing loss of the last forward over all layers, padding excluded (see
+        :func:`~attnlab.nn.load_balancing_loss`); the training loss adds ``aux_loss_coef`` times it."""
+        logits, mask = self.routing()
+        return load_balancing_loss(logits, self.config.num_experts, self.config.top_k, mask)
+
+    def aux_stats(self) -> dict[str, Tensor]:
+        """``expert_{e}``: the share of the last forward's top-k assignments that went to expert e,
+        over all layers and real tokens (1/X each when balanced; the shares sum to 1)."""
+        logits, mask = self.routing()
+        counts = expert_counts([r.detach() for r in logits], self.config.top_k, mask).double()
+        shares = counts / counts.sum().clamp(min=1.0)
+        return {f"expert_{e}": shares[e] for e in range(self.config.num_experts)}
 
 
 # ----------------------------------------------------------------------------- Hugging Face

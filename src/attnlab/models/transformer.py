@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from ..nn.block import DecoderLayer, EncoderLayer
 from ..nn.cache import LayerCaches
+from ..nn.checkpoint import checkpoint
 from ..nn.norm import make_norm
 from ..nn.position import PositionalEncoding
 
@@ -128,9 +128,9 @@ class Transformer(nn.Module):
                              f"min {int(ids.min())}, max {int(ids.max())}")
         return self.pos_encoding(embedding(ids) * math.sqrt(self.config.d_model), offset=offset)
 
-    def _run(self, layer: nn.Module, *args, **kwargs):
+    def _run(self, layer: nn.Module, *args, **kwargs) -> Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+            return checkpoint(layer, *args, **kwargs)
         return layer(*args, **kwargs)
 
     def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
@@ -138,7 +138,7 @@ class Transformer(nn.Module):
         src_padding_mask = self._padding(src, src_padding_mask)
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder_layers:
-            x, _ = self._run(layer, x, src_padding_mask)
+            x = self._run(layer, x, src_padding_mask)
         return self.encoder_norm(x)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None,
@@ -146,7 +146,8 @@ class Transformer(nn.Module):
         """Target ids (B, T) and memory (B, S, E) -> logits (B, T, V).
 
         With ``cache`` (``new_cache()``), pass only the new tokens each step: positions are
-        offset by the cache length and earlier keys/values are reused.
+        offset by the cache length and earlier keys/values are reused. Attention weights:
+        ``attnlab.viz.record_attention(model)``.
         """
         offset = 0 if cache is None else cache.length
         if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != self.config.d_model:
@@ -156,8 +157,8 @@ class Transformer(nn.Module):
         x = self._embed(tgt, self.tgt_embedding, offset)
         for i, layer in enumerate(self.decoder_layers):
             layer_cache = None if cache is None else (cache.self_attn[i], cache.cross_attn[i])
-            x, _, _ = self._run(layer, x, memory, src_padding_mask, tgt_key_padding_mask=tgt_padding_mask,
-                                cache=layer_cache)
+            x = self._run(layer, x, memory, src_padding_mask, tgt_key_padding_mask=tgt_padding_mask,
+                          cache=layer_cache)
         return self.output_projection(self.decoder_norm(x))
 
     def new_cache(self) -> LayerCaches:

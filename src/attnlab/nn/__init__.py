@@ -7,5 +7,5 @@ from .norm import DyT, LayerNorm, RMSNorm, make_norm
 from .mlp import FeedForward, GatedMLP, SparseMoE, expert_counts, load_balancing_loss
 from .position import (ALiBi, LearnedPositionalEmbedding, PositionalEncoding, RotaryEmbedding, T5RelativePositionBias,
                        alibi_slopes, relative_position_bucket, sinusoidal_table)
-from .block import DecoderLayer, EncoderLayer
+from .block import CausalLayer, DecoderLayer, EncoderLayer
 from .linear import InferenceLinear, optimize_for_inference

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KVCache
+from .checkpoint import recomputing
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -243,7 +244,9 @@ class MultiHeadAttention(nn.Module):
         causal: this is a causal self-attention (decoder); the mask is built from positions.
 
     ``forward(query, key, value, mask=None, ...)`` takes (B, T, E) / (B, S, kdim) / (B, S, vdim)
-    and returns ``(output (B, T, E), weights (B, H, T, S) or None)``.
+    and returns ``(output (B, T, E), weights (B, H, T, S) or None)``. While
+    ``attention_record`` is a list, each call also appends its weights to it (the output is
+    computed as without it).
     """
 
     def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, *,
@@ -274,6 +277,9 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_out, bias=bias)
             self.v_proj = nn.Linear(vdim, kv_out, bias=bias)
         self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias)
+        # None, or a list that every forward appends its detached (B, H, T, S) weights to
+        # (attnlab.viz.record_attention sets it); the only cost when not recording is one check
+        self.attention_record = None
 
     @property
     def fused_qkv(self) -> bool:
@@ -337,7 +343,7 @@ class MultiHeadAttention(nn.Module):
                 mask: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
                 is_causal: bool | None = None, return_weights: bool = False,
                 cache: KVCache | None = None, positions: Tensor | None = None,
-                ) -> tuple[Tensor, Tensor | None]:
+                key_positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` (B, T, E) to ``key``/``value`` (B, S, ·); self-attention if they are None.
 
         mask: broadcastable to (B, H, T, S), boolean True = attend or float additive.
@@ -347,8 +353,11 @@ class MultiHeadAttention(nn.Module):
             triangle is aligned to absolute positions.
         cache: a :class:`KVCache`. A dynamic cache appends this step's keys/values; a static
             cache (cross-attention) projects the memory once and reuses it.
-        positions: (T,) or (B, T) absolute positions of the queries for the position module
+        positions: (T,) or (B, T) positions of the queries for the position module
             (default: cache length + arange(T)).
+        key_positions: (S,) or (B, S) positions of all keys, cached and new (default:
+            arange(S)). A left-padded batch passes both counted over real tokens, so that
+            relative schemes (ALiBi, T5) see true distances.
         """
         key = query if key is None else key
         value = key if value is None else value
@@ -358,17 +367,15 @@ class MultiHeadAttention(nn.Module):
         offset = 0 if cache is None or cache.static else cache.length
 
         q, k, v = self._project(query, key, value, cache)
-        if positions is None and self.position is not None:
-            positions = torch.arange(offset, offset + T, device=query.device)
-        if self.position is not None and k is not None:
-            q, k = self.position.transform(q, k, positions)
+        S = cache.length if k is None else offset + k.size(-2)
+        if self.position is not None:
+            positions, key_positions = self._positions(positions, key_positions, B, T, S, offset, query.device)
+            if k is not None:                   # the new keys' positions are the last ones
+                q, k = self.position.transform(q, k, positions, key_positions[..., S - k.size(-2):])
         if cache is not None:
             k, v = cache.update(k, v)
-        S = k.size(-2)
 
-        bias = None
-        if self.position is not None:
-            bias = self.position.bias(positions, torch.arange(S, device=query.device))
+        bias = None if self.position is None else self.position.bias(q, k, positions, key_positions)
         kpm = None
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, S):
@@ -378,6 +385,32 @@ class MultiHeadAttention(nn.Module):
         full = combine_masks(mask, kpm, bias, dtype=None if bias is None else q.dtype)
         dropout_p = self.dropout if self.training else 0.0
         # one query attending a cache needs no causal mask: every cached key is in its past
-        out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, is_causal and T > 1, return_weights)
+        causal = is_causal and T > 1
+        out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights)
+        if self.attention_record is not None and not recomputing():
+            self.attention_record.append(self._recorded(q, k, v, full, causal, weights))
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.out_proj(out), weights
+
+    @staticmethod
+    def _recorded(q, k, v, mask, causal, weights) -> Tensor:
+        """Weights for ``attention_record``: detached, and computed apart from the output without
+        autograd, so that recording changes neither the output nor what backward (or a
+        checkpoint's recomputation) saves."""
+        if weights is not None:
+            return weights.detach()
+        with torch.no_grad():
+            return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True)[1]
+
+    @staticmethod
+    def _positions(positions, key_positions, B, T, S, offset, device) -> tuple[Tensor, Tensor]:
+        """Query positions (T,) / (B, T) and key positions (S,) / (B, S), defaults filled in."""
+        if positions is None:
+            positions = torch.arange(offset, offset + T, device=device)
+        if key_positions is None:
+            key_positions = torch.arange(S, device=device)
+        for name, pos, L in (("positions", positions, T), ("key_positions", key_positions, S)):
+            if pos.shape not in ((L,), (B, L)) or pos.is_floating_point():
+                raise ValueError(f"MultiHeadAttention: {name} must be integer ({L},) or {(B, L)}, "
+                                 f"got {pos.dtype} {tuple(pos.shape)}")
+        return positions, key_positions

@@ -1,4 +1,4 @@
-"""Encoder and decoder layers, Post-Norm (the 2017 paper) or Pre-Norm.
+"""Encoder, decoder and causal (decoder-only) layers, Post-Norm (the 2017 paper) or Pre-Norm.
 
 Post-Norm (Vaswani et al. 2017, section 3.1 and 5.4):  x = Norm(x + Dropout(Sublayer(x)))
 Pre-Norm  (Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture"):
@@ -15,28 +15,32 @@ from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .mlp import FeedForward
+from .mlp import FeedForward, SparseMoE
 from .norm import make_norm
 
-__all__ = ["EncoderLayer", "DecoderLayer"]
+__all__ = ["EncoderLayer", "DecoderLayer", "CausalLayer"]
 
 
-class _Residual(nn.Module):
-    """One sublayer with its residual connection, norm and dropout (Pre- or Post-Norm)."""
+class _Layer(nn.Module):
+    """The residual wiring the three layers share: every sublayer is wrapped as
+    Pre-Norm ``x + Dropout(F(Norm(x)))`` or Post-Norm ``Norm(x + Dropout(F(x)))``."""
 
-    def __init__(self, norm: nn.Module, dropout: float, norm_first: bool):
+    def __init__(self, dropout: float, norm_first: bool):
         super().__init__()
-        self.norm, self.dropout, self.norm_first = norm, nn.Dropout(dropout), norm_first
+        self.norm_first = norm_first
+        self.dropout = nn.Dropout(dropout)
 
-    def pre(self, x: Tensor) -> Tensor:
-        return self.norm(x) if self.norm_first else x
+    def _norm_in(self, norm: nn.Module, x: Tensor) -> Tensor:
+        """The sublayer's input: normalised first in Pre-Norm, as is in Post-Norm."""
+        return norm(x) if self.norm_first else x
 
-    def post(self, x: Tensor, y: Tensor) -> Tensor:
+    def _add_norm(self, norm: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """The paper's "Add & Norm": the residual sum, normalised after it in Post-Norm."""
         x = x + self.dropout(y)
-        return x if self.norm_first else self.norm(x)
+        return x if self.norm_first else norm(x)
 
 
-class EncoderLayer(nn.Module):
+class EncoderLayer(_Layer):
     """Self-attention then feed-forward, each wrapped in residual + norm.
 
     Args:
@@ -47,38 +51,41 @@ class EncoderLayer(nn.Module):
         self_attn, ff: ready-made modules to plug in instead of the defaults (for example an
             attention with a position module, or a gated MLP).
 
+    Submodules: ``self_attn``, ``self_attn_norm``, ``ff``, ``ff_norm`` (each norm belongs to the
+    sublayer it wraps: before it in Pre-Norm, after the residual sum in Post-Norm).
+
     forward(x (B, T, E), key_padding_mask (B, T) True = real token, mask broadcastable to
-    (B, H, T, T)) -> (x (B, T, E), self-attention weights (B, H, T, T) or None).
+    (B, H, T, T)) -> x (B, T, E). Attention weights: ``attnlab.viz.record_attention``.
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layernorm",
                  eps: float = 1e-5, bias: bool = True,
                  self_attn: nn.Module | None = None, ff: nn.Module | None = None):
-        super().__init__()
+        super().__init__(dropout, norm_first)
         self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias)
         self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
-        self.sub1 = _Residual(make_norm(norm, d_model, eps), dropout, norm_first)
-        self.sub2 = _Residual(make_norm(norm, d_model, eps), dropout, norm_first)
+        # registered after the sublayers, so parameter order (optimizer state) is as before the renaming
+        self.self_attn_norm = make_norm(norm, d_model, eps)
+        self.ff_norm = make_norm(norm, d_model, eps)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, mask: Tensor | None = None,
-                return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        h = self.sub1.pre(x)
-        a, w = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask, return_weights=return_weights)
-        x = self.sub1.post(x, a)
-        x = self.sub2.post(x, self.ff(self.sub2.pre(x)))
-        return x, w
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        h = self._norm_in(self.self_attn_norm, x)
+        a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
+        x = self._add_norm(self.self_attn_norm, x, a)
+        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     """Masked (causal) self-attention, cross-attention over the encoder memory, feed-forward.
 
     Cross-attention projects the queries from the decoder stream and the keys/values from
-    the memory, each with its own weights.
+    the memory, each with its own weights. Arguments as :class:`EncoderLayer`, plus
+    ``cross_attn``; submodules ``self_attn``, ``self_attn_norm``, ``cross_attn``,
+    ``cross_attn_norm``, ``ff``, ``ff_norm``.
 
     forward(x (B, T, E), memory (B, S, E), memory_key_padding_mask (B, S), ...,
-    cache=(self KVCache, cross KVCache) for step-by-step decoding)
-    -> (x (B, T, E), self weights (B, H, T, T') or None, cross weights (B, H, T, S) or None).
+    cache=(self KVCache, cross KVCache) for step-by-step decoding) -> x (B, T, E).
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
@@ -86,26 +93,59 @@ class DecoderLayer(nn.Module):
                  eps: float = 1e-5, bias: bool = True,
                  self_attn: nn.Module | None = None, cross_attn: nn.Module | None = None,
                  ff: nn.Module | None = None):
-        super().__init__()
+        super().__init__(dropout, norm_first)
         self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias, causal=True)
         self.cross_attn = cross_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias)
         self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
-        self.sub1 = _Residual(make_norm(norm, d_model, eps), dropout, norm_first)
-        self.sub2 = _Residual(make_norm(norm, d_model, eps), dropout, norm_first)
-        self.sub3 = _Residual(make_norm(norm, d_model, eps), dropout, norm_first)
+        self.self_attn_norm = make_norm(norm, d_model, eps)
+        self.cross_attn_norm = make_norm(norm, d_model, eps)
+        self.ff_norm = make_norm(norm, d_model, eps)
 
     def forward(self, x: Tensor, memory: Tensor, memory_key_padding_mask: Tensor | None = None, *,
                 tgt_key_padding_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                cache: tuple[KVCache, KVCache] | None = None, return_weights: bool = False,
-                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                cache: tuple[KVCache, KVCache] | None = None) -> Tensor:
         self_cache, cross_cache = cache if cache is not None else (None, None)
-        h = self.sub1.pre(x)
-        a, w_self = self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask,
-                                   cache=self_cache, return_weights=return_weights)
-        x = self.sub1.post(x, a)
-        h = self.sub2.pre(x)
-        a, w_cross = self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask,
-                                     cache=cross_cache, return_weights=return_weights)
-        x = self.sub2.post(x, a)
-        x = self.sub3.post(x, self.ff(self.sub3.pre(x)))
-        return x, w_self, w_cross
+        h = self._norm_in(self.self_attn_norm, x)
+        a, _ = self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask, cache=self_cache)
+        x = self._add_norm(self.self_attn_norm, x, a)
+        h = self._norm_in(self.cross_attn_norm, x)
+        a, _ = self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask, cache=cross_cache)
+        x = self._add_norm(self.cross_attn_norm, x, a)
+        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)))
+
+
+class CausalLayer(_Layer):
+    """One decoder-only block (GPT, LLaMA, Mixtral): causal self-attention then feed-forward,
+
+        Pre-Norm:  x = x + Attn(Norm(x));  x = x + FF(Norm(x))
+
+    with the arguments and submodules of :class:`EncoderLayer` (the default attention is causal).
+
+    forward(x (B, T, E), key_padding_mask (B, S) True = real token (S = cached + new tokens),
+    positions (T,) or (B, T) of the queries, key_positions (S,) or (B, S) of all keys, cache)
+    -> x (B, T, E). A :class:`SparseMoE` feed-forward also gets the new tokens' padding mask,
+    so that padding is routed to no expert.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
+                 norm_first: bool = False, activation: str = "relu", norm: str = "layernorm",
+                 eps: float = 1e-5, bias: bool = True,
+                 self_attn: nn.Module | None = None, ff: nn.Module | None = None):
+        super().__init__(dropout, norm_first)
+        self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias, causal=True)
+        self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
+        self.self_attn_norm = make_norm(norm, d_model, eps)
+        self.ff_norm = make_norm(norm, d_model, eps)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *, positions: Tensor | None = None,
+                key_positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        h = self._norm_in(self.self_attn_norm, x)
+        a, _ = self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, cache=cache,
+                              positions=positions, key_positions=key_positions)
+        x = self._add_norm(self.self_attn_norm, x, a)
+        h = self._norm_in(self.ff_norm, x)
+        if isinstance(self.ff, SparseMoE):
+            y = self.ff(h, None if key_padding_mask is None else key_padding_mask[:, -x.size(1):])
+        else:
+            y = self.ff(h)
+        return self._add_norm(self.ff_norm, x, y)

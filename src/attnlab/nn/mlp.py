@@ -12,6 +12,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from .checkpoint import recomputing
+
 __all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts"]
 
 
@@ -123,10 +125,13 @@ class SparseMoE(nn.Module):
         router_jitter: in training, multiply the router input by U(1 - j, 1 + j) noise
             (Switch Transformer's jitter, Fedus et al. 2021); 0 disables it.
 
-    ``forward(x (B, T, E), padding_mask (B, T) bool, True = real token, optional)`` returns
-    ``(y (B, T, E), router_logits (B*T, X))``. Padding tokens are not sent to any expert and
-    get y = 0; their router logits are still returned (mask them in the loss).
-    Weights: ``gate`` (X, E) router, ``experts[e].{gate,up,down}_proj``.
+    ``forward(x (B, T, E), padding_mask (B, T) bool, True = real token, optional) -> y (B, T, E)``.
+    Padding tokens are not sent to any expert and get y = 0. The routing of the last forward
+    stays on the module for the load-balancing loss: ``router_logits`` (B*T, X), with the graph
+    when gradients are on, and ``router_mask`` (B*T,) bool or None (padding included in the
+    logits, excluded by the mask). A checkpointed layer's recomputation does not overwrite them,
+    and copies of the module do not carry them. Weights: ``gate`` (X, E) router,
+    ``experts[e].{gate,up,down}_proj``.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
@@ -143,8 +148,15 @@ class SparseMoE(nn.Module):
         self.router_jitter = router_jitter
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(d_model, d_ff, activation) for _ in range(num_experts))
+        self.router_logits: Tensor | None = None
+        self.router_mask: Tensor | None = None
 
-    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def __getstate__(self):                  # copy.deepcopy / pickle: a record with a graph is not state
+        state = dict(super().__getstate__())
+        state["router_logits"] = state["router_mask"] = None
+        return state
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         _check_input("SparseMoE", x, self.d_model)
         if x.dim() != 3:
             raise ValueError(f"SparseMoE: input must be (batch, seq, d_model), got shape {tuple(x.shape)}")
@@ -156,6 +168,8 @@ class SparseMoE(nn.Module):
             j = self.router_jitter
             router_in = flat * torch.empty_like(flat).uniform_(1.0 - j, 1.0 + j)
         router_logits = self.gate(router_in)                              # (N, X)
+        if not recomputing():
+            self.router_logits, self.router_mask = router_logits, keep
         _, top_w, top_i = _route(router_logits, self.top_k)              # (N, k) each
 
         # Sort the N*k (token, expert) assignments by expert; padding goes to a dummy bin X.
@@ -176,7 +190,7 @@ class SparseMoE(nn.Module):
                 out = self.experts[e](flat.index_select(0, idx)) * weights[start:start + n, None]
                 y.index_add_(0, idx, out.to(y.dtype))
             start += n
-        return y.view(B, T, E), router_logits
+        return y.view(B, T, E)
 
 
 def _as_rows(owner: str, router_logits: Tensor | Sequence[Tensor], padding_mask: Tensor | None,

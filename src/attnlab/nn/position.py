@@ -1,16 +1,14 @@
 """Position information for attention: absolute tables added to embeddings, and the
 relative kinds that act inside attention (rotations of q/k, biases on the scores).
 
-Absolute (added to the (B, T, E) embeddings before the first layer):
-    :func:`sinusoidal_table`, :class:`PositionalEncoding`, :class:`LearnedPositionalEmbedding`.
-Relative (an :class:`AttentionPosition` plugged into ``MultiHeadAttention(position=...)``):
-    :class:`RotaryEmbedding` rotates q/k; :class:`T5RelativePositionBias` and :class:`ALiBi`
-    add a (·, H, T, S) bias to the scores.
+Absolute, added to the (B, T, E) embeddings: :func:`sinusoidal_table`, :class:`PositionalEncoding`,
+:class:`LearnedPositionalEmbedding`. Relative, an :class:`AttentionPosition` plugged into
+``MultiHeadAttention(position=...)``: :class:`RotaryEmbedding` rotates q/k;
+:class:`T5RelativePositionBias` and :class:`ALiBi` add a (·, H, T, S) bias to the scores.
 
 Positions are absolute token indices. With a KV cache the new queries start at the cache
-length, not at 0: ``MultiHeadAttention`` passes ``cache.length + arange(T)`` (pitfall 9), and
-the absolute modules take ``offset=`` or ``positions=`` for the same reason.
-Shape letters: see :mod:`attnlab.nn.attention`.
+length, not at 0 (pitfall 9); the absolute modules take ``offset=`` or ``positions=``, the
+relative ones query and key positions. Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
 
@@ -24,20 +22,22 @@ __all__ = ["AttentionPosition", "sinusoidal_table", "PositionalEncoding", "Learn
 
 
 class AttentionPosition(nn.Module):
-    """Base of the position modules that plug into :class:`MultiHeadAttention`.
+    """Base of the position modules that plug into :class:`MultiHeadAttention`. Both hooks see
+    the projected heads and the positions: a scheme may use positions only (RoPE, ALiBi, T5) or
+    content too (DeBERTa's content-to-position and position-to-content terms, He et al. 2021).
 
-    ``transform(q, k, positions)`` rotates queries/keys (RoPE); ``bias(q_pos, k_pos)``
-    returns a float score bias broadcastable to (B, H, T, S) (ALiBi, T5). The defaults do
-    nothing, so a subclass overrides the one it needs.
-
-    positions / q_pos: (T,) or (B, T) absolute positions of the new queries (a KV cache
-    offsets them by its length); k_pos: (S,) positions of all keys.
+    ``transform(q, k, q_pos, k_pos=None) -> (q, k)`` changes the new queries (B, H, T, D) and new
+    keys (B, G, T', D) before the keys are cached (RoPE); k_pos defaults to q_pos.
+    ``bias(q, k, q_pos, k_pos)`` returns None or a float bias broadcastable to (B, H, T, S), added
+    to the scaled scores, given the queries and every key, cached and new (B, G, S, D).
+    Positions: integer (T,) / (B, T) and (S,) / (B, S), true token positions (offset by a cache,
+    counted over real tokens under padding). The defaults do nothing.
     """
 
-    def transform(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def transform(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return q, k
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    def bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         return None
 
 
@@ -79,9 +79,8 @@ def _rows(table: Tensor, T: int, offset: int, positions: Tensor | None, who: str
 class PositionalEncoding(nn.Module):
     """x + PE[positions], then dropout, with PE the fixed :func:`sinusoidal_table`.
 
-    Args:
-        d_model: width E; max_len: longest sequence (plus offset) allowed; dropout: applied
-            after the addition (section 5.4 of the paper).
+    Args: d_model: width E; max_len: longest sequence (plus offset) allowed; dropout: applied
+    after the addition (section 5.4 of the paper).
 
     ``forward(x (B, T, E), offset=0, positions=None) -> (B, T, E)``. The (T, E) rows are
     added along the *sequence* axis and broadcast over the batch (pitfall 10). ``offset``
@@ -101,10 +100,9 @@ class PositionalEncoding(nn.Module):
 
 class LearnedPositionalEmbedding(nn.Module):
     """x + P[positions] with P a trained (max_len, d_model) table (GPT-2, BERT; Gehring et al.
-    2017; Vaswani et al. 2017 section 3.5 found it on par with the sinusoids).
-
-    Same ``forward(x, offset=0, positions=None)`` and the same ValueError as
-    :class:`PositionalEncoding`. Initialised N(0, 0.02) as GPT-2.
+    2017; Vaswani et al. 2017 section 3.5 found it on par with the sinusoids). Same
+    ``forward(x, offset=0, positions=None)`` and ValueError as :class:`PositionalEncoding`.
+    Initialised N(0, 0.02) as GPT-2.
     """
 
     def __init__(self, max_len: int, d_model: int, dropout: float = 0.0):
@@ -139,9 +137,9 @@ class RotaryEmbedding(AttentionPosition):
             interpolation, Chen et al. 2023); ``{"type": "ntk", "factor": f}`` uses
             base * f^(d/(d-2)) ("NTK-aware" scaling, bloc97 2023).
 
-    ``transform(q (B, H, T, D), k (B, G, T, D), positions (T,) or (B, T))`` returns rotated
-    q, k in their dtype. Frequencies, angles, cos/sin and the rotation are computed in fp32
-    (pitfall 8); cos/sin are cached for the largest position seen so far.
+    ``transform(q (B, H, T, D), k (B, G, T', D), q_pos (T,) or (B, T), k_pos=None)`` returns
+    rotated q, k in their dtype. Frequencies, angles, cos/sin and the rotation are computed in
+    fp32 (pitfall 8); cos/sin are cached for the largest position seen so far.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = False,
@@ -198,9 +196,10 @@ class RotaryEmbedding(AttentionPosition):
         rot = torch.stack((r1, r2), dim=-1).flatten(-2) if self.interleaved else torch.cat((r1, r2), dim=-1)
         return torch.cat((rot.to(x.dtype), x[..., d:]), dim=-1)
 
-    def transform(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self._cos_sin(positions, q.size(-2))
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def transform(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        cos, sin = self._cos_sin(q_pos, q.size(-2))
+        k_cos_sin = (cos, sin) if k_pos is None or k_pos is q_pos else self._cos_sin(k_pos, k.size(-2))
+        return self._rotate(q, cos, sin), self._rotate(k, *k_cos_sin)
 
 
 # --------------------------------------------------------------------------- T5 relative bias
@@ -210,10 +209,9 @@ def relative_position_bucket(relative_position: Tensor, bidirectional: bool = Tr
     """T5's bucket of each relative position (key position - query position), same shape, long.
 
     Bidirectional: half the buckets for keys after the query, half for keys before.
-    Causal: only keys at or before the query count (later ones share bucket 0). Within a
-    half, distances below n/2 get one bucket each; larger ones share log-spaced buckets up
-    to ``max_distance``, and everything beyond goes to the last bucket. Raffel et al. 2020,
-    section 2.1 (from Mesh TensorFlow).
+    Causal: only keys at or before the query count (later ones share bucket 0). Within a half,
+    distances below n/2 get one bucket each; larger ones share log-spaced buckets up to
+    ``max_distance``, beyond it the last bucket. Raffel et al. 2020, section 2.1.
     """
     offset = torch.zeros_like(relative_position)
     if bidirectional:
@@ -237,8 +235,8 @@ class T5RelativePositionBias(AttentionPosition):
 
     Args: num_heads H; num_buckets, max_distance (see :func:`relative_position_bucket`);
     bidirectional: True for the encoder, False for causal decoder self-attention.
-
-    ``bias(q_pos (T,) or (B, T), k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S).
+    ``position_bias(q_pos (T,) or (B, T), k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S)
+    (the attention hook ``bias`` returns it, ignoring q and k).
     For **self-attention only**: T5's cross-attention has no position bias, so never pass
     this module to a cross-attention layer (pitfall 9, transformers PR#8518). T5 computes it
     in the first layer and shares it with the others; share the module to do the same.
@@ -251,7 +249,10 @@ class T5RelativePositionBias(AttentionPosition):
         self.bidirectional = bidirectional
         self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.position_bias(q_pos, k_pos)
+
+    def position_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         relative = k_pos[..., None, :] - q_pos[..., :, None]                 # (T, S) or (B, T, S)
         buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         values = self.relative_attention_bias(buckets).movedim(-1, -3)       # (..., H, T, S)
@@ -261,10 +262,10 @@ class T5RelativePositionBias(AttentionPosition):
 # --------------------------------------------------------------------------- ALiBi
 
 def alibi_slopes(num_heads: int) -> Tensor:
-    """(H,) float32 ALiBi slopes. For H a power of two: the geometric sequence
-    2^(-8/H), 2^(-16/H), ..., 2^(-8). Otherwise, with n the largest power of two below H:
-    the n slopes for n heads, then every other slope of the 2n sequence (the 1st, 3rd, ...)
-    for the remaining H - n heads. Press et al. 2022, section 3 (pitfall 9).
+    """(H,) float32 ALiBi slopes. For H a power of two: 2^(-8/H), 2^(-16/H), ..., 2^(-8).
+    Otherwise, with n the largest power of two below H: the n slopes for n heads, then every
+    other slope of the 2n sequence (1st, 3rd, ...) for the remaining H - n heads.
+    Press et al. 2022, section 3 (pitfall 9).
     """
     if num_heads <= 0:
         raise ValueError(f"alibi_slopes: num_heads must be positive, got {num_heads}")
@@ -281,9 +282,8 @@ class ALiBi(AttentionPosition):
     """Attention with Linear Biases: bias[h, i, j] = -m_h * |q_pos[i] - k_pos[j]|, m_h from
     :func:`alibi_slopes`; no position embedding anywhere else. Press et al. 2022, section 3.
 
-    Meant for causal attention: the score of a key d tokens behind the query gets -m_h * d
-    (keys ahead of the query are masked anyway). ``bias(q_pos (T,) or (B, T), k_pos (S,))``
-    -> (1, H, T, S) or (B, H, T, S) float32.
+    For causal attention: a key d tokens behind the query gets -m_h * d (keys ahead are masked
+    anyway). ``position_bias(q_pos, k_pos)`` as T5's: (1, H, T, S) or (B, H, T, S), float32.
     """
 
     def __init__(self, num_heads: int):
@@ -291,7 +291,10 @@ class ALiBi(AttentionPosition):
         self.num_heads = num_heads
         self.slopes: Tensor = alibi_slopes(num_heads)    # plain attribute: stays float32
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.position_bias(q_pos, k_pos)
+
+    def position_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         distance = (q_pos[..., :, None] - k_pos[..., None, :]).abs().float()  # (T, S) or (B, T, S)
         out = -self.slopes.to(distance.device)[:, None, None] * distance.unsqueeze(-3)
         return out if out.dim() == 4 else out[None]

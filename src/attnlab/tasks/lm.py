@@ -84,8 +84,8 @@ class LanguageModelTask:
         aux = self.model.aux_loss()
         if aux is None:
             return loss, n, {}
-        loss = loss + self.model.config.router_aux_loss_coef * aux * n
-        stats = {k: v * n for k, v in self.model.router_stats().items()}
+        loss = loss + self.model.aux_loss_coef * aux * n
+        stats = {k: v * n for k, v in self.model.aux_stats().items()}
         return loss, n, {"aux_loss": aux.detach() * n, **stats}
 
     def eval_starts(self) -> Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from ..generate import greedy_decode
 from .attention import plot_attention, plot_attention_grid
+from .record import record_attention
 
 __all__ = ["cross_attention", "draw_alignment"]
 
@@ -28,8 +29,9 @@ def cross_attention(model, src_tok, tgt_tok, text: str, max_len: int | None = No
         out.pop()
     tgt_in = torch.tensor([[tgt_tok.bos_id] + out[:-1]] if out else [[tgt_tok.bos_id]], device=device)
     memory = model.encode(src)
-    _, weights = model.decode(tgt_in, memory, return_weights=True)
-    cross = torch.stack([w_cross[0] for _, w_cross in weights])          # (L, H, T, S)
+    with record_attention(model) as record:
+        model.decode(tgt_in, memory)
+    cross = record.stack("cross_attn")[:, 0]                             # (L, H, T, S)
     shown = out if out else [tgt_tok.eos_id]
     targets = [tgt_tok.tokens([i])[0] if i != tgt_tok.eos_id else "</s>" for i in shown]
     return cross, src_tok.tokens(src[0].tolist()), targets, tgt_tok.decode(out)

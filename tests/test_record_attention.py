@@ -1,0 +1,191 @@
+"""attnlab.viz.record_attention: every attention layer's weights, checked against independent
+references (torch.nn.MultiheadAttention for the translation Transformer, transformers' eager
+attention for GPT-2, LLaMA and Mixtral), with padding, through a KV cache and under gradient
+checkpointing; outputs unchanged; nothing left behind."""
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import attnlab  # noqa: E402
+from attnlab.models import Transformer  # noqa: E402
+from attnlab.nn import MultiHeadAttention, causal_mask, padding_mask  # noqa: E402
+from attnlab.viz import record_attention  # noqa: E402
+
+V = 48
+
+
+def close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=what)
+
+
+# ----------------------------------------------------------------------------- translation Transformer
+def _translation():
+    torch.manual_seed(0)
+    model = Transformer(23, 19, d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=64,
+                        dropout=0.0).eval()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(0, 23, (3, 9), generator=g), torch.randint(0, 19, (3, 7), generator=g)
+    return model, src, tgt, padding_mask(torch.tensor([9, 5, 3]), max_len=9), padding_mask(torch.tensor([7, 6, 2]),
+                                                                                         max_len=7)
+
+
+def _torch_weights(ours: MultiHeadAttention, query, key, value, allowed=None, real_keys=None):
+    """(B, H, T, S) weights of torch.nn.MultiheadAttention with ours' projection weights."""
+    ref = nn.MultiheadAttention(ours.d_model, ours.num_heads, batch_first=True).eval()
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+        ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        _, w = ref(query, key, value, key_padding_mask=None if real_keys is None else ~real_keys,
+                   attn_mask=None if allowed is None else ~allowed, need_weights=True, average_attn_weights=False)
+    return w
+
+
+def _inputs(model):
+    """Record each attention module's (query, key, value, key_padding_mask) with hooks (test-only)."""
+    seen, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, MultiHeadAttention):
+            def hook(module, args, kwargs, out, name=name):
+                q = args[0]
+                k = args[1] if len(args) > 1 and args[1] is not None else q
+                seen[name] = (q, k, args[2] if len(args) > 2 and args[2] is not None else k,
+                              kwargs.get("key_padding_mask"))
+            handles.append(m.register_forward_hook(hook, with_kwargs=True))
+    return seen, handles
+
+
+def test_translation_self_and_cross_weights_equal_torch_with_padding():
+    model, src, tgt, src_real, tgt_real = _translation()
+    seen, handles = _inputs(model)
+    with torch.no_grad(), record_attention(model) as record:
+        model(src, tgt, src_real, tgt_real)
+    for h in handles:
+        h.remove()
+    assert len(record) == 2 + 2 * 2 and all(len(calls) == 1 for calls in record.values())
+    for name, (q, k, v, real) in seen.items():
+        attn = model.get_submodule(name)
+        allowed = causal_mask(q.size(1)) if attn.causal else None
+        want = _torch_weights(attn, q, k, v, allowed, real)
+        close(record[name][0], want, f"{name}: recorded vs torch.nn.MultiheadAttention weights")
+    assert record.stack("cross_attn").shape == (2, 3, 4, 7, 9)
+    assert record.stack("cross_attn")[:, 2, :, :, 3:].abs().max() == 0, "padded source keys get no weight"
+
+
+def test_translation_cached_steps_are_appended_and_equal_the_full_forward():
+    model, src, tgt, src_real, _ = _translation()
+    with torch.no_grad():
+        memory = model.encode(src, src_real)
+        with record_attention(model) as full:
+            model.decode(tgt, memory, src_real)
+        cache = model.new_cache()
+        with record_attention(model) as steps:
+            for t in range(tgt.size(1)):
+                model.decode(tgt[:, t:t + 1], memory, src_real, cache=cache)
+    for name in ("decoder_layers.0.self_attn", "decoder_layers.1.cross_attn"):
+        assert len(steps[name]) == tgt.size(1) and steps[name][0].shape[-2] == 1
+        close(steps.weights(name), full.weights(name), f"{name}: cached steps vs one forward")
+    assert steps["encoder_layers.0.self_attn"] == [], "the encoder did not run inside the context"
+
+
+def test_outputs_unchanged_nothing_left_behind_and_errors():
+    model, src, tgt, src_real, tgt_real = _translation()
+    with torch.no_grad():
+        plain = model(src, tgt, src_real, tgt_real)
+        with record_attention(model) as record:
+            recorded = model(src, tgt, src_real, tgt_real)
+            with pytest.raises(RuntimeError, match="already"):
+                with record_attention(model):
+                    pass
+        after = model(src, tgt, src_real, tgt_real)
+    assert torch.equal(plain, recorded) and torch.equal(plain, after)
+    assert all(len(calls) == 1 for calls in record.values()), "nothing recorded after the context"
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+        if isinstance(m, MultiHeadAttention):
+            assert m.attention_record is None
+    with pytest.raises(ValueError, match="no attnlab MultiHeadAttention"):
+        with record_attention(nn.Linear(2, 2)):
+            pass
+    with pytest.raises(ValueError, match="no recorded"):
+        record.stack("nothing_like_this")
+
+
+def test_checkpointed_backward_records_once_and_keeps_gradients():
+    model, src, tgt, src_real, tgt_real = _translation()
+    model.train()                                          # dropout is 0: train mode changes nothing else
+    model(src, tgt, src_real, tgt_real).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing = True
+    with record_attention(model) as record:
+        logits = model(src, tgt, src_real, tgt_real)
+        logits.sum().backward()                            # recomputes every layer inside the context
+    assert all(len(calls) == 1 for calls in record.values()), "recomputation in backward recorded again"
+    assert not any(w.requires_grad for calls in record.values() for w in calls)
+    for a, p in zip(want, model.parameters()):
+        close(p.grad, a, "gradients with recording and checkpointing")
+    logits = model(src, tgt, src_real, tgt_real)
+    with record_attention(model) as late:
+        logits.sum().backward()                            # recording switched on between forward and backward
+    assert all(len(calls) == 0 for calls in late.values())
+
+
+# ----------------------------------------------------------------------------- causal LMs vs transformers
+def _hf(family):
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
+                 pad_token_id=None)
+    config = {"gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                                      bos_token_id=None, eos_token_id=None),
+              "llama": lambda: transformers.LlamaConfig(**small),
+              "mixtral": lambda: transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)}
+    model = transformers.AutoModelForCausalLM.from_config(config[family](), attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():                                  # O(1) scores, so that mapping errors show
+        for name, p in model.named_parameters():
+            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0      # norm scales near 1
+            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_causal_lm_weights_equal_transformers_eager_attentions(family, tmp_path):
+    hf = _hf(family)
+    hf.save_pretrained(tmp_path)
+    ours = attnlab.from_pretrained(tmp_path)
+    ids = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4], mask[2, :7] = 0, 0                        # left padding
+    for given in (None, mask):
+        positions = None if given is None else (given.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            plain = ours(ids, attention_mask=given)
+            with record_attention(ours) as record:
+                logits = ours(ids, attention_mask=given)
+            want = hf(ids, attention_mask=given, position_ids=positions, output_attentions=True).attentions
+        assert torch.equal(logits, plain), "recording must not change the logits"
+        got = record.stack("self_attn")                    # (L, B, H, T, S)
+        assert got.shape == (2, 3, 4, 10, 10) and len(want) == 2
+        real = torch.ones(3, 10, dtype=torch.bool) if given is None else given.bool()
+        for layer in range(2):                             # real query rows (HF fills padded rows its own way)
+            close(got[layer].transpose(1, 2)[real], want[layer].transpose(1, 2)[real],
+                  f"{family} layer {layer} weights (padding: {given is not None})")
+
+
+def test_causal_lm_cached_decoding_records_every_step(tmp_path):
+    hf = _hf("gpt2")
+    hf.save_pretrained(tmp_path)
+    ours = attnlab.from_pretrained(tmp_path)
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        with record_attention(ours) as full:
+            ours(ids)
+        cache = ours.new_cache()
+        with record_attention(ours) as steps:
+            ours(ids[:, :5], cache=cache)
+            for t in range(5, 9):
+                ours(ids[:, t:t + 1], cache=cache)
+    assert [w.shape[-2:] for w in steps["layers.1.self_attn"]] == [(5, 5), (1, 6), (1, 7), (1, 8), (1, 9)]
+    close(steps.stack("self_attn"), full.stack("self_attn"), "prefill + steps vs one forward")
