@@ -212,15 +212,20 @@ def inspect_path(path: str | Path) -> PathInfo:
                    "directory (no config.json)")
 
 
-# sub-module names of the attention blocks before they were given readable names
-_RENAMED_KEYS: list[tuple[re.Pattern, str]] = []
+# format 1 named the residual sub-layers of every block sub1/sub2/sub3; format 2 names their norms
+_RENAMED_KEYS: list[tuple[re.Pattern, str]] = [
+    (re.compile(r"^(decoder_layers\.\d+)\.sub2\.norm\."), r"\1.cross_attn_norm."),
+    (re.compile(r"^(decoder_layers\.\d+)\.sub3\.norm\."), r"\1.ff_norm."),
+    (re.compile(r"^((?:encoder_layers|decoder_layers|layers)\.\d+)\.sub1\.norm\."), r"\1.self_attn_norm."),
+    (re.compile(r"^((?:encoder_layers|layers)\.\d+)\.sub2\.norm\."), r"\1.ff_norm."),
+]
 
 
 def _upgrade_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {}
     for key, value in state.items():
         for pattern, replacement in _RENAMED_KEYS:
-            key = pattern.sub(replacement, key)
+            key = pattern.sub(replacement, key, count=1)
         out[key] = value
     return out
 
