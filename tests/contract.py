@@ -41,7 +41,8 @@ KINDS = {
     "causal-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
     "masked-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
     "base": Kind(_TOKENS, lambda c: (B, T, c.d_model), "last_hidden_state"),
-    "seq2seq": Kind(lambda c, seed: (_ids(c.src_vocab_size, (B, T), seed), _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)),
+    "seq2seq": Kind(lambda c, seed: (_ids(c.src_vocab_size, (B, T), seed),
+                                     _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)),
                     lambda c: (B, T - 3, c.tgt_vocab_size)),
 }
 

@@ -23,7 +23,8 @@ def _ids(archs):
 def test_the_registry_holds_the_built_in_architectures():
     got = {(a.model_type, a.name): (a.model_cls, a.kind) for a in ARCHS}
     want = {("gpt2", "GPT2LMHeadModel"): (GPT, "causal-lm"), ("gpt2", "GPT2Model"): (GPTModel, "base"),
-            ("llama", "LlamaForCausalLM"): (Llama, "causal-lm"), ("mixtral", "MixtralForCausalLM"): (Mixtral, "causal-lm"),
+            ("llama", "LlamaForCausalLM"): (Llama, "causal-lm"),
+            ("mixtral", "MixtralForCausalLM"): (Mixtral, "causal-lm"),
             ("transformer", "Transformer"): (Transformer, "seq2seq")}
     assert want.items() <= got.items()
     assert {"gpt2", "llama", "mixtral"} <= {f.model_type for f in families("causal-lm")}
@@ -89,7 +90,7 @@ def test_sizing_defaults_and_family_options():
     assert (gpt.n_positions, gpt.d_ff, gpt.dropout, gpt.eos_token_id) == (24, 4 * 48, 0.1, 4)
     llama = family("llama").build_config(**SIZES)
     assert (llama.max_position_embeddings, llama.d_ff, llama.num_kv_heads) == (24, 128, 4)   # 8/3 * 48 -> 128
-    assert family("llama").build_config(**SIZES, d_ff=0 + 64).d_ff == 64
+    assert family("llama").build_config(**SIZES, d_ff=64).d_ff == 64
     assert set(family("mixtral").options) >= {"num_experts", "top_k", "router_aux_loss_coef"}
     mix = family("mixtral").build_config(**SIZES, num_experts=3, top_k=1, router_aux_loss_coef=0.1)
     assert (mix.num_experts, mix.top_k, mix.router_aux_loss_coef, mix.num_kv_heads) == (3, 1, 0.1, 4)
