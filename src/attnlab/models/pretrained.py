@@ -45,11 +45,13 @@ def to_hf_state_dict(model: nn.Module, rules=None) -> dict[str, Tensor]:
 
 def from_hf_state_dict(model: nn.Module, tensors: dict[str, Tensor], rules=None,
                        ignore: tuple[str, ...] | None = None) -> dict[str, Tensor]:
-    """Checkpoint tensors -> our state dict, strictly (see the module docstring). ``rules`` and
-    ``ignore`` default to the model's registered architecture's."""
-    arch = architecture_of(model) if rules is None or ignore is None else None
-    rules = arch.load_rules if rules is None else rules
-    ignore = arch.skip_on_load if ignore is None else ignore
+    """Checkpoint tensors -> our state dict, strictly (see the module docstring). ``rules``
+    default to the model's registered architecture's loading rules, and then ``ignore`` to its
+    skipped keys; explicit rules skip nothing unless told."""
+    arch = architecture_of(model) if rules is None else None
+    rules = arch.load_rules if arch is not None else rules
+    if ignore is None:
+        ignore = arch.skip_on_load if arch is not None else ()
     if rules is None:
         return _native_state_dict(model, tensors)
     return convert.from_hf_state_dict(model, tensors, rules, ignore)
