@@ -22,7 +22,7 @@ LAYERS = [
     {"attnlab.train"},
     {"attnlab.generate"},
     {"attnlab.viz", "attnlab.quantize"},
-    {"attnlab.tasks"},
+    {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
     {"attnlab.cli"},
 ]
 
