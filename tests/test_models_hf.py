@@ -14,7 +14,7 @@ from transformers import MixtralConfig as HFMixtralConfig  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.hub import from_hf_state_dict, permute_rope, to_hf_state_dict, unpermute_rope  # noqa: E402
-from attnlab.models import GPT, GPTConfig, Llama, LlamaConfig, Mixtral  # noqa: E402
+from attnlab.models import GPT, GPTConfig, GPTModel, Llama, LlamaConfig, Mixtral  # noqa: E402
 from attnlab.models.mixtral import MIXTRAL_FUSED_WEIGHT_MAP  # noqa: E402
 
 TOL = 1e-4
@@ -383,26 +383,65 @@ def test_tied_llama_saves_embedding_once(tmp_path):
                            to_hf_state_dict(model))
 
 
-def test_load_tokenizer(tmp_path):
+def test_load_tokenizer_reads_both_formats(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from attnlab.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert attnlab.load_tokenizer(tmp_path).encode("hello there world").ids == [0, 2, 1]
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    assert attnlab.load_tokenizer is load_tokenizer                     # one loader
+    hf = attnlab.load_tokenizer(tmp_path)
+    assert isinstance(hf, HFTokenizer) and hf.encode("hello there world") == [0, 2, 1] and hf.unk_id == 2
+    with pytest.raises(FileNotFoundError, match="nothing"):
         attnlab.load_tokenizer(tmp_path / "nothing")
-    # the two loaders point at each other when handed the other's file
-    from attnlab.tokenizer import CharTokenizer, load_tokenizer as load_attnlab_tokenizer
-    with pytest.raises(ValueError, match=r"Hugging Face tokenizer\.json.*attnlab\.load_tokenizer"):
-        load_attnlab_tokenizer(tmp_path / "tokenizer.json")
     CharTokenizer.train(["ab"]).save(tmp_path / "char.json")
-    with pytest.raises(ValueError, match=r"char\.json: not a readable .*attnlab\.tokenizer\.load_tokenizer"):
-        attnlab.load_tokenizer(tmp_path / "char.json")
+    assert isinstance(attnlab.load_tokenizer(tmp_path / "char.json"), CharTokenizer)
     (tmp_path / "broken.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not a readable Hugging Face tokenizer.json"):
+    with pytest.raises(ValueError, match=r"broken\.json: not a tokenizer JSON file"):
         attnlab.load_tokenizer(tmp_path / "broken.json")
 
 
-def test_mixtral_is_a_registered_llama_variant():
-    assert {"gpt2", "llama", "mixtral"} <= set(attnlab.hub.registered_model_types())
+def test_registry_lists_the_causal_lm_families():
+    from attnlab.models.registry import families
+    assert {"gpt2", "llama", "mixtral"} <= {f.model_type for f in families("causal-lm")}
     assert issubclass(Mixtral, Llama)
+
+
+def test_architecture_comes_from_config_json(saved, tmp_path):
+    """config.json's "architectures" picks the model class; absent, the family's default; unknown,
+    an error naming the supported ones. Never a guess from the checkpoint's keys."""
+    hf, path = saved("gpt2-eager")
+    config = json.loads((path / "config.json").read_text())
+    save_file(load_file(path / "model.safetensors"), tmp_path / "model.safetensors")
+
+    def load_with(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        return attnlab.from_pretrained(tmp_path)
+    assert type(load_with(architectures=None)) is GPT
+    with pytest.raises(ValueError, match=r"architecture 'GPT2ForSequenceClassification' of model_type 'gpt2' is "
+                                         r"not supported; supported: GPT2LMHeadModel, GPT2Model"):
+        load_with(architectures=["GPT2ForSequenceClassification"])
+    with pytest.raises(ValueError, match=r"unexpected keys .*transformer\.wte\.weight"):
+        load_with(architectures=["GPT2Model"])        # an LM checkpoint's keys are not a GPT2Model's
+
+
+def test_gpt2_base_model_both_ways(saved, tmp_path):
+    """GPT2Model: a bare checkpoint gives a model whose forward returns the last hidden state."""
+    from transformers import GPT2Model
+    hf_lm, _ = saved("gpt2-sdpa")
+    hf = GPT2Model(hf_lm.config).eval()
+    hf.load_state_dict(hf_lm.transformer.state_dict())
+    hf.save_pretrained(tmp_path / "hf")
+    ours = attnlab.from_pretrained(tmp_path / "hf")
+    assert type(ours) is GPTModel
+    ids = _ids(seed=15)
+    with torch.no_grad():
+        want = hf(ids).last_hidden_state
+        _close(ours(ids), want, "GPT2Model last hidden state")
+        attnlab.save_pretrained(ours, tmp_path / "ours")
+        assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == ["GPT2Model"]
+        written = set(load_file(tmp_path / "ours" / "model.safetensors"))
+        assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))
+        _close(GPT2Model.from_pretrained(tmp_path / "ours").eval()(ids).last_hidden_state, want, "GPT2Model round trip")
+    with pytest.raises(TypeError, match="does not generate"):
+        ours.generate(ids, 2)

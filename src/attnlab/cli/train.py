@@ -70,6 +70,7 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
     if recipe is not None and recipe.requires_data and settings["data"] is None:
         raise ValueError(f"--config {args.config} trains on {recipe.requires_data}: give it with --data FILE")
     task.validate(settings)
+    task.check(settings)
     return settings, out
 
 

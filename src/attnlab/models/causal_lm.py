@@ -173,6 +173,7 @@ class CausalLM(nn.Module):
                         **options)
 
     def save_pretrained(self, path) -> None:
-        """Write a Hugging Face directory (config.json + model.safetensors); see attnlab.hub."""
-        from ..hub import save_pretrained
+        """Write a Hugging Face directory (config.json + model.safetensors) for the model's registered
+        architecture; see attnlab.models.pretrained (attnlab.hub is its public face)."""
+        from .pretrained import save_pretrained      # models/pretrained.py imports the registry, not this file
         save_pretrained(self, path)

@@ -1,23 +1,23 @@
-"""Declarative two-way weight maps and the model registry (used by attnlab.hub).
+"""Declarative two-way weight maps: the rule machinery every model file uses.
 
-Each model file registers itself here with :func:`register_model`: its Hugging Face
-``model_type``, config dataclass, model class, the two config translators and a weight map,
-a list of :class:`Rule` (our key template, HF key template, :class:`Op`). Ops have exact
-inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), PermuteRope(heads_attr). attnlab.hub runs the
-maps on files; this module knows no file format, so models never import the hub.
+A weight map is a list of :class:`Rule` (our key template, HF key template, :class:`Op`).
+Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), PermuteRope(heads_attr).
+:func:`to_hf_state_dict` / :func:`from_hf_state_dict` run a map over a model's tensors.
+This module is a leaf (torch and the standard library only): it knows no model, no registry
+and no file format, so every model file can import it without pulling anything else in.
 """
 from __future__ import annotations
 
 import re
 from functools import lru_cache
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
-           "ModelSpec", "register_model", "registered_model_types", "spec_for", "spec_for_type", "convert"]
+           "with_prefix", "split_prefix", "convert", "own_tensors", "to_hf_state_dict", "from_hf_state_dict"]
 
 
 # ----------------------------------------------------------------------------- tensor operations
@@ -159,6 +159,20 @@ class Rule:
         return next(iter(_fields(self.ours[0]) - _fields(self.theirs[0])), None)
 
 
+def with_prefix(rules, prefix: str) -> list[Rule]:
+    """The rules with ``prefix`` put before every HF template (a base model's keys as they sit
+    inside a model with a head, e.g. "transformer." in GPT2LMHeadModel)."""
+    return [Rule(r.ours, tuple(prefix + t for t in r.theirs), r.op) for r in rules]
+
+
+def split_prefix(rules, prefix: str) -> tuple[list[Rule], list[Rule]]:
+    """(the rules whose HF templates all start with ``prefix``, with it removed: the base's
+    rules; the other rules: the head's). The inverse of :func:`with_prefix` on a whole map."""
+    base = [r for r in rules if all(t.startswith(prefix) for t in r.theirs)]
+    head = [r for r in rules if not all(t.startswith(prefix) for t in r.theirs)]
+    return [Rule(r.ours, tuple(t.removeprefix(prefix) for t in r.theirs), r.op) for r in base], head
+
+
 def convert(tensors: dict[str, Tensor], rules: list[Rule], config, to_hf: bool):
     """Run the rules one way. Returns (converted, sources: out key -> source keys, unmatched
     source keys, missing source keys of incomplete groups)."""
@@ -195,73 +209,55 @@ def convert(tensors: dict[str, Tensor], rules: list[Rule], config, to_hf: bool):
             pieces = enumerate(tensor.unbind(0)) if (not to_hf and rule.stack) else [(None, tensor)]
             for s, piece in pieces:
                 key = tmpl.format(**fields, **({rule.stack: s} if s is not None else {}))
+                if key in out:        # two layouts of one tensor (say prefixed and bare): neither may win silently
+                    raise ValueError(f"{key} is given twice, by {', '.join(sources[key])} and by {', '.join(used)}")
                 out[key], sources[key] = piece, used
     return out, sources, unmatched, missing
 
 
-# ----------------------------------------------------------------------------- the registry
-@dataclass(frozen=True)
-class ModelSpec:
-    """One registered architecture (see :func:`register_model`)."""
-    model_type: str
-    config_cls: type
-    model_cls: type
-    config_from_hf: Callable[[dict], Any]
-    config_to_hf: Callable[[Any], dict]
-    weight_map: tuple[Rule, ...]
-    architecture: str
-    ignore_on_load: tuple[str, ...] = ()
-    base_prefix: str | None = None
+# ----------------------------------------------------------------------------- state dicts
+def own_tensors(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
+    """The model's state dict without tied aliases, and the alias names."""
+    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    unique = {n for n, _ in model.named_parameters()}
+    aliases = every - unique
+    return {k: v for k, v in model.state_dict().items() if k not in aliases}, aliases
 
 
-_BY_TYPE: dict[str, ModelSpec] = {}
-_BY_CLASS: dict[type, ModelSpec] = {}
+def to_hf_state_dict(model: nn.Module, rules: list[Rule]) -> dict[str, Tensor]:
+    """The model's weights under the names ``rules`` give them (tied weights once)."""
+    own, _ = own_tensors(model)
+    out, _, unmatched, missing = convert(own, list(rules), model.config, to_hf=True)
+    if unmatched or missing:
+        raise ValueError(f"{type(model).__name__}: the weight map does not cover "
+                         f"{sorted(unmatched) + sorted(missing)}")
+    return out
 
 
-def register_model(model_type: str, config_cls: type, model_cls: type, config_from_hf: Callable[[dict], Any],
-                   config_to_hf: Callable[[Any], dict], weight_map: list[Rule], *, architecture: str,
-                   ignore_on_load: tuple[str, ...] = (), base_prefix: str | None = None) -> ModelSpec:
-    """Make ``model_type`` loadable and ``model_cls`` savable.
-
-    config_from_hf(HF config dict) -> config_cls instance; config_to_hf(config) -> HF config dict
-    (model_type and architectures are added here); ``model_cls(config)`` builds the model.
-    ``weight_map``: rules, tried in order (the first claiming a key wins, so a layout that only
-    loading should accept comes after the one saving writes). ``architecture``: the HF class name
-    written to config.json. ``ignore_on_load``: regexes of checkpoint keys to skip.
-    ``base_prefix``: added to every checkpoint key when none has it (GPT-2 checkpoints saved from
-    the bare ``GPT2Model`` lack "transformer.").
-    """
-    if isinstance(ignore_on_load, str):
-        raise ValueError(f"register_model({model_type!r}): ignore_on_load must be a tuple of patterns, not a string")
-    spec = ModelSpec(model_type, config_cls, model_cls, config_from_hf, config_to_hf, tuple(weight_map),
-                     architecture, tuple(ignore_on_load), base_prefix)
-    _BY_TYPE[model_type] = spec
-    _BY_CLASS[model_cls] = spec
-    return spec
-
-
-def _load_registry() -> None:
-    from . import gpt, llama, mixtral  # noqa: F401  (importing the model files registers them)
-
-
-def registered_model_types() -> list[str]:
-    _load_registry()
-    return sorted(_BY_TYPE)
-
-
-def spec_for_type(model_type: str | None, where: str = "config.json") -> ModelSpec:
-    """The registered architecture for a Hugging Face ``model_type``; ValueError if none."""
-    _load_registry()
-    spec = _BY_TYPE.get(model_type)
-    if spec is None:
-        raise ValueError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(sorted(_BY_TYPE))}")
-    return spec
-
-
-def spec_for(model: nn.Module) -> ModelSpec:
-    _load_registry()
-    spec = _BY_CLASS.get(type(model))
-    if spec is None:
-        raise ValueError(f"{type(model).__name__} is not registered for Hugging Face conversion; registered: "
-                         f"{', '.join(sorted(c.__name__ for c in _BY_CLASS))}")
-    return spec
+def from_hf_state_dict(model: nn.Module, hf: dict[str, Tensor], rules: list[Rule],
+                       ignore: tuple[str, ...] = ()) -> dict[str, Tensor]:
+    """Checkpoint tensors -> our state dict, strictly: raises ValueError listing unexpected
+    checkpoint keys, missing ones (by their checkpoint names) and shape mismatches. ``ignore``:
+    regexes of checkpoint keys to skip (non-persistent buffers some writers store)."""
+    rules = list(rules)
+    skip = [re.compile(p) for p in ignore]
+    hf = {k: v for k, v in hf.items() if not any(p.search(k) for p in skip)}
+    ours, sources, unmatched, incomplete = convert(hf, rules, model.config, to_hf=False)
+    own, aliases = own_tensors(model)
+    unexpected = sorted(unmatched) + sorted(k for key in ours if key not in own and key not in aliases
+                                            for k in sources[key])
+    absent = {k: v for k, v in own.items() if k not in ours}
+    absent_hf, _, unnamed, partial = convert(absent, rules, model.config, to_hf=True) if absent else ({}, {}, [], [])
+    missing = sorted(set(incomplete) | set(absent_hf) | set(unnamed) | set(partial))
+    shapes = [f"{k}: checkpoint {tuple(ours[k].shape)} vs model {tuple(v.shape)}"
+              for k, v in own.items() if k in ours and ours[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatches: {'; '.join(shapes)}")
+    if problems:
+        raise ValueError(f"{type(model).__name__}: checkpoint does not match the model: " + "; ".join(problems))
+    return {k: v for k, v in ours.items() if k in own}

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .convert import TRANSPOSE, Rule, register_model
+from .convert import TRANSPOSE, Rule, split_prefix
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import CausalLayer
 from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
 from .causal_lm import CausalLM
+from .registry import register_family
 
-__all__ = ["GPTConfig", "GPT", "GPT2_WEIGHT_MAP"]
+__all__ = ["GPTConfig", "GPT", "GPTModel", "GPT2_WEIGHT_MAP", "GPT2", "build_config"]
 
 
 @dataclass
@@ -133,6 +134,42 @@ def config_to_hf(cfg: GPTConfig) -> dict:
             "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "tie_word_embeddings": True}
 
 
-register_model("gpt2", GPTConfig, GPT, config_from_hf, config_to_hf, GPT2_WEIGHT_MAP,
-               architecture="GPT2LMHeadModel", ignore_on_load=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
-               base_prefix="transformer.")
+# ----------------------------------------------------------------------------- registration
+class GPTModel(GPT):
+    """GPT-2 without its language-model head (transformers' GPT2Model): forward returns the last
+    hidden state (B, T, E), after the final LayerNorm, as GPT2Model's ``last_hidden_state`` does."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.lm_head = nn.Identity()       # the head was tied to the embedding: no weight goes with it
+
+    def generate(self, *args, **kwargs):
+        raise TypeError("GPTModel (GPT2Model) has no language-model head, so it does not generate; "
+                        "load a GPT2LMHeadModel checkpoint to generate")
+
+
+def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None = None, dropout: float = 0.0, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> GPTConfig:
+    """A GPT-2 sized for training: ``context`` positions, d_ff 4 d_model unless given."""
+    return GPTConfig(vocab_size=vocab_size, n_positions=context, d_model=d_model, num_heads=num_heads,
+                     num_layers=num_layers, d_ff=d_ff, dropout=dropout, bos_token_id=bos_token_id,
+                     eos_token_id=eos_token_id)
+
+
+_OPENAI = dict(vocab_size=50257, n_positions=1024, bos_token_id=50256, eos_token_id=50256)
+PRESETS = {
+    "tiny": dict(vocab_size=96, n_positions=64, d_model=32, num_heads=4, num_layers=2, dropout=0.0),
+    "gpt2": dict(_OPENAI, d_model=768, num_heads=12, num_layers=12),             # 124M parameters
+    "gpt2-medium": dict(_OPENAI, d_model=1024, num_heads=16, num_layers=24),     # 355M
+    "gpt2-large": dict(_OPENAI, d_model=1280, num_heads=20, num_layers=36),      # 774M
+    "gpt2-xl": dict(_OPENAI, d_model=1600, num_heads=25, num_layers=48),         # 1.5B
+}
+
+# GPT2_WEIGHT_MAP names the keys of GPT2LMHeadModel: the base's sit under "transformer."
+_BASE_RULES, _HEAD_RULES = split_prefix(GPT2_WEIGHT_MAP, "transformer.")
+GPT2 = register_family("gpt2", GPTConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
+                       config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
+                       ignore_on_load=(r"\.attn\.bias$", r"\.attn\.masked_bias$"))   # causal-mask buffers
+GPT2.register("GPT2LMHeadModel", GPT, kind="causal-lm", prefix="transformer.", head_rules=_HEAD_RULES)
+GPT2.register("GPT2Model", GPTModel, kind="base")

@@ -18,19 +18,21 @@ Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
 
-from .convert import PermuteRope, Rule, register_model
+from .convert import PermuteRope, Rule, split_prefix
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import CausalLayer
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
 from ..nn.position import RotaryEmbedding
 from .causal_lm import CausalLM
+from .registry import register_family
 
-__all__ = ["LlamaConfig", "Llama", "llama_weight_map", "LLAMA_WEIGHT_MAP"]
+__all__ = ["LlamaConfig", "Llama", "llama_weight_map", "LLAMA_WEIGHT_MAP", "LLAMA", "build_config", "sized_fields"]
 
 
 @dataclass
@@ -176,5 +178,39 @@ def config_to_hf(cfg: LlamaConfig, names: dict = LLAMA_HF_NAMES) -> dict:
             "rope_theta": cfg.rope_theta, "hidden_act": _ACT_TO_HF[cfg.activation]}
 
 
-register_model("llama", LlamaConfig, Llama, config_from_hf, config_to_hf, LLAMA_WEIGHT_MAP,
-               architecture="LlamaForCausalLM", ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
+# ----------------------------------------------------------------------------- registration
+def sized_fields(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None, dropout: float, num_kv_heads: int | None, bos_token_id: int | None,
+                 eos_token_id: int | list[int] | None) -> dict:
+    """The LlamaConfig fields a sizing builder sets (Mixtral's builder shares them)."""
+    # SwiGLU has three matrices: 8/3 d (rounded up to 32) keeps the parameters of a 4d two-matrix MLP
+    d_ff = d_ff if d_ff is not None else 32 * math.ceil(8 * d_model / 3 / 32)
+    return dict(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                num_layers=num_layers, d_ff=d_ff, max_position_embeddings=context, attention_dropout=dropout,
+                bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+
+def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None = None, dropout: float = 0.0, num_kv_heads: int | None = None,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None) -> LlamaConfig:
+    """A LLaMA sized for training: ``context`` positions; num_kv_heads None: no grouping."""
+    return LlamaConfig(**sized_fields(vocab_size=vocab_size, context=context, d_model=d_model, num_heads=num_heads,
+                                      num_layers=num_layers, d_ff=d_ff, dropout=dropout, num_kv_heads=num_kv_heads,
+                                      bos_token_id=bos_token_id, eos_token_id=eos_token_id))
+
+
+_META = dict(vocab_size=32000, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+PRESETS = {
+    "tiny": dict(vocab_size=96, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=64,
+                 max_position_embeddings=64),
+    "tinyllama-1.1b": dict(_META, d_model=2048, num_heads=32, num_kv_heads=4, num_layers=22, d_ff=5632,
+                           max_position_embeddings=2048),
+    "llama-2-7b": dict(_META, d_model=4096, num_heads=32, num_layers=32, d_ff=11008, max_position_embeddings=4096),
+}
+
+# LLAMA_WEIGHT_MAP names the keys of LlamaForCausalLM: the base's sit under "model."
+_BASE_RULES, _HEAD_RULES = split_prefix(LLAMA_WEIGHT_MAP, "model.")
+LLAMA = register_family("llama", LlamaConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
+                        config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
+                        ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
+LLAMA.register("LlamaForCausalLM", Llama, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .convert import Fuse, Rule, register_model
+from .convert import Fuse, Rule, split_prefix
 from ..nn.cache import LayerCaches
 from ..nn.mlp import SparseMoE, expert_counts, load_balancing_loss
 from . import llama
 from .llama import Llama, LlamaConfig, llama_weight_map
+from .registry import register_family
 
-__all__ = ["MixtralConfig", "Mixtral", "MIXTRAL_WEIGHT_MAP", "MIXTRAL_FUSED_RULES"]
+__all__ = ["MixtralConfig", "Mixtral", "MIXTRAL_WEIGHT_MAP", "MIXTRAL_FUSED_RULES", "MIXTRAL", "build_config"]
 
 
 @dataclass
@@ -128,5 +129,28 @@ def config_to_hf(cfg: MixtralConfig) -> dict:
     return llama.config_to_hf(cfg, MIXTRAL_HF_NAMES)
 
 
-register_model("mixtral", MixtralConfig, Mixtral, config_from_hf, config_to_hf, MIXTRAL_WEIGHT_MAP,
-               architecture="MixtralForCausalLM", ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
+# ----------------------------------------------------------------------------- registration
+def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None = None, dropout: float = 0.0, num_kv_heads: int | None = None,
+                 num_experts: int = 8, top_k: int = 2, router_aux_loss_coef: float = 0.02,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None) -> MixtralConfig:
+    """A Mixtral sized for training: LLaMA's sizes (d_ff per expert) plus the experts."""
+    fields = llama.sized_fields(vocab_size=vocab_size, context=context, d_model=d_model, num_heads=num_heads,
+                                num_layers=num_layers, d_ff=d_ff, dropout=dropout, num_kv_heads=num_kv_heads,
+                                bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return MixtralConfig(**fields, num_experts=num_experts, top_k=top_k, router_aux_loss_coef=router_aux_loss_coef)
+
+
+PRESETS = {
+    "tiny": dict(vocab_size=96, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=48,
+                 max_position_embeddings=64, num_experts=4, top_k=2),
+    "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, num_heads=32, num_kv_heads=8, num_layers=32, d_ff=14336,
+                         max_position_embeddings=32768, bos_token_id=1, eos_token_id=2),
+}
+
+# MIXTRAL_WEIGHT_MAP names the keys of MixtralForCausalLM: the base's sit under "model."
+_BASE_RULES, _HEAD_RULES = split_prefix(MIXTRAL_WEIGHT_MAP, "model.")
+MIXTRAL = register_family("mixtral", MixtralConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
+                          config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
+                          ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
+MIXTRAL.register("MixtralForCausalLM", Mixtral, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)

@@ -21,8 +21,9 @@ from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import make_norm
 from ..nn.position import PositionalEncoding
+from .registry import register_family
 
-__all__ = ["TransformerConfig", "Transformer"]
+__all__ = ["TransformerConfig", "Transformer", "TRANSFORMER", "build_config"]
 
 
 @dataclass
@@ -170,3 +171,35 @@ class Transformer(nn.Module):
         src_padding_mask = self._padding(src, src_padding_mask)
         memory = self.encode(src, src_padding_mask)
         return self.decode(tgt, memory, src_padding_mask, tgt_padding_mask)
+
+
+# ----------------------------------------------------------------------------- registration
+def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None = None, dropout: float = 0.0, tgt_vocab_size: int | None = None,
+                 num_decoder_layers: int | None = None, norm_first: bool = False, tie_output: bool = False,
+                 share_embeddings: bool = False, pad_id: int | None = None) -> TransformerConfig:
+    """A Transformer sized for training: ``vocab_size`` is the source's (and the target's unless
+    ``tgt_vocab_size``), ``num_layers`` the encoder's (and the decoder's unless
+    ``num_decoder_layers``), ``context`` the longest sequence, d_ff 4 d_model unless given."""
+    return TransformerConfig(
+        src_vocab_size=vocab_size, tgt_vocab_size=tgt_vocab_size if tgt_vocab_size is not None else vocab_size,
+        d_model=d_model, num_heads=num_heads, num_encoder_layers=num_layers,
+        num_decoder_layers=num_decoder_layers if num_decoder_layers is not None else num_layers,
+        d_ff=d_ff if d_ff is not None else 4 * d_model, max_seq_len=context, dropout=dropout, norm_first=norm_first,
+        tie_output=tie_output, share_embeddings=share_embeddings, pad_id=pad_id)
+
+
+# the paper's section 3.4 shares one matrix between both embeddings and the output layer, over a
+# 37000-token BPE vocabulary shared by English and German (section 5.1); table 3 gives the sizes
+_WMT = dict(src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True, tie_output=True)
+PRESETS = {
+    "tiny": dict(src_vocab_size=96, tgt_vocab_size=96, d_model=32, num_heads=4, num_encoder_layers=2,
+                 num_decoder_layers=2, d_ff=64, max_seq_len=64, dropout=0.0),
+    "base": dict(_WMT, d_model=512, num_heads=8, num_encoder_layers=6, num_decoder_layers=6, d_ff=2048, dropout=0.1),
+    "big": dict(_WMT, d_model=1024, num_heads=16, num_encoder_layers=6, num_decoder_layers=6, d_ff=4096, dropout=0.3),
+}
+
+# attnlab-native: no Hugging Face class matches the 2017 model, so its directories hold our own
+# config fields and state-dict keys
+TRANSFORMER = register_family("transformer", TransformerConfig, presets=PRESETS, build_config=build_config)
+TRANSFORMER.register("Transformer", Transformer, kind="seq2seq", factory=Transformer.from_config)

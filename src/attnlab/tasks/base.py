@@ -145,6 +145,10 @@ class TaskDefinition:
                 raise ValueError(f"'{name}' is not an option of 'attnlab train {self.name}'")
             known[name].validate(value)
 
+    def check(self, settings: dict) -> None:
+        """Checks across options of complete settings (the model family exists, an option applies
+        to it), run before any data is read; ValueError naming the option."""
+
     def prepare(self, settings: dict, resume_from: Path | None) -> Setup:
         raise NotImplementedError
 
@@ -175,12 +179,9 @@ def register_task(definition: TaskDefinition) -> TaskDefinition:
     return definition
 
 
-def _load_builtin() -> None:
-    from . import lm, translate  # noqa: F401  (importing a task module registers it)
-
-
 def registered_tasks() -> dict[str, TaskDefinition]:
-    _load_builtin()
+    """Every registered task; the task modules register themselves when the attnlab.tasks package
+    is imported (which importing this module does first)."""
     return dict(_TASKS)
 
 

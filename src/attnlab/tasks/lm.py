@@ -199,17 +199,24 @@ class LanguageModeling(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ training
-    def _model(self, s: dict, vocab_size: int) -> nn.Module:
-        from ..models.registry import family, families
+    def check(self, s: dict) -> None:
+        from ..models.registry import families, family
         known = sorted(f.model_type for f in families(kind=self.kind))
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} is not a registered causal-LM family ({', '.join(known)})")
-        fam = family(s["model"])
-        extra = {kw: s[name] for name, kw in _family_options().items() if s[name] is not None}
+        options = family(s["model"]).options
         not_here = [f"--{n.replace('_', '-')}" for n, kw in _family_options().items()
-                    if s[n] is not None and kw not in fam.options]
+                    if s[n] is not None and kw not in options]
         if not_here:
             raise ValueError(f"{', '.join(not_here)}: only for mixture-of-experts families, not --model {s['model']}")
+
+    def _model(self, s: dict, vocab_size: int) -> nn.Module:
+        from ..models.registry import family
+        self.check(s)
+        fam = family(s["model"])
+        extra = {kw: s[name] for name, kw in _family_options().items() if s[name] is not None}
+        if "num_experts" in fam.options and "num_experts" not in extra:
+            extra["num_experts"] = 4          # CPU-sized: 4 experts (Mixtral's own 8 with --experts 8)
         special = {k: v for k, v in (("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID)) if k in fam.options}
         config = fam.build_config(vocab_size=vocab_size, context=s["context"], d_model=s["d_model"],
                                   num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],

@@ -3,7 +3,7 @@
 Every checkpoint directory the Trainer writes for a task holds, beside the Trainer's own
 files (model.safetensors, optimizer.safetensors, trainer_state.json):
 
-    run.json          {"format": 2, "task": "lm", "model_type": "gpt2", "architecture": "GPT",
+    run.json          {"format": 2, "task": "lm", "model_type": "gpt2", "architecture": "GPT2LMHeadModel",
                        "config": the model config's fields, "tokenizers": {"text": "tokenizer.json"},
                        "task_options": what the task needs to use the model (e.g. its context)}
     tokenizer files   named in "tokenizers" (attnlab's JSON, any kind of attnlab.tokenizer)

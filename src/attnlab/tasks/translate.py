@@ -163,12 +163,16 @@ class Translate(TaskDefinition):
             dict(d_model=256, heads=4, layers=3, d_ff=1024, dropout=0.1, tokenizer="bpe")
         return {k: (s[k] if s[k] is not None else v) for k, v in base.items()}
 
-    def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
-        """A fresh model of the chosen family through the model registry, sized by the options."""
-        from ..models.registry import families, family
+    def check(self, s: dict) -> None:
+        from ..models.registry import families
         known = sorted(f.model_type for f in families(kind=self.kind))
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} is not a registered encoder-decoder family ({', '.join(known)})")
+
+    def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
+        """A fresh model of the chosen family through the model registry, sized by the options."""
+        from ..models.registry import family
+        self.check(s)
         fam = family(s["model"])
         config = fam.build_config(
             vocab_size=src_tok.vocab_size, tgt_vocab_size=tgt_tok.vocab_size, context=max(s["max_len"] + 2, 64),

@@ -1,0 +1,274 @@
+"""The model registry: families keyed by ``model_type``, architectures keyed by name.
+
+A **family** is one kind of network with one config dataclass: GPT-2 ("gpt2"), LLaMA ("llama"),
+the 2017 encoder-decoder ("transformer"). It owns the config translators to and from a
+Hugging Face config.json, the weight rules of the base network (HF names relative to the base),
+named presets, and a sizing builder that training tasks call. An **architecture** is one model
+class built on the family: a bare base (GPT2Model) or the base with a head (GPT2LMHeadModel),
+with its head's weight rules, where the base's keys sit in its checkpoints (``prefix``) and a
+``kind`` saying what its forward does, so that tasks and commands dispatch on it::
+
+    GPT2 = register_family("gpt2", GPTConfig, base_rules=..., config_from_hf=..., config_to_hf=...,
+                           presets={"tiny": {...}}, build_config=build_config)
+    GPT2.register("GPT2LMHeadModel", GPT, kind="causal-lm", prefix="transformer.", head_rules=[...])
+    GPT2.register("GPT2Model", GPTModel, kind="base")
+
+A task builds a model by model_type::
+
+    fam = family("gpt2")
+    model = fam.for_kind("causal-lm").build(fam.build_config(vocab_size=V, context=T, d_model=E,
+                                                             num_heads=H, num_layers=N))
+
+Model files register themselves when imported, and the ``attnlab.models`` package imports
+every module in it, so a lookup (which can only run once that package is imported) sees them
+all. A family without Hugging Face translators is attnlab-native: its directories hold
+config.json with our own field names and our own state-dict keys.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
+
+from torch import nn
+
+from .convert import Rule, with_prefix
+
+__all__ = ["KINDS", "UNIFORM_SIZES", "Architecture", "Family", "register_family", "family", "families",
+           "architecture_of", "architectures"]
+
+# what a model of each kind does; tasks and commands dispatch on these names
+KINDS = {
+    "causal-lm": "forward(input_ids (B, T)) -> next-token logits (B, T, V); model.generate continues a prompt",
+    "seq2seq": "forward(src (B, S), tgt (B, T)) -> logits (B, T, V); encode / decode / new_cache for decoding",
+    "base": "forward(input_ids (B, T)) -> the last hidden state (B, T, E) (a bare model, no head)",
+    "masked-lm": "forward(input_ids (B, T)) -> logits (B, T, V) for every position",
+    "classifier": "forward(input_ids (B, T)) -> class logits (B, C)",
+}
+# the arguments every family's sizing builder takes (families add keyword options after them)
+UNIFORM_SIZES = ("vocab_size", "context", "d_model", "num_heads", "num_layers", "d_ff", "dropout")
+
+
+@dataclass(frozen=True, eq=False)
+class Architecture:
+    """One model class of a family (see the module docstring). ``build(config)`` makes a model."""
+    family: "Family"
+    name: str                          # HF class name written to / read from config.json "architectures"
+    model_cls: type
+    kind: str
+    prefix: str = ""                   # where the base's keys sit in this architecture's checkpoints
+    head_rules: tuple[Rule, ...] = ()
+    ignore_on_load: tuple[str, ...] = ()
+    factory: Callable[[Any], nn.Module] | None = None    # default model_cls(config)
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def config_cls(self) -> type:
+        return self.family.config_cls
+
+    @property
+    def weight_map(self) -> tuple[Rule, ...] | None:
+        """Our keys <-> this architecture's checkpoint keys (what saving writes); None for a
+        native family, whose checkpoints use our keys."""
+        if self.family.base_rules is None:
+            return None
+        return tuple(with_prefix(self.family.base_rules, self.prefix)) + self.head_rules
+
+    @property
+    def load_rules(self) -> tuple[Rule, ...] | None:
+        """The weight map, then the base's keys without the prefix: a checkpoint saved from the
+        bare base (the Hub's original gpt2 weights, whose config.json names GPT2LMHeadModel)
+        loads into the model with a head when the head needs no weights of its own (it is tied),
+        as transformers' own loader allows. Rules are tried in order, so saving keeps the prefix."""
+        rules = self.weight_map
+        if rules is None or not self.prefix:
+            return rules
+        return rules + tuple(self.family.base_rules)
+
+    @property
+    def skip_on_load(self) -> tuple[str, ...]:
+        return self.family.ignore_on_load + self.ignore_on_load
+
+    def build(self, config) -> nn.Module:
+        if not isinstance(config, self.config_cls):
+            raise TypeError(f"{self.name} is built from a {self.config_cls.__name__}, got {type(config).__name__}")
+        return (self.factory or self.model_cls)(config)
+
+    def __repr__(self) -> str:
+        return f"Architecture({self.model_type}/{self.name}, {self.model_cls.__name__}, kind={self.kind!r})"
+
+
+@dataclass(eq=False)
+class Family:
+    """A model family (see the module docstring); created by :func:`register_family`."""
+    model_type: str
+    config_cls: type
+    base_rules: tuple[Rule, ...] | None = None
+    config_from_hf: Callable[[dict], Any] | None = None
+    config_to_hf: Callable[[Any], dict] | None = None
+    presets: dict[str, dict] = field(default_factory=dict)
+    builder: Callable[..., Any] | None = None
+    ignore_on_load: tuple[str, ...] = ()
+    architectures: dict[str, Architecture] = field(default_factory=dict)
+
+    @property
+    def hf(self) -> bool:
+        """Whether the family maps to Hugging Face transformers (else: attnlab-native)."""
+        return self.config_from_hf is not None
+
+    # ------------------------------------------------------------------ architectures
+    def register(self, name: str, model_cls: type, *, kind: str, prefix: str = "", head_rules=(),
+                 ignore_on_load: tuple[str, ...] = (), factory: Callable | None = None) -> Architecture:
+        """Add an architecture; the first one registered is the family's default (what a
+        config.json without "architectures" loads as)."""
+        where = f"{self.model_type}/{name}"
+        if kind not in KINDS:
+            raise ValueError(f"{where}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if isinstance(ignore_on_load, str):
+            raise ValueError(f"{where}: ignore_on_load must be a tuple of patterns, not a string")
+        if self.base_rules is None and (prefix or head_rules):
+            raise ValueError(f"{where}: a native family (no base rules) takes no prefix or head rules")
+        if name in self.architectures or model_cls in _BY_CLASS:
+            raise ValueError(f"{where}: {name} or {model_cls.__name__} is already registered")
+        arch = Architecture(self, name, model_cls, kind, prefix, tuple(head_rules), tuple(ignore_on_load), factory)
+        self.architectures[name] = arch
+        _BY_CLASS[model_cls] = arch
+        return arch
+
+    @property
+    def default(self) -> Architecture:
+        if not self.architectures:
+            raise ValueError(f"model family {self.model_type!r} has no architecture registered")
+        return next(iter(self.architectures.values()))
+
+    def architecture(self, name: str | None, where: str = "config.json") -> Architecture:
+        """The architecture called ``name`` (None: the default); ValueError naming the supported ones."""
+        if name is None:
+            return self.default
+        arch = self.architectures.get(name)
+        if arch is None:
+            raise ValueError(f"{where}: architecture {name!r} of model_type {self.model_type!r} is not supported; "
+                             f"supported: {', '.join(self.architectures)}")
+        return arch
+
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(a.kind for a in self.architectures.values()))
+
+    def for_kind(self, kind: str) -> Architecture:
+        """The (first registered) architecture of ``kind``; ValueError if the family has none."""
+        arch = next((a for a in self.architectures.values() if a.kind == kind), None)
+        if arch is None:
+            raise ValueError(f"model family {self.model_type!r} has no {kind} architecture "
+                             f"(it has: {', '.join(self.kinds()) or 'none'})")
+        return arch
+
+    # ------------------------------------------------------------------ configs
+    def preset(self, name: str, **overrides):
+        """The config of a named preset, with ``overrides`` for any field."""
+        if name not in self.presets:
+            raise ValueError(f"{self.model_type}: unknown preset {name!r}; presets: {', '.join(self.presets)}")
+        return self.config_cls(**{**self.presets[name], **overrides})
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The family's own sizing options beyond :data:`UNIFORM_SIZES`, with their defaults."""
+        if self.builder is None:
+            return {}
+        params = inspect.signature(self.builder).parameters.values()
+        return {p.name: p.default for p in params if p.name not in UNIFORM_SIZES}
+
+    def build_config(self, *, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                     d_ff: int | None = None, dropout: float = 0.0, **options):
+        """A config sized by the arguments every family shares (``context``: the longest
+        sequence; ``d_ff`` None: the family's default width) and the family's own ``options``."""
+        if self.builder is None:
+            raise ValueError(f"model family {self.model_type!r} has no sizing builder")
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ValueError(f"{self.model_type}: unknown option(s) {', '.join(unknown)}; its options: "
+                             f"{', '.join(self.options) or 'none'}")
+        return self.builder(vocab_size=vocab_size, context=context, d_model=d_model, num_heads=num_heads,
+                            num_layers=num_layers, d_ff=d_ff, dropout=dropout, **options)
+
+    # ------------------------------------------------------------------ config.json
+    def config_to_json(self, config) -> dict:
+        """config.json's fields for ``config`` (HF names for a mapped family, ours otherwise)."""
+        return self.config_to_hf(config) if self.hf else asdict(config)
+
+    def config_from_json(self, data: dict, where: str = "config.json"):
+        if self.hf:
+            return self.config_from_hf(data)
+        names = {f.name for f in fields(self.config_cls)}
+        unknown = sorted(set(data) - names - _DIRECTORY_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown {self.config_cls.__name__} field(s): {', '.join(unknown)}")
+        return self.config_cls(**{k: v for k, v in data.items() if k in names})
+
+    def __repr__(self) -> str:
+        return f"Family({self.model_type!r}, architectures={list(self.architectures)})"
+
+
+_DIRECTORY_KEYS = {"model_type", "architectures", "dtype", "torch_dtype"}   # written beside the config fields
+_FAMILIES: dict[str, Family] = {}
+_BY_CLASS: dict[type, Architecture] = {}
+
+
+def register_family(model_type: str, config_cls: type, *, base_rules=None, config_from_hf=None, config_to_hf=None,
+                    presets: dict[str, dict] | None = None, build_config: Callable | None = None,
+                    ignore_on_load: tuple[str, ...] = ()) -> Family:
+    """Create and register a family; add architectures with :meth:`Family.register`.
+
+    ``base_rules``: the base's weight map (HF templates relative to the base), or None for an
+    attnlab-native family. ``config_from_hf(dict) -> config`` / ``config_to_hf(config) -> dict``:
+    both or neither (model_type, architectures and dtype are added on save). ``presets``: name ->
+    config fields. ``build_config``: the sizing builder, keyword arguments :data:`UNIFORM_SIZES`
+    then the family's options. ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
+    """
+    if (config_from_hf is None) != (config_to_hf is None) or (config_from_hf is None) != (base_rules is None):
+        raise ValueError(f"register_family({model_type!r}): give base_rules, config_from_hf and config_to_hf "
+                         f"together (a Hugging Face family) or none of them (attnlab-native)")
+    if isinstance(ignore_on_load, str):
+        raise ValueError(f"register_family({model_type!r}): ignore_on_load must be a tuple of patterns")
+    if model_type in _FAMILIES:
+        raise ValueError(f"register_family: model_type {model_type!r} is already registered")
+    if build_config is not None:
+        params = inspect.signature(build_config).parameters
+        absent = [n for n in UNIFORM_SIZES if n not in params]
+        if absent:
+            raise ValueError(f"register_family({model_type!r}): build_config lacks {', '.join(absent)}")
+    fam = Family(model_type, config_cls, None if base_rules is None else tuple(base_rules), config_from_hf,
+                 config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load))
+    _FAMILIES[model_type] = fam
+    return fam
+
+
+def family(model_type: str | None, where: str = "config.json") -> Family:
+    """The family registered for ``model_type``; ValueError naming the supported ones."""
+    fam = _FAMILIES.get(model_type)
+    if fam is None:
+        raise ValueError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(sorted(_FAMILIES))}")
+    return fam
+
+
+def families(kind: str | None = None) -> list[Family]:
+    """Every registered family (sorted by model_type), or those with an architecture of ``kind``."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    return [f for _, f in sorted(_FAMILIES.items()) if kind is None or kind in f.kinds()]
+
+
+def architectures() -> list[Architecture]:
+    """Every registered (model type, architecture), family by family."""
+    return [a for f in families() for a in f.architectures.values()]
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    """The architecture ``model``'s class is registered as; ValueError if none."""
+    arch = _BY_CLASS.get(type(model))
+    if arch is None:
+        raise ValueError(f"{type(model).__name__} is not a registered architecture; registered: "
+                         f"{', '.join(sorted(c.__name__ for c in _BY_CLASS))}")
+    return arch

@@ -1,0 +1,192 @@
+"""The contract every registered architecture meets, as plain functions of an
+:class:`attnlab.models.registry.Architecture`, so that any test (tests/test_contract.py over the
+whole registry, tests/test_toy_family.py on a family it registers itself) runs the same checks.
+
+Each check builds the family's "tiny" preset. What a model takes and returns depends on its
+``kind``; :data:`KINDS` says it once per kind. Comparisons are relative to the values' scale
+(different CPU kernels round differently).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from safetensors.torch import load_model, save_model
+
+import attnlab
+from attnlab.generate import greedy_decode
+from attnlab.models.registry import Architecture
+
+B, T = 4, 16                   # 64 tokens: every expert of a tiny mixture gets some
+
+
+def close(got, want, what: str, rtol: float = 1e-5) -> None:
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()), msg=lambda m: f"{what}: {m}")
+
+
+def _ids(high: int, shape, seed: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass(frozen=True)
+class Kind:
+    inputs: Callable              # (config, seed) -> forward's positional arguments
+    shape: Callable               # (config) -> the output's shape
+    hf_output: str | None = None  # the field of a transformers model's output that matches ours
+
+
+_TOKENS = lambda c, seed: (_ids(c.vocab_size, (B, T), seed),)                      # noqa: E731
+KINDS = {
+    "causal-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
+    "masked-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
+    "base": Kind(_TOKENS, lambda c: (B, T, c.d_model), "last_hidden_state"),
+    "seq2seq": Kind(lambda c, seed: (_ids(c.src_vocab_size, (B, T), seed),
+                                     _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)),
+                    lambda c: (B, T - 3, c.tgt_vocab_size)),
+}
+
+
+def kind_of(arch: Architecture) -> Kind:
+    assert arch.kind in KINDS, f"{arch}: tests/contract.py has no contract for kind {arch.kind!r}; add it to KINDS"
+    return KINDS[arch.kind]
+
+
+def tiny(arch: Architecture, seed: int = 0, randomize: bool = False) -> torch.nn.Module:
+    """The architecture built from its family's "tiny" preset, in eval mode. ``randomize``:
+    weights of order 0.2 (norm scales around 1), so outputs are O(1) and every mapping error shows."""
+    assert "tiny" in arch.family.presets, f"{arch.model_type}: every family has a 'tiny' preset for tests"
+    torch.manual_seed(seed)
+    model = arch.build(arch.family.preset("tiny"))
+    if randomize:
+        randomize_(model, seed)
+    return model.eval()
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0
+            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
+
+
+def inputs(arch: Architecture, model, seed: int = 1) -> tuple:
+    return kind_of(arch).inputs(model.config, seed)
+
+
+# ----------------------------------------------------------------------------- checks
+def check_forward_and_gradients(arch: Architecture) -> None:
+    """Output shape, no NaN/inf, and a gradient (finite) for every parameter."""
+    model = tiny(arch).train()
+    out = model(*inputs(arch, model))
+    assert out.shape == kind_of(arch).shape(model.config), f"{arch}: output shape {tuple(out.shape)}"
+    assert torch.isfinite(out).all(), f"{arch}: non-finite outputs"
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"{arch}: no gradient reaches {missing}"
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+    assert not bad, f"{arch}: non-finite gradients in {bad}"
+
+
+def check_state_dict_round_trip(arch: Architecture, tmp_path) -> None:
+    """safetensors state dict out and into a differently initialised model: identical outputs;
+    the config survives asdict -> config class."""
+    model, other = tiny(arch, seed=0), tiny(arch, seed=1)
+    x = inputs(arch, model)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        want = model(*x)
+        assert not torch.equal(other(*x), want), f"{arch}: two seeds give the same model; the check could not fail"
+        save_model(model, str(tmp_path / "model.safetensors"))
+        load_model(other, str(tmp_path / "model.safetensors"))
+        assert torch.equal(other(*x), want), f"{arch}: outputs changed through a safetensors state-dict round trip"
+    assert arch.config_cls(**asdict(model.config)) == model.config, f"{arch}: config changed through asdict"
+
+
+def check_directory_round_trip(arch: Architecture, tmp_path) -> None:
+    """attnlab.save_pretrained -> attnlab.from_pretrained: same class, config and outputs."""
+    model = tiny(arch, randomize=True)
+    attnlab.save_pretrained(model, tmp_path)
+    back = attnlab.from_pretrained(tmp_path)
+    assert type(back) is type(model), f"{arch}: saved {type(model).__name__}, loaded {type(back).__name__}"
+    assert back.config == model.config, f"{arch}: config changed through save_pretrained / from_pretrained"
+    x = inputs(arch, model)
+    with torch.no_grad():
+        assert torch.equal(back(*x), model(*x)), f"{arch}: outputs changed through save_pretrained / from_pretrained"
+
+
+def _hf_class(arch: Architecture):
+    import transformers
+    cls = getattr(transformers, arch.name, None)
+    assert cls is not None, f"{arch}: transformers has no class {arch.name}"
+    return cls
+
+
+def check_to_transformers(arch: Architecture, tmp_path) -> None:
+    """attnlab -> save_pretrained -> transformers' class of that architecture: no missing or
+    unexpected key, same outputs."""
+    model = tiny(arch, randomize=True)
+    model_dir = attnlab.save_pretrained(model, tmp_path)
+    hf, info = _hf_class(arch).from_pretrained(model_dir, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{arch}: transformers reports {problems}"
+    (ids,) = inputs(arch, model)
+    with torch.no_grad():
+        close(getattr(hf.eval()(ids), kind_of(arch).hf_output), model(ids), f"{arch} in transformers")
+
+
+def check_from_transformers(arch: Architecture, tmp_path) -> None:
+    """A transformers model of that architecture -> save_pretrained -> attnlab: same outputs."""
+    import transformers
+    config = arch.family.preset("tiny")
+    hf_config = transformers.AutoConfig.for_model(arch.model_type, **arch.family.config_to_hf(config))
+    torch.manual_seed(0)
+    hf = _hf_class(arch)(hf_config)
+    randomize_(hf)
+    hf.eval().save_pretrained(tmp_path)
+    ours = attnlab.from_pretrained(tmp_path)
+    assert type(ours) is arch.model_cls, f"{arch}: a {arch.name} directory loaded as {type(ours).__name__}"
+    (ids,) = inputs(arch, ours)
+    with torch.no_grad():
+        close(ours(ids), getattr(hf(ids), kind_of(arch).hf_output), f"{arch} from transformers")
+
+
+def check_generation(arch: Architecture) -> None:
+    """Greedy decoding equals the teacher-forced argmax (and, for a causal LM, cached equals uncached)."""
+    model = tiny(arch, randomize=True)
+    if arch.kind == "causal-lm":
+        prompt = _ids(model.config.vocab_size, (2, 5), seed=3)
+        cached = model.generate(prompt, 10)
+        assert torch.equal(model.generate(prompt, 10, use_cache=False), cached), f"{arch}: cached != uncached"
+        with torch.no_grad():
+            forced = model(cached[:, :-1]).argmax(-1)[:, prompt.size(1) - 1:]
+        assert torch.equal(forced, cached[:, prompt.size(1):]), f"{arch}: greedy tokens != teacher-forced argmax"
+    elif arch.kind == "seq2seq":
+        bos, eos = 1, 2
+        src = _ids(model.config.src_vocab_size, (3, 7), seed=3)
+        out = greedy_decode(model, src, max_len=10, bos_id=bos, eos_id=eos)
+        tgt = torch.cat([torch.full((3, 1), bos), out[:, :-1]], 1)
+        with torch.no_grad():
+            forced = model(src, tgt).argmax(-1)
+        ended = (out == eos).long().cumsum(1) - (out == eos).long()     # tokens after a row's EOS
+        real = ended == 0
+        assert torch.equal(forced[real], out[real]), f"{arch}: greedy tokens != teacher-forced argmax"
+    else:
+        raise AssertionError(f"{arch}: kind {arch.kind!r} does not generate")
+
+
+def generates(arch: Architecture) -> bool:
+    return arch.kind in ("causal-lm", "seq2seq")
+
+
+def run_contract(arch: Architecture, tmp_path) -> None:
+    """Every check that applies to ``arch``, one after the other (for a test of a single family)."""
+    check_forward_and_gradients(arch)
+    check_state_dict_round_trip(arch, tmp_path / "state")
+    check_directory_round_trip(arch, tmp_path / "dir")
+    if arch.family.hf:
+        check_to_transformers(arch, tmp_path / "to_hf")
+        check_from_transformers(arch, tmp_path / "from_hf")
+    if generates(arch):
+        check_generation(arch)
