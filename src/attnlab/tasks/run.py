@@ -204,7 +204,7 @@ def inspect_path(path: str | Path) -> PathInfo:
         return PathInfo("run", path, run=read_run(ckpt))
     if path.is_dir() and (path / "config.json").is_file():
         config = _read_json(path / "config.json")
-        archs = config.get("architectures") or ()
+        archs = config.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise RunError(f"{path / 'config.json'}: 'architectures' must be a list of class names")
         return PathInfo("huggingface", path, model_type=config.get("model_type"), architectures=tuple(archs))
