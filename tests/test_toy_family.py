@@ -86,3 +86,28 @@ def test_the_toy_family_is_registered_like_the_built_in_ones():
 
 def test_the_toy_family_meets_the_contract(tmp_path):
     contract.run_contract(TOY.default, tmp_path)
+
+
+def test_the_toy_family_trains_through_the_lm_task_and_loads_back(tmp_path, capsys):
+    """`attnlab train lm --model toy-lm`: the LM task builds any registered causal-LM family through
+    the registry, trains it, records it in run.json, and `generate` / `eval` load it back."""
+    from attnlab.cli import main
+    from attnlab.tasks.lm import load_lm
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    run = tmp_path / "run"
+    assert main(["train", "lm", "--model", "toy-lm", "--data", str(text), "--out", str(run), "--steps", "12",
+                 "--d-model", "32", "--heads", "2", "--layers", "1", "--context", "32", "--batch-size", "8",
+                 "--lr", "1e-2", "--warmup", "2", "--eval-every", "6", "--sample-tokens", "8", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "model: ToyLM" in out.err and "sample" in out.out
+    lm = load_lm(run, "cpu")
+    assert isinstance(lm.model, ToyLM) and lm.model.config.max_seq_len == 32 and not lm.model.training
+    losses = [line for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "eval"' in line]
+    assert len(losses) == 2
+    assert main(["generate", str(run), "--prompt", "the quick", "--temperature", "0", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("the quick")
+    held = tmp_path / "held.txt"
+    held.write_text("the lazy dog jumps over the quick brown fox. " * 3)
+    assert main(["eval", str(run), "--data", str(held)]) == 0
+    assert "perplexity" in capsys.readouterr().out

@@ -79,8 +79,11 @@ def _read_saved(file: Path, task) -> dict:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"{file}: not a readable run configuration ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict) or data.get("task") != task.name or not isinstance(data.get("settings"), dict):
-        raise ValueError(f"{file}: not the configuration of an 'attnlab train {task.name}' run")
+    if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
+        raise ValueError(f"{file}: not the configuration of an attnlab run (a 'task' and its 'settings')")
+    if data.get("task") != task.name:
+        raise ValueError(f"{file.parent}: holds an attnlab '{data.get('task')}' run; it cannot be resumed as "
+                         f"'{task.name}'")
     settings = data["settings"]
     task.validate(settings)
     return settings

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .causal import generate
 from .search import GenerationStats
 
 __all__ = ["TextStreamer", "Completion", "complete"]
@@ -71,8 +72,8 @@ def complete(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, *, eo
     generator = torch.Generator(device).manual_seed(seed)
     streamer = TextStreamer(tokenizer, prompt_ids, on_text)
     stats = GenerationStats()
-    out = model.generate(torch.tensor([prompt_ids], device=device), budget, temperature, top_k, top_p,
-                         eos_token_id=list(eos_ids) or None, draft_model=draft_model,
-                         repetition_penalty=repetition_penalty, generator=generator,
-                         num_draft_tokens=num_draft_tokens, streamer=streamer, stats=stats)
+    out = generate(model, torch.tensor([prompt_ids], device=device), budget, temperature, top_k, top_p,
+                   eos_token_id=list(eos_ids) or None, draft_model=draft_model,
+                   repetition_penalty=repetition_penalty, generator=generator,
+                   num_draft_tokens=num_draft_tokens, streamer=streamer, stats=stats)
     return Completion(streamer.end(), out.size(1) - len(prompt_ids), budget, stats)

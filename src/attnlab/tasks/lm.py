@@ -81,7 +81,8 @@ class LanguageModelTask:
         logits = model(x)                       # through the (DDP) wrapper: gradients synchronise
         n = y.numel()
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-        aux = self.model.aux_loss()
+        # a model's auxiliary loss (a mixture of experts' load balancing) comes from the model itself
+        aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         if aux is None:
             return loss, n, {}
         loss = loss + self.model.aux_loss_coef * aux * n

@@ -1,0 +1,137 @@
+"""Run directories: one run.json format for every task, runs written by the previous format still
+load, and every command dispatches on the recorded task (or a Hugging Face directory's
+architecture), naming the command that takes a model of another kind."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from attnlab.cli import main
+from attnlab.tasks import inspect_path, open_run
+from attnlab.tasks.lm import load_lm
+from attnlab.tasks.translate import load_translator
+from _hf_fixtures import tiny_gpt2_dir  # noqa: E402  (tests/ is on sys.path under pytest)
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 40
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    pairs = [f"{a} {b}\t{b} {a}" for a in ["one", "two", "three"] for b in ["cat", "dog"]]
+    (d / "pairs.tsv").write_text("\n".join(pairs * 4) + "\n")
+    (d / "text.txt").write_text(TEXT)
+    assert main(["train", "translate", "--data", str(d / "pairs.tsv"), "--valid", str(d / "pairs.tsv"),
+                 "--tokenizer", "word", "--steps", "3", "--eval-every", "3", "--d-model", "16", "--heads", "2",
+                 "--layers", "1", "--d-ff", "32", "--max-tokens", "256", "--eval-size", "4", "--no-progress",
+                 "--out", str(d / "translate")]) == 0
+    assert main(["train", "lm", "--data", str(d / "text.txt"), "--steps", "3", "--eval-every", "3",
+                 "--d-model", "16", "--heads", "2", "--layers", "1", "--context", "16", "--batch-size", "4",
+                 "--sample-tokens", "0", "--no-progress", "--out", str(d / "lm")]) == 0
+    return d
+
+
+def test_every_task_writes_the_same_run_format(runs):
+    for task, arch in (("translate", "Transformer"), ("lm", "GPT2LMHeadModel")):
+        meta = json.loads((runs / task / "best" / "run.json").read_text())
+        assert meta["format"] == 2 and meta["task"] == task and meta["architecture"] == arch
+        assert set(meta) == {"format", "task", "model_type", "architecture", "config", "tokenizers", "task_options"}
+        for name in meta["tokenizers"].values():
+            assert (runs / task / "best" / name).is_file()
+        info = inspect_path(runs / task)
+        assert info.kind == "run" and info.run.task == task
+
+
+_OLD_NAMES = [(r"(decoder_layers\.\d+)\.cross_attn_norm\.", r"\1.sub2.norm."),
+              (r"(decoder_layers\.\d+)\.ff_norm\.", r"\1.sub3.norm."),
+              (r"\.self_attn_norm\.", ".sub1.norm."), (r"\.ff_norm\.", ".sub2.norm.")]
+
+
+def _as_format_1(ckpt, dest):
+    """A copy of a checkpoint as the previous attnlab wrote it: lm.json / translation.json, other
+    tokenizer file names, and the blocks' norms under sub1/sub2/sub3."""
+    shutil.copytree(ckpt, dest)
+    meta = json.loads((dest / "run.json").read_text())
+    (dest / "run.json").unlink()
+    state = load_file(str(dest / "model.safetensors"))
+    renamed = {}
+    for key, value in state.items():
+        for old, new in _OLD_NAMES:
+            key, n = re.subn(old, new, key)
+            if n:
+                break
+        renamed[key] = value
+    assert renamed.keys() != state.keys()
+    save_file(renamed, str(dest / "model.safetensors"))
+    if meta["task"] == "lm":
+        (dest / "tokenizer.json").rename(dest / "lm_tokenizer.json")
+        (dest / "lm.json").write_text(json.dumps({"task": "lm", "format": 1, "model_type": meta["model_type"],
+                                                  "config": meta["config"], "context": meta["task_options"]["context"],
+                                                  "tokenizer": "lm_tokenizer.json"}))
+    else:
+        (dest / "tokenizer.json").rename(dest / "src_tokenizer.json")
+        (dest / "translation.json").write_text(json.dumps({"task": "translate", "model": meta["config"],
+                                                           "shared_vocab": True}))
+
+
+def test_runs_of_the_previous_format_still_load(runs, tmp_path):
+    _as_format_1(runs / "translate" / "best", tmp_path / "old-translate")
+    new_model, src, tgt = load_translator(runs / "translate", "cpu")
+    old_model, src1, _ = load_translator(tmp_path / "old-translate", "cpu")
+    assert open_run(tmp_path / "old-translate").legacy and src1.vocabulary() == src.vocabulary()
+    ids = torch.tensor([src.encode("one cat two dog")])
+    tgt_in = torch.tensor([[tgt.bos_id] + tgt.encode("cat one dog")])
+    torch.testing.assert_close(old_model(ids, tgt_in), new_model(ids, tgt_in), rtol=0, atol=0)
+
+    _as_format_1(runs / "lm" / "best", tmp_path / "old-lm")
+    new, old = load_lm(runs / "lm", "cpu"), load_lm(tmp_path / "old-lm", "cpu")
+    x = torch.tensor([new.tokenizer.encode("the quick brown")])
+    torch.testing.assert_close(old.model(x), new.model(x), rtol=0, atol=0)
+    assert old.context == new.context == 16
+    # inference only: resuming training needs the current format, and says so in one line
+    shutil.copytree(tmp_path / "old-lm", tmp_path / "old-run" / "step-0000003")
+    (tmp_path / "old-run" / "latest").write_text("step-0000003\n")
+    code = main(["train", "lm", "--resume", "--data", str(runs / "text.txt"), "--out", str(tmp_path / "old-run")])
+    assert code == 2
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_model_of_the_wrong_kind_names_the_command_that_takes_it(runs, tmp_path, capsys):
+    assert main(["translate", str(runs / "lm"), "hello"]) == 2
+    assert "an attnlab 'lm' run (gpt2), which 'attnlab translate' does not take; use 'attnlab generate'" \
+        in _error(capsys)
+    assert main(["generate", str(runs / "translate"), "--prompt", "one"]) == 2
+    assert "'translate' run (transformer), which 'attnlab generate' does not take; use 'attnlab translate'" \
+        in _error(capsys)
+    assert main(["viz", str(runs / "lm"), "the"]) == 2
+    assert "which 'attnlab viz' does not take" in _error(capsys)
+    tiny_gpt2_dir(tmp_path / "hf", n_embd=32)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, architectures=["GPT2Model"])))
+    capsys.readouterr()                                       # transformers' own progress output
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", "the"]) == 2
+    assert "a Hugging Face GPT2Model directory, which 'attnlab generate' does not take" in _error(capsys)
+    # a task's eval options are refused for another task's model
+    assert main(["eval", str(runs / "translate"), "--data", str(runs / "pairs.tsv"), "--stride", "4"]) == 2
+    assert "--stride: not an option for an attnlab 'translate' run" in _error(capsys)
+    assert main(["eval", str(runs / "lm"), "--data", str(runs / "text.txt"), "--beam", "2"]) == 2
+    assert "--beam: not an option for an attnlab 'lm' run" in _error(capsys)
+    # and a run of one task cannot be resumed as another
+    assert main(["train", "lm", "--resume", "--data", str(runs / "text.txt"), "--out", str(runs / "translate")]) == 2
+    assert "holds an attnlab 'translate' run; it cannot be resumed as 'lm'" in _error(capsys)
+
+
+def test_eval_dispatches_on_the_recorded_task(runs, capsys):
+    assert main(["eval", str(runs / "translate"), "--data", str(runs / "pairs.tsv"), "--beam", "1"]) == 0
+    assert "BLEU" in capsys.readouterr().out
+    assert main(["eval", str(runs / "lm"), "--data", str(runs / "text.txt"), "--stride", "8"]) == 0
+    assert "perplexity" in capsys.readouterr().out
