@@ -33,7 +33,7 @@ def python_blocks(page: Path) -> list[str]:
 def test_docs_exist():
     names = {p.name for p in PAGES}
     for want in ("index.md", "attention.md", "multi-head-attention.md", "masks.md", "positions.md",
-                 "norms.md", "encoder-decoder.md", "causal-lm.md", "chapter-errata.md"):
+                 "norms.md", "encoder-decoder.md", "causal-lm.md", "chapter-errata.md", "extending.md"):
         assert want in names, f"docs/{want} is missing"
 
 
