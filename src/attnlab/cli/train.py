@@ -75,10 +75,8 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
 
 
 def _read_saved(file: Path, task) -> dict:
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"{file}: not a readable run configuration ({str(e).splitlines()[0]})") from None
+    from ..recipes import read_yaml
+    data = read_yaml(file, "run configuration")
     if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
         raise ValueError(f"{file}: not the configuration of an attnlab run (a 'task' and its 'settings')")
     if data.get("task") != task.name:

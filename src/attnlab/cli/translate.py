@@ -5,7 +5,8 @@ import argparse
 import sys
 
 HELP = "translate sentences with a trained translation run"
-EXAMPLE = 'attnlab translate runs/translate "the dog sees forty-seven cats"\n  attnlab translate runs/multi30k < sentences.txt'
+EXAMPLE = ('attnlab translate runs/translate "the dog sees forty-seven cats"\n'
+           "  attnlab translate runs/multi30k < sentences.txt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["Recipe", "load_recipe", "named_recipes"]
+__all__ = ["Recipe", "load_recipe", "named_recipes", "read_yaml"]
 
 _KEYS = {"task", "description", "requires_data", "settings"}
 
@@ -42,6 +42,14 @@ def named_recipes() -> dict[str, Path]:
     return {Path(f.name).stem: Path(str(f)) for f in root.iterdir() if f.name.endswith(".yaml")}
 
 
+def read_yaml(path: Path, what: str) -> object:
+    """The YAML document in ``path``; ValueError naming the file when it cannot be read or parsed."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: not a readable {what} ({str(e).splitlines()[0]})") from None
+
+
 def load_recipe(name_or_path: str) -> Recipe:
     """A shipped recipe by name, or a YAML file; ValueError naming the file and the problem."""
     path = Path(name_or_path)
@@ -51,10 +59,7 @@ def load_recipe(name_or_path: str) -> Recipe:
             raise ValueError(f"--config: {name_or_path!r} is neither a file nor a named recipe "
                              f"({', '.join(sorted(named))})")
         path = named[name_or_path]
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"{path}: not a readable YAML recipe ({str(e).splitlines()[0]})") from None
+    data = read_yaml(path, "YAML recipe")
     if not isinstance(data, dict) or not isinstance(data.get("task"), str):
         raise ValueError(f"{path}: a recipe is a mapping with a 'task' name and 'settings'")
     unknown = sorted(set(data) - _KEYS)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 __all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
-           "positive", "non_negative", "fraction"]
+           "positive", "non_negative", "fraction", "beyond_specials"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,10 @@ def positive(v) -> str | None:
 
 def non_negative(v) -> str | None:
     return None if v >= 0 else "must be >= 0"
+
+
+def beyond_specials(v) -> str | None:
+    return None if v > 4 else "must exceed the 4 special tokens"
 
 
 def fraction(v) -> str | None:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import BOS_ID, EOS_ID, Tokenizer
-from .base import Option, Setup, TaskDefinition, fraction, non_negative, positive, register_task
+from .base import Option, Setup, TaskDefinition, beyond_specials, fraction, non_negative, positive, register_task
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
 
 __all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
@@ -169,8 +169,7 @@ class LanguageModeling(TaskDefinition):
         Option("model", str, "gpt2", "architecture: a registered causal-LM family", group=_M),
         Option("tokenizer", str, None, "default: bpe (embedded corpus), char (files)", choices=("char", "bpe"),
                group=_M),
-        Option("vocab_size", int, None, "BPE vocabulary size (default 2000)", check=lambda v: None if v > 4 else
-               "must exceed the 4 special tokens", group=_M),
+        Option("vocab_size", int, None, "BPE vocabulary size (default 2000)", check=beyond_specials, group=_M),
         Option("context", int, 128, "context length and training window in tokens", check=positive, group=_M),
         Option("batch_size", int, 16, "windows per micro-batch and process", check=positive, group=_M),
         Option("d_model", int, 128, "model width", check=positive, group=_M),

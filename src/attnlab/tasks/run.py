@@ -30,7 +30,8 @@ from ..tokenizer import Tokenizer, load_tokenizer
 from ..train.checkpoint import resolve_checkpoint
 
 __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "write_run", "read_run", "find_checkpoint", "open_run",
-           "resume_point", "inspect_path", "build_model", "architecture_for", "load_model", "load_tokenizers", "RunError"]
+           "resume_point", "inspect_path", "build_model", "architecture_for", "load_model", "load_tokenizers",
+           "RunError"]
 
 RUN_FILE, FORMAT = "run.json", 2
 _LEGACY_FILES = ("lm.json", "translation.json")

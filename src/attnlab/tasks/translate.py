@@ -11,7 +11,6 @@ hold at most ``--max-tokens`` padded tokens and group pairs of similar length.
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -23,7 +22,7 @@ from ..data.files import read_tsv
 from ..data.numbers import number_corpus
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
-from .base import Option, Setup, TaskDefinition, fraction, non_negative, positive, register_task
+from .base import Option, Setup, TaskDefinition, beyond_specials, fraction, non_negative, positive, register_task
 from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
 
 __all__ = ["TranslationTask", "Translate", "Translator", "load_translator", "score_translations", "read_pairs"]
@@ -131,8 +130,7 @@ class Translate(TaskDefinition):
         Option("model", str, "transformer", "architecture: a registered encoder-decoder family", group=_M),
         Option("tokenizer", str, None, "default: word (embedded corpus), bpe (files)", choices=("word", "char", "bpe"),
                group=_M),
-        Option("vocab_size", int, None, "BPE vocabulary size (default 8000)", check=lambda v: None if v > 4 else
-               "must exceed the 4 special tokens", group=_M),
+        Option("vocab_size", int, None, "BPE vocabulary size (default 8000)", check=beyond_specials, group=_M),
         Option("separate_vocab", bool, False, "separate source and target vocabularies", group=_M),
         Option("d_model", int, None, "model width (default 128 embedded, 256 files)", check=positive, group=_M),
         Option("heads", int, None, "attention heads (default 4)", check=positive, group=_M),
