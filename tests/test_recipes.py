@@ -81,3 +81,17 @@ def test_resume_reuses_the_saved_settings_and_flags_still_win(tmp_path):
     assert settings["data"] == str(data)
     assert main(["train", "translate", "--resume", "--out", str(out), "--steps", "4"]) == 0
     assert (out / "step-0000004").is_dir()
+
+
+def test_the_shakespeare_recipe_trains_nanogpts_model(tmp_path, capsys):
+    """`attnlab train lm --config shakespeare-char --data input.txt`: nanoGPT's 6-layer, 384-wide
+    character GPT (one short step here, on a small batch)."""
+    text = tmp_path / "input.txt"
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 80)
+    out = tmp_path / "run"
+    assert main(["train", "lm", "--config", "shakespeare-char", "--data", str(text), "--out", str(out), "--steps", "1",
+                 "--batch-size", "2", "--eval-windows", "2", "--sample-tokens", "0", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "model: GPT, 10.7" in err and "context 256" in err              # nanoGPT reports 10.65M (vocab 65)
+    saved = yaml.safe_load((out / "config.yaml").read_text())["settings"]
+    assert (saved["layers"], saved["d_model"], saved["dropout"], saved["batch_size"]) == (6, 384, 0.2, 2)
