@@ -4,10 +4,11 @@ One training step, timed as a whole, on the same batch for both contenders:
 forward, label-smoothed cross-entropy (0.1, padding ignored), backward, gradient clipping
 (global norm 1.0) and an AdamW step (then zero_grad(set_to_none=True)).
 
-  attnlab       attnlab.models.Transformer, called as attnlab.data.translation.TranslationTask.loss
-                calls it: model(src, tgt_in, src_mask), attnlab.train.label_smoothed_cross_entropy
-                (sum); the gradients are then scaled by 1 / target tokens as the Trainer does, and
-                the optimizer is attnlab.train.build_optimizer's (what the Trainer uses).
+  attnlab       attnlab.models.Transformer, called as attnlab.tasks.translate.TranslationTask.loss
+                calls it: model(src, tgt_in, src_key_padding_mask=src_mask),
+                attnlab.train.label_smoothed_cross_entropy (sum); the gradients are then scaled by
+                1 / target tokens as the Trainer does, and the optimizer is
+                attnlab.train.build_optimizer's (what the Trainer uses).
   torch         embeddings * sqrt(d_model) + sinusoidal positions + dropout, torch.nn.Transformer
                 (batch_first=True, causal float tgt_mask from generate_square_subsequent_mask and
                 tgt_is_causal=True, src/memory key padding masks) and an output nn.Linear;
@@ -158,7 +159,7 @@ def attnlab_parts(model: Transformer, opt: torch.optim.Optimizer, batch: dict, c
     n = batch["num_tokens"]
 
     def loss():
-        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"])
+        logits = model(batch["src"], batch["tgt_in"], src_key_padding_mask=batch["src_mask"])
         return label_smoothed_cross_entropy(logits, batch["tgt_out"], 0.1, PAD)
 
     def scale_clip():

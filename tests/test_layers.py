@@ -33,7 +33,7 @@ def test_causal_layer_equals_encoder_layer_with_a_causal_mask(norm_first):
     real = torch.ones(2, 7, dtype=torch.bool)
     real[1, :2] = False
     with torch.no_grad():
-        want = enc(x, real, mask=causal_mask(7))
+        want = enc(x, causal_mask(7), real)
         got = causal(x, real)
         cache = KVCache()
         steps = torch.cat([causal(x[:, :3], real[:, :3], cache=cache)]

@@ -58,9 +58,10 @@ def _inputs(model):
 
 def test_translation_self_and_cross_weights_equal_torch_with_padding():
     model, src, tgt, src_real, tgt_real = _translation()
+    pads = dict(src_key_padding_mask=src_real, tgt_key_padding_mask=tgt_real)     # True = real token
     seen, handles = _inputs(model)
     with torch.no_grad(), record_attention(model) as record:
-        model(src, tgt, src_real, tgt_real)
+        model(src, tgt, **pads)
     for h in handles:
         h.remove()
     assert len(record) == 2 + 2 * 2 and all(len(calls) == 1 for calls in record.values())
@@ -91,14 +92,15 @@ def test_translation_cached_steps_are_appended_and_equal_the_full_forward():
 
 def test_outputs_unchanged_nothing_left_behind_and_errors():
     model, src, tgt, src_real, tgt_real = _translation()
+    pads = dict(src_key_padding_mask=src_real, tgt_key_padding_mask=tgt_real)     # True = real token
     with torch.no_grad():
-        plain = model(src, tgt, src_real, tgt_real)
+        plain = model(src, tgt, **pads)
         with record_attention(model) as record:
-            recorded = model(src, tgt, src_real, tgt_real)
+            recorded = model(src, tgt, **pads)
             with pytest.raises(RuntimeError, match="already"):
                 with record_attention(model):
                     pass
-        after = model(src, tgt, src_real, tgt_real)
+        after = model(src, tgt, **pads)
     assert torch.equal(plain, recorded) and torch.equal(plain, after)
     assert all(len(calls) == 1 for calls in record.values()), "nothing recorded after the context"
     for m in model.modules():
@@ -114,19 +116,20 @@ def test_outputs_unchanged_nothing_left_behind_and_errors():
 
 def test_checkpointed_backward_records_once_and_keeps_gradients():
     model, src, tgt, src_real, tgt_real = _translation()
+    pads = dict(src_key_padding_mask=src_real, tgt_key_padding_mask=tgt_real)     # True = real token
     model.train()                                          # dropout is 0: train mode changes nothing else
-    model(src, tgt, src_real, tgt_real).sum().backward()
+    model(src, tgt, **pads).sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model.gradient_checkpointing = True
     with record_attention(model) as record:
-        logits = model(src, tgt, src_real, tgt_real)
+        logits = model(src, tgt, **pads)
         logits.sum().backward()                            # recomputes every layer inside the context
     assert all(len(calls) == 1 for calls in record.values()), "recomputation in backward recorded again"
     assert not any(w.requires_grad for calls in record.values() for w in calls)
     for a, p in zip(want, model.parameters()):
         close(p.grad, a, "gradients with recording and checkpointing")
-    logits = model(src, tgt, src_real, tgt_real)
+    logits = model(src, tgt, **pads)
     with record_attention(model) as late:
         logits.sum().backward()                            # recording switched on between forward and backward
     assert all(len(calls) == 0 for calls in late.values())

@@ -3,10 +3,22 @@
     src ids -> Embedding * sqrt(E) + sinusoidal PE -> N x EncoderLayer -> memory
     tgt ids -> Embedding * sqrt(E) + sinusoidal PE -> N x DecoderLayer(memory) -> Linear -> logits
 
-Masks: padding masks are (B, L) booleans, True for real tokens. The encoder's
-self-attention and the decoder's cross-attention ignore padded source positions; the
-decoder's self-attention is causal. ``encode`` / ``decode`` split the model so that a
-decoder can run one token at a time with a cache (see attnlab.nn.cache).
+Masks take ``torch.nn.Transformer``'s names and order, with attnlab's one convention:
+
+- attention masks ``src_mask`` (S, S), ``tgt_mask`` (T, T), ``memory_mask`` (T, S), or
+  (B or 1, H or 1, rows, cols): a float mask is *added* to the scores (the chapter's
+  ``generate_square_subsequent_mask(T)``: 0 allowed, -inf blocked), a boolean mask is True
+  where attention is *allowed*. Float masks mean the same as in torch; a torch boolean mask
+  (True = blocked) must be inverted first: ``~mask``.
+- padding masks ``src_key_padding_mask`` (B, S), ``tgt_key_padding_mask`` (B, T),
+  ``memory_key_padding_mask`` (B, S): booleans, True for *real* tokens, the opposite of
+  torch's (True = ignore): pass ``~torch_mask``. ``memory_key_padding_mask`` defaults to the
+  source's, so cross-attention ignores padded source positions without being told.
+
+The decoder's self-attention is always causal; a ``tgt_mask`` is applied on top of the
+causal triangle (a mask that only repeats it costs nothing: the fused kernel's causal flag is
+used). ``encode`` / ``decode`` split the model so that a decoder can run one token at a time
+with a cache (see attnlab.nn.cache).
 """
 from __future__ import annotations
 
@@ -63,8 +75,13 @@ class TransformerConfig:
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; the constructor takes the chapter's arguments.
 
-    forward(src (B, S), tgt (B, T), src_padding_mask (B, S), tgt_padding_mask (B, T))
-    -> logits (B, T, tgt_vocab_size). Teacher forcing: ``tgt`` is the shifted-right target.
+    forward(src (B, S), tgt (B, T), src_mask=None, tgt_mask=None, memory_mask=None,
+    src_key_padding_mask=None, tgt_key_padding_mask=None, memory_key_padding_mask=None)
+    -> logits (B, T, tgt_vocab_size): torch.nn.Transformer's mask arguments in its order, with
+    attnlab's conventions (module docstring). Teacher forcing: ``tgt`` is the shifted-right
+    target. The chapter's call works as written::
+
+        model(src, tgt, tgt_mask=generate_square_subsequent_mask(T))
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 512, num_heads: int = 8,
@@ -113,13 +130,47 @@ class Transformer(nn.Module):
             nn.init.normal_(emb.weight, mean=0.0, std=self.config.d_model ** -0.5)
 
     # ------------------------------------------------------------------ pieces
-    def _padding(self, ids: Tensor, mask: Tensor | None) -> Tensor | None:
+    def _padding(self, ids: Tensor, mask: Tensor | None, name: str = "padding mask") -> Tensor | None:
         if mask is None and self.config.pad_id is not None:
             mask = ids != self.config.pad_id
         if mask is not None and (mask.shape != ids.shape or mask.dtype != torch.bool):
-            raise ValueError(f"Transformer: padding mask must be bool {tuple(ids.shape)} (True = real token), "
+            raise ValueError(f"Transformer: {name} must be bool {tuple(ids.shape)} (True = real token), "
                              f"got {mask.dtype} {tuple(mask.shape)}")
         return mask
+
+    @staticmethod
+    def _attn_mask(name: str, mask: Tensor | None, rows: int, cols: int) -> Tensor | None:
+        """Check an attention mask: bool (True = may attend) or float (added to the scores), of
+        shape (rows, cols) or (B or 1, H or 1, rows, cols). A (B, L) padding mask passed here by
+        position, or a 0/1 "keep" mask in the chapter's ``mask == 0`` convention, would be read
+        as something else without a word, so both are refused with the fix in the message."""
+        if mask is None:
+            return None
+        if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            raise ValueError(f"Transformer: {name} must be a bool (True = may attend) or float (added to the "
+                             f"scores) tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (rows, cols):
+            raise ValueError(f"Transformer: {name} must be ({rows}, {cols}) or (B, 1 or H, {rows}, {cols}), got "
+                             f"{tuple(mask.shape)}; a (B, L) padding mask goes to src_key_padding_mask, "
+                             "tgt_key_padding_mask or memory_key_padding_mask (True = real token)")
+        if mask.dtype != torch.bool and bool(((mask == 0) | (mask == 1)).all()) and bool((mask == 1).any()):
+            raise ValueError(f"Transformer: {name} holds only 0 and 1, but a float mask is added to the scores "
+                             "(0 = allowed, -inf = blocked); for a 0/1 keep-mask pass mask.bool() (True = may attend)")
+        return mask
+
+    @staticmethod
+    def _beyond_causal(mask: Tensor | None, T: int) -> Tensor | None:
+        """``tgt_mask`` minus what the decoder's causal self-attention already does: a (T, T)
+        mask that is exactly the causal triangle (bool or -inf above the diagonal) is dropped, so
+        the fused kernel runs with its causal flag instead of a materialised mask."""
+        if mask is None or mask.shape != (T, T):
+            return mask
+        allowed = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+        if mask.dtype == torch.bool:
+            redundant = torch.equal(mask, allowed)
+        else:
+            redundant = bool(((mask == 0) == allowed).all()) and bool((mask[~allowed] == float("-inf")).all())
+        return None if redundant else mask
 
     def _embed(self, ids: Tensor, embedding: nn.Embedding, offset: int = 0) -> Tensor:
         if ids.dim() != 2:
@@ -134,43 +185,67 @@ class Transformer(nn.Module):
             return checkpoint(layer, *args, **kwargs)
         return layer(*args, **kwargs)
 
-    def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
-        """Source ids (B, S) -> memory (B, S, E)."""
-        src_padding_mask = self._padding(src, src_padding_mask)
+    def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None, *,
+               src_mask: Tensor | None = None) -> Tensor:
+        """Source ids (B, S) -> memory (B, S, E). ``src_key_padding_mask`` (B, S), True = real
+        token; ``src_mask`` (S, S) bool (True = may attend) or float (added)."""
+        src_key_padding_mask = self._padding(src, src_key_padding_mask, "src_key_padding_mask")
+        src_mask = self._attn_mask("src_mask", src_mask, src.size(-1), src.size(-1))
         x = self._embed(src, self.src_embedding)
         for layer in self.encoder_layers:
-            x = self._run(layer, x, src_padding_mask)
+            x = self._run(layer, x, src_mask, src_key_padding_mask)
         return self.encoder_norm(x)
 
-    def decode(self, tgt: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None,
-               tgt_padding_mask: Tensor | None = None, *, cache: LayerCaches | None = None) -> Tensor:
+    def decode(self, tgt: Tensor, memory: Tensor, memory_key_padding_mask: Tensor | None = None,
+               tgt_key_padding_mask: Tensor | None = None, *, tgt_mask: Tensor | None = None,
+               memory_mask: Tensor | None = None, cache: LayerCaches | None = None) -> Tensor:
         """Target ids (B, T) and memory (B, S, E) -> logits (B, T, V).
 
-        With ``cache`` (``new_cache()``), pass only the new tokens each step: positions are
-        offset by the cache length and earlier keys/values are reused. Attention weights:
+        ``memory_key_padding_mask`` (B, S) and ``tgt_key_padding_mask`` (B, T): True = real token
+        (the third argument is the source's padding mask, as ``encode`` took it); ``tgt_mask``
+        (T, T) on top of the causal triangle and ``memory_mask`` (T, S): bool True = may attend,
+        or float added. With ``cache`` (``new_cache()``), pass only the new tokens each step:
+        positions are offset by the cache length and earlier keys/values are reused (a
+        ``tgt_mask`` then covers (new, cached + new) keys). Attention weights:
         ``attnlab.viz.record_attention(model)``.
         """
         offset = 0 if cache is None else cache.length
         if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != self.config.d_model:
             raise ValueError(f"Transformer.decode: memory must be (batch={tgt.size(0)}, S, {self.config.d_model}), "
                              f"got {tuple(memory.shape)}")
-        tgt_padding_mask = self._padding(tgt, tgt_padding_mask) if cache is None else tgt_padding_mask
+        if cache is None:
+            tgt_key_padding_mask = self._padding(tgt, tgt_key_padding_mask, "tgt_key_padding_mask")
+        if memory_key_padding_mask is not None and (memory_key_padding_mask.dtype != torch.bool
+                                                    or memory_key_padding_mask.shape != memory.shape[:2]):
+            raise ValueError(f"Transformer: memory_key_padding_mask must be bool {tuple(memory.shape[:2])} "
+                             f"(True = real token), got {memory_key_padding_mask.dtype} "
+                             f"{tuple(memory_key_padding_mask.shape)}")
+        T = tgt.size(-1)
+        tgt_mask = self._beyond_causal(self._attn_mask("tgt_mask", tgt_mask, T, offset + T), offset + T)
+        memory_mask = self._attn_mask("memory_mask", memory_mask, T, memory.size(1))
         x = self._embed(tgt, self.tgt_embedding, offset)
         for i, layer in enumerate(self.decoder_layers):
             layer_cache = None if cache is None else (cache.self_attn[i], cache.cross_attn[i])
-            x = self._run(layer, x, memory, src_padding_mask, tgt_key_padding_mask=tgt_padding_mask,
-                          cache=layer_cache)
+            x = self._run(layer, x, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                          tgt_key_padding_mask=tgt_key_padding_mask,
+                          memory_key_padding_mask=memory_key_padding_mask, cache=layer_cache)
         return self.output_projection(self.decoder_norm(x))
 
     def new_cache(self) -> LayerCaches:
         """An empty cache for step-by-step decoding with :meth:`decode`."""
         return LayerCaches(len(self.decoder_layers), cross=True)
 
-    def forward(self, src: Tensor, tgt: Tensor, src_padding_mask: Tensor | None = None,
-                tgt_padding_mask: Tensor | None = None) -> Tensor:
-        src_padding_mask = self._padding(src, src_padding_mask)
-        memory = self.encode(src, src_padding_mask)
-        return self.decode(tgt, memory, src_padding_mask, tgt_padding_mask)
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+                memory_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+                tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None) -> Tensor:
+        """Ids src (B, S), tgt (B, T) -> logits (B, T, V); the masks as in the module docstring."""
+        src_key_padding_mask = self._padding(src, src_key_padding_mask, "src_key_padding_mask")
+        memory = self.encode(src, src_key_padding_mask, src_mask=src_mask)
+        if memory_key_padding_mask is None:
+            memory_key_padding_mask = src_key_padding_mask
+        return self.decode(tgt, memory, memory_key_padding_mask, tgt_key_padding_mask, tgt_mask=tgt_mask,
+                           memory_mask=memory_mask)
 
 
 # ----------------------------------------------------------------------------- registration

@@ -54,8 +54,12 @@ class EncoderLayer(_Layer):
     Submodules: ``self_attn``, ``self_attn_norm``, ``ff``, ``ff_norm`` (each norm belongs to the
     sublayer it wraps: before it in Pre-Norm, after the residual sum in Post-Norm).
 
-    forward(x (B, T, E), key_padding_mask (B, T) True = real token, mask broadcastable to
-    (B, H, T, T)) -> x (B, T, E). Attention weights: ``attnlab.viz.record_attention``.
+    forward(x (B, T, E), mask=None, key_padding_mask=None) -> x (B, T, E): the chapter's
+    ``forward(x, mask)`` and torch.nn.TransformerEncoderLayer's order. ``mask`` broadcastable to
+    (B, H, T, T): bool True = may attend, or float added to the scores (torch's boolean masks
+    mean the opposite: pass ``~mask``); ``key_padding_mask`` (B, T) bool, True = real token
+    (torch's ``src_key_padding_mask`` is True = ignore: pass ``~mask``). Attention weights:
+    ``attnlab.viz.record_attention``.
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
@@ -69,7 +73,7 @@ class EncoderLayer(_Layer):
         self.self_attn_norm = make_norm(norm, d_model, eps)
         self.ff_norm = make_norm(norm, d_model, eps)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
         h = self._norm_in(self.self_attn_norm, x)
         a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
         x = self._add_norm(self.self_attn_norm, x, a)
@@ -84,8 +88,14 @@ class DecoderLayer(_Layer):
     ``cross_attn``; submodules ``self_attn``, ``self_attn_norm``, ``cross_attn``,
     ``cross_attn_norm``, ``ff``, ``ff_norm``.
 
-    forward(x (B, T, E), memory (B, S, E), memory_key_padding_mask (B, S), ...,
+    forward(x (B, T, E), memory (B, S, E), *, tgt_mask (T, T), memory_mask (T, S),
+    tgt_key_padding_mask (B, T), memory_key_padding_mask (B, S),
     cache=(self KVCache, cross KVCache) for step-by-step decoding) -> x (B, T, E).
+    torch.nn.TransformerDecoderLayer's names, keyword-only: the chapter's positional order
+    ``(x, memory, src_mask, tgt_mask)`` and torch's ``(tgt, memory, tgt_mask, memory_mask)``
+    disagree, so a positional mask would land on the wrong attention. Attention masks: bool
+    True = may attend, or float added; ``tgt_mask`` applies on top of the causal self-attention.
+    Padding masks: True = real token.
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
@@ -101,15 +111,17 @@ class DecoderLayer(_Layer):
         self.cross_attn_norm = make_norm(norm, d_model, eps)
         self.ff_norm = make_norm(norm, d_model, eps)
 
-    def forward(self, x: Tensor, memory: Tensor, memory_key_padding_mask: Tensor | None = None, *,
-                tgt_key_padding_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+    def forward(self, x: Tensor, memory: Tensor, *, tgt_mask: Tensor | None = None,
+                memory_mask: Tensor | None = None, tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None,
                 cache: tuple[KVCache, KVCache] | None = None) -> Tensor:
         self_cache, cross_cache = cache if cache is not None else (None, None)
         h = self._norm_in(self.self_attn_norm, x)
         a, _ = self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask, cache=self_cache)
         x = self._add_norm(self.self_attn_norm, x, a)
         h = self._norm_in(self.cross_attn_norm, x)
-        a, _ = self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask, cache=cross_cache)
+        a, _ = self.cross_attn(h, memory, memory, memory_mask, key_padding_mask=memory_key_padding_mask,
+                               cache=cross_cache)
         x = self._add_norm(self.cross_attn_norm, x, a)
         return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)))
 

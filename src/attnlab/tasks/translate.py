@@ -74,7 +74,7 @@ class TranslationTask:
         return [collate(self.train, b, tok.pad_id, tok.bos_id, tok.eos_id) for b in batches]
 
     def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
-        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"])
+        logits = model(batch["src"], batch["tgt_in"], src_key_padding_mask=batch["src_mask"])
         target = batch["tgt_out"]
         loss = label_smoothed_cross_entropy(logits, target, self.label_smoothing, self.tgt_tok.pad_id)
         with torch.no_grad():
@@ -89,7 +89,8 @@ class TranslationTask:
         nll, tokens = 0.0, 0
         for b in plan_batches(pair_lengths(self._valid_ids), self.max_tokens, shuffle=False):
             batch = collate(self._valid_ids, b, tok.pad_id, tok.bos_id, tok.eos_id)
-            logits = model(batch["src"].to(device), batch["tgt_in"].to(device), batch["src_mask"].to(device))
+            logits = model(batch["src"].to(device), batch["tgt_in"].to(device),
+                           src_key_padding_mask=batch["src_mask"].to(device))
             nll += float(label_smoothed_cross_entropy(logits, batch["tgt_out"].to(device), 0.0, tok.pad_id))
             tokens += int(batch["num_tokens"])
         metrics = {"val_loss": nll / max(tokens, 1)}
