@@ -17,12 +17,13 @@ from safetensors.torch import load_model, save_model
 import attnlab
 from attnlab.generate import greedy_decode
 from attnlab.models.registry import Architecture
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 B, T = 4, 16                   # 64 tokens: every expert of a tiny mixture gets some
 
 
-def close(got, want, what: str, rtol: float = 1e-5) -> None:
-    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()), msg=lambda m: f"{what}: {m}")
+def close(got, want, what: str, rtol: float = FP32) -> None:
+    assert_close_scaled(got, want, rtol, what)
 
 
 def _ids(high: int, shape, seed: int) -> torch.Tensor:

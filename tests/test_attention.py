@@ -1,6 +1,7 @@
 """Attention core: parity with torch, the mask convention, pitfalls 1-6, bad input.
 
-Tolerance: fp32 max abs difference <= 1e-5 (ATOL) unless a test says otherwise.
+Tolerance (tests/_tolerance.py): fp32, max |got - want| <= 1e-5 x the largest value compared
+(FP32), unless a test says otherwise.
 """
 import math
 from unittest import mock
@@ -15,7 +16,7 @@ import attnlab.nn.attention as attention_mod
 from attnlab.nn import (KVCache, MultiHeadAttention, causal_mask, combine_masks, generate_square_subsequent_mask,
                         padding_mask, scaled_dot_product_attention)
 
-ATOL = 1e-5
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
 def copy_from_torch(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
@@ -61,11 +62,11 @@ def test_mha_self_attention_matches_torch_with_padding_and_attn_mask(fused):
     allowed |= torch.eye(T, dtype=torch.bool)
     out_ref, w_ref = ref(x, x, x, key_padding_mask=~real, attn_mask=~allowed, average_attn_weights=False)
     out, w = ours(x, x, x, allowed, key_padding_mask=real, return_weights=True)
-    assert (out - out_ref).abs().max() <= ATOL, "output differs from nn.MultiheadAttention (1e-5)"
-    assert (w - w_ref).abs().max() <= ATOL, "per-head weights differ (1e-5)"
+    assert_close_scaled(out, out_ref, FP32, "output differs from nn.MultiheadAttention")
+    assert_close_scaled(w, w_ref, FP32, "per-head weights differ")
     # averaged weights (torch's default) are the mean over heads
     _, w_avg = ref(x, x, x, key_padding_mask=~real, attn_mask=~allowed)
-    assert (w.mean(1) - w_avg).abs().max() <= ATOL
+    assert_close_scaled(w.mean(1), w_avg, FP32)
     # gradients, fused path (no weights requested)
     out, _ = ours(x, x, x, allowed, key_padding_mask=real)
     g = torch.randn_like(out)
@@ -75,8 +76,8 @@ def test_mha_self_attention_matches_torch_with_padding_and_attn_mask(fused):
     ref_in = ref_g["in_proj_weight"]
     mine_in = ours_g["qkv_proj.weight"] if fused else torch.cat(
         [ours_g["q_proj.weight"], ours_g["k_proj.weight"], ours_g["v_proj.weight"]])
-    assert (mine_in - ref_in).abs().max() <= ATOL, "in-projection gradient differs (1e-5)"
-    assert (ours_g["out_proj.weight"] - ref_g["out_proj.weight"]).abs().max() <= ATOL
+    assert_close_scaled(mine_in, ref_in, FP32, "in-projection gradient differs")
+    assert_close_scaled(ours_g["out_proj.weight"], ref_g["out_proj.weight"], FP32)
 
 
 def test_mha_cross_attention_matches_torch_with_float_mask():
@@ -87,8 +88,8 @@ def test_mha_cross_attention_matches_torch_with_float_mask():
     additive = torch.randn(T, S)                                    # a float mask is added to the scores
     out_ref, w_ref = ref(q, k, v, key_padding_mask=~real, attn_mask=additive)
     out, w = ours(q, k, v, additive, key_padding_mask=real, return_weights=True)
-    assert (out - out_ref).abs().max() <= ATOL
-    assert (w.mean(1) - w_ref).abs().max() <= ATOL
+    assert_close_scaled(out, out_ref, FP32)
+    assert_close_scaled(w.mean(1), w_ref, FP32)
 
 
 def test_fused_cross_attention_projects_memory_with_key_value_rows():
@@ -97,7 +98,7 @@ def test_fused_cross_attention_projects_memory_with_key_value_rows():
     q, mem = torch.randn(2, 4, 32), torch.randn(2, 6, 32)
     out_ref, _ = ref(q, mem, mem)
     out, _ = ours(q, mem, mem)
-    assert (out - out_ref).abs().max() <= ATOL
+    assert_close_scaled(out, out_ref, FP32)
 
 
 def test_padding_mask_polarity_is_true_for_real_tokens():
@@ -124,15 +125,15 @@ def test_sdpa_equals_torch_sdpa_and_formula():
     exp, w = scaled_dot_product_attention(q, k, v, mask, return_weights=True)
     by_hand = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf), -1) @ v
     for got in (out, exp, by_hand):
-        assert (got - ref).abs().max() <= ATOL
-    assert torch.allclose(w.sum(-1), torch.ones(2, 3, 5))
+        assert_close_scaled(got, ref, FP32)
+    assert_close_scaled(w.sum(-1), torch.ones(2, 3, 5), FP32)
 
 
 def test_grouped_query_attention_equals_repeated_heads():
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
     out, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
-    assert (out - ref).abs().max() <= ATOL
+    assert_close_scaled(out, ref, FP32)
 
 
 def test_generate_square_subsequent_mask_equals_torch():
@@ -181,7 +182,7 @@ def test_fully_masked_rows_in_module_are_zero():
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
     # row 0 has no real key: attention output is 0, so the module returns the out-projection bias
-    assert (out[0] - ours.out_proj.bias).abs().max() <= ATOL
+    assert_close_scaled(out[0], ours.out_proj.bias.expand_as(out[0]), FP32)
 
 
 # ------------------------------------------------------------------ pitfall 3: causal with T != S
@@ -191,8 +192,8 @@ def test_causal_aligns_bottom_right_for_chunked_queries():
     full, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
     chunk, _ = scaled_dot_product_attention(q[:, :, 4:], k, v, is_causal=True)   # last 3 queries, all keys
     chunk_w, _ = scaled_dot_product_attention(q[:, :, 4:], k, v, is_causal=True, return_weights=True)
-    assert (chunk - full[:, :, 4:]).abs().max() <= ATOL
-    assert (chunk_w - full[:, :, 4:]).abs().max() <= ATOL
+    assert_close_scaled(chunk, full[:, :, 4:], FP32)
+    assert_close_scaled(chunk_w, full[:, :, 4:], FP32)
     assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
 
 
@@ -204,7 +205,7 @@ def test_cached_decoding_equals_full_causal_forward():
     cache = KVCache(capacity=2)                           # forces the buffer to grow
     steps = [m(x[:, :4], cache=cache)[0]]                 # chunked prefill of 4 tokens
     steps += [m(x[:, t:t + 1], cache=cache)[0] for t in range(4, 9)]
-    assert (torch.cat(steps, 1) - full).abs().max() <= ATOL
+    assert_close_scaled(torch.cat(steps, 1), full, FP32)
     assert cache.length == 9
 
 
@@ -249,7 +250,7 @@ def test_padding_does_not_change_real_tokens(train):
     real = padding_mask(torch.tensor([5]), max_len=8)
     alone, _ = m(x)
     with_pad, _ = m(padded, key_padding_mask=real)
-    assert (with_pad[:, :5] - alone).abs().max() <= ATOL
+    assert_close_scaled(with_pad[:, :5], alone, FP32)
 
 
 # ------------------------------------------------------------------ property: explicit == fused
@@ -273,7 +274,7 @@ def test_explicit_and_fused_paths_agree(B, H, G_div, T, extra, D, kind, p_block,
     fused, none = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
     explicit, w = scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=True)
     assert none is None and torch.isfinite(fused).all() and torch.isfinite(w).all()
-    assert (fused - explicit).abs().max() <= ATOL
+    assert_close_scaled(fused, explicit, FP32)
 
 
 # ------------------------------------------------------------------ bad input

@@ -16,6 +16,7 @@ from attnlab.models import GPT, GPTConfig, Llama, LlamaConfig
 from attnlab.nn.cache import KVCache
 from _decoding import CRITICAL_0001, causal_logprob, chi2_sf as _chi2_sf, chi_square as _chi_square  # noqa: E402
 from _decoding import exhaustive_best  # noqa: E402
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 V, CTX = 64, 256
 
@@ -149,8 +150,8 @@ def test_cached_equals_uncached_tokens_and_logits(llama, monkeypatch):
     (cached, cached_logits), (full, full_logits) = runs[True], runs[False]
     assert torch.equal(cached, full)
     assert len(cached_logits) == len(full_logits) == 20
-    diff = max((a - b).abs().max().item() for a, b in zip(cached_logits, full_logits))
-    assert diff < 1e-5, f"cached vs uncached logits differ by {diff:.3g}"
+    for step, (a, b) in enumerate(zip(cached_logits, full_logits)):
+        assert_close_scaled(a, b, FP32, f"step {step}: cached vs uncached logits")
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
@@ -190,7 +191,7 @@ def test_cache_truncate(gpt):
         assert cache.length == 5
         resumed = gpt(ids[:, 5:], cache=cache)
         want = gpt(ids)[:, 5:]
-    torch.testing.assert_close(resumed, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_close_scaled(resumed, want, FP32)
     for bad in (10, -1, 2.0, True):
         with pytest.raises(ValueError, match="length"):
             cache.truncate(bad)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from attnlab.nn import CausalLayer, DecoderLayer, EncoderLayer, KVCache, causal_mask
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 E, H, F = 32, 4, 64
 
@@ -39,8 +40,8 @@ def test_causal_layer_equals_encoder_layer_with_a_causal_mask(norm_first):
         steps = torch.cat([causal(x[:, :3], real[:, :3], cache=cache)]
                           + [causal(x[:, t:t + 1], real[:, :t + 1], cache=cache) for t in range(3, 7)], 1)
     assert isinstance(got, torch.Tensor) and got.shape == x.shape
-    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    torch.testing.assert_close(steps[real], want[real], rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert_close_scaled(got[real], want[real], FP32, "CausalLayer vs EncoderLayer with a causal mask")
+    assert_close_scaled(steps[real], want[real], FP32, "cached steps vs EncoderLayer")
 
 
 def test_every_layer_returns_hidden_states_only():

@@ -16,8 +16,8 @@ import attnlab  # noqa: E402
 from attnlab.hub import from_hf_state_dict, permute_rope, to_hf_state_dict, unpermute_rope  # noqa: E402
 from attnlab.models import GPT, GPTConfig, GPTModel, Llama, LlamaConfig, Mixtral  # noqa: E402
 from attnlab.models.mixtral import MIXTRAL_FUSED_WEIGHT_MAP  # noqa: E402
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
-TOL = 1e-4
 V, CTX = 96, 64
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=CTX, bos_token_id=None, eos_token_id=None,
@@ -73,9 +73,8 @@ def _ids(B=2, T=12, seed=1):
     return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _close(a, b, what, tol=TOL):
-    diff = (a - b).abs().max().item()
-    assert diff < tol, f"{what}: max |attnlab - transformers| = {diff:.3g} > {tol}"
+def _close(a, b, what, rtol=FP32):
+    assert_close_scaled(a, b, rtol, f"{what}: attnlab vs transformers")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -171,7 +170,7 @@ def test_mixtral_router_logits_and_aux_loss(saved):
     for i, (a, b) in enumerate(zip(routers, out.router_logits)):
         _close(a, b, f"router logits of layer {i}")
     # HF's load_balancing_loss_func does not divide the token fractions by k: its value is k * ours
-    _close(2 * ours.aux_loss(), out.aux_loss, "load-balancing loss x top_k", tol=1e-5)
+    _close(2 * ours.aux_loss(), out.aux_loss, "load-balancing loss x top_k", FP32)
 
 
 @pytest.mark.parametrize("family", ["gpt2-eager", "llama-linear", "mixtral"])
@@ -278,7 +277,7 @@ def test_interleaved_rope_on_permuted_weights_equals_half_split(saved, tmp_path)
     inter.load_state_dict(state)
     ids = _ids(seed=9)
     with torch.no_grad():
-        _close(inter(ids), half(ids), "interleaved RoPE on permuted weights vs half-split", tol=1e-5)
+        _close(inter(ids), half(ids), "interleaved RoPE on permuted weights vs half-split", FP32)
         inter.save_pretrained(tmp_path)                          # the map permutes back to HF's layout
         _close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, hf(ids).logits,
                "interleaved model saved for transformers")

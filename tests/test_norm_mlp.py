@@ -11,6 +11,8 @@ llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
 from transformers import LlamaConfig, MixtralConfig  # noqa: E402
 
+from _tolerance import FP32, FP32_OP, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
+
 E, FF = 16, 40
 
 
@@ -37,8 +39,7 @@ def test_layernorm_matches_torch_fp32(bias):
     ours, ref = _randomise(LayerNorm(E, bias=bias)), nn.LayerNorm(E, bias=bias)
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(3, 5, E) * 3 + 1
-    err = _max_err(ours(x), ref(x))
-    assert err <= 1e-6, f"LayerNorm vs torch.nn.LayerNorm fp32: max abs err {err} > 1e-6"
+    assert_close_scaled(ours(x), ref(x), FP32_OP, "LayerNorm vs torch.nn.LayerNorm fp32")
 
 
 def test_layernorm_bf16_is_fp32_cast_back():
@@ -59,8 +60,7 @@ def test_rmsnorm_matches_hf_and_torch_fp32():
     x = torch.randn(2, 9, E) * 4
     y = ours(x)
     assert torch.equal(y, hf(x)), f"RMSNorm vs LlamaRMSNorm fp32 not bit-identical, err {_max_err(y, hf(x))}"
-    err = _max_err(y, tnorm(x))
-    assert err <= 1e-6, f"RMSNorm vs torch.nn.RMSNorm fp32: max abs err {err} > 1e-6"
+    assert_close_scaled(y, tnorm(x), FP32_OP, "RMSNorm vs torch.nn.RMSNorm fp32")
 
 
 def test_rmsnorm_bf16_bit_identical_to_hf():
@@ -84,8 +84,7 @@ def test_dyt_formula_and_gradients():
         m.bias.normal_()
     x = torch.randn(2, 3, E) * 3
     want = m.weight * torch.tanh(0.7 * x) + m.bias
-    err = _max_err(m(x), want)
-    assert err <= 1e-6, f"DyT vs weight*tanh(alpha*x)+bias: max abs err {err} > 1e-6"
+    assert_close_scaled(m(x), want, FP32_OP, "DyT vs weight*tanh(alpha*x)+bias")
     assert m.alpha.numel() == 1, f"DyT alpha must be one scalar, has {m.alpha.numel()} elements"
     m(x).pow(2).sum().backward()
     for name in ("alpha", "weight", "bias"):
@@ -113,16 +112,14 @@ def test_feedforward_matches_transformer_encoder_layer(activation):
     ref.linear2.load_state_dict(ours.linear2.state_dict())
     x = torch.randn(2, 6, E)
     want = ref.linear2(ref.dropout(ref.activation(ref.linear1(x))))
-    err = _max_err(ours(x), want)
-    assert err <= 1e-6, f"FeedForward({activation}) vs TransformerEncoderLayer FFN: err {err} > 1e-6"
+    assert_close_scaled(ours(x), want, FP32_OP, f"FeedForward({activation}) vs TransformerEncoderLayer FFN")
 
 
 def test_feedforward_gelu_tanh_and_dropout_placement():
     ours = FeedForward(E, FF, activation="gelu_tanh")
     x = torch.randn(2, 6, E)
     want = ours.linear2(F.gelu(ours.linear1(x), approximate="tanh"))
-    err = _max_err(ours(x), want)
-    assert err <= 1e-6, f"FeedForward(gelu_tanh): err {err} > 1e-6"
+    assert_close_scaled(ours(x), want, FP32_OP, "FeedForward(gelu_tanh)")
     # dropout 0.999 in training zeroes (nearly) the whole hidden: output collapses to the bias b2.
     drop = FeedForward(E, FF, dropout=0.999).train()
     drop.linear2.load_state_dict(ours.linear2.state_dict())
@@ -141,8 +138,7 @@ def test_gated_mlp_matches_llama_mlp(activation, hf_act):
     ours = _randomise(GatedMLP(E, FF, activation=activation))
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(3, 5, E)
-    err = _max_err(ours(x), ref(x))
-    assert err <= 1e-6, f"GatedMLP({activation}) vs LlamaMLP: err {err} > 1e-6"
+    assert_close_scaled(ours(x), ref(x), FP32_OP, f"GatedMLP({activation}) vs LlamaMLP")
 
 
 # --------------------------------------------------------------------------- mixture of experts
@@ -170,10 +166,8 @@ def test_sparse_moe_matches_mixtral(num_experts, top_k):
     want = ref(x.clone())
     want_logits, _, _ = ref.gate(x.reshape(-1, E))
     assert logits.shape == (21, num_experts), f"router logits shape {tuple(logits.shape)}"
-    err = _max_err(logits, want_logits)
-    assert err <= 1e-6, f"router logits vs Mixtral: err {err} > 1e-6"
-    err = _max_err(y, want)
-    assert err <= 1e-5, f"SparseMoE vs MixtralSparseMoeBlock (X={num_experts}, k={top_k}): err {err} > 1e-5"
+    assert_close_scaled(logits, want_logits, FP32_OP, "router logits vs Mixtral")
+    assert_close_scaled(y, want, FP32, f"SparseMoE vs MixtralSparseMoeBlock (X={num_experts}, k={top_k})")
 
 
 def test_sparse_moe_padding_and_gradients():
@@ -183,8 +177,7 @@ def test_sparse_moe_padding_and_gradients():
     y_full = ours(x)
     y = ours(x, padding_mask=mask)
     assert ours.router_logits.shape == (12, 4) and torch.equal(ours.router_mask, mask.flatten())
-    err = _max_err(y[mask], y_full[mask])
-    assert err <= 1e-6, f"padding changed real-token outputs: err {err} > 1e-6"
+    assert_close_scaled(y[mask], y_full[mask], FP32_OP, "padding changed real-token outputs")
     assert torch.equal(y[~mask], torch.zeros_like(y[~mask])), "padding tokens must get zero output"
     y.sum().backward()
     assert x.grad[~mask].abs().sum() == 0, "padding tokens must get no gradient"
@@ -203,8 +196,7 @@ def test_load_balancing_loss_matches_hf_over_k(top_k):
     logits = torch.randn(4 * 9, X) * 2
     ours = load_balancing_loss(logits, X, top_k)
     hf = _hf_loss(logits, X, top_k) / top_k        # HF does not normalise f by k (pitfall 20)
-    err = abs(ours.item() - hf.item())
-    assert err <= 1e-6, f"load_balancing_loss vs HF/k (k={top_k}): {ours.item()} vs {hf.item()}, err > 1e-6"
+    assert_close_scaled(ours, hf, FP32_OP, f"load_balancing_loss vs HF/k (k={top_k})")
 
 
 def test_load_balancing_loss_padding_matches_hf():
@@ -215,14 +207,12 @@ def test_load_balancing_loss_padding_matches_hf():
     layers = [torch.randn(24, X) * 2 for _ in range(3)]
     ours = load_balancing_loss(layers, X, k, padding_mask=mask)
     hf = _hf_loss(layers, X, k, mask.long()) / k
-    err = abs(ours.item() - hf.item())
-    assert err <= 1e-6, f"masked load_balancing_loss vs HF/k: {ours.item()} vs {hf.item()}, err > 1e-6"
+    assert_close_scaled(ours, hf, FP32_OP, "masked load_balancing_loss vs HF/k")
     # Padding rows must not matter at all: garbage in them leaves the loss unchanged.
     noisy = [t.clone() for t in layers]
     for t in noisy:
         t[~mask.reshape(-1)] = torch.randn(int((~mask).sum()), X) * 50
-    err = abs(load_balancing_loss(noisy, X, k, padding_mask=mask).item() - ours.item())
-    assert err <= 1e-6, f"padding rows changed the loss by {err} (> 1e-6)"
+    assert_close_scaled(load_balancing_loss(noisy, X, k, padding_mask=mask), ours, FP32_OP, "padding rows changed the loss")
     unmasked = load_balancing_loss(layers, X, k)
     assert abs(unmasked.item() - ours.item()) > 1e-4, "the mask had no effect on the loss"
 

@@ -7,16 +7,13 @@ import torch
 from attnlab.nn import KVCache, MultiHeadAttention
 from attnlab.nn.position import (ALiBi, LearnedPositionalEmbedding, PositionalEncoding, RotaryEmbedding,
                                  T5RelativePositionBias, alibi_slopes, relative_position_bucket, sinusoidal_table)
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 transformers = pytest.importorskip("transformers")
 
-ATOL = 1e-5
 
-
-def close(a, b, atol=ATOL, what=""):
-    err = (a - b).abs().max().item() if a.numel() else 0.0
-    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}"
-    assert err <= atol, f"{what}: max abs error {err:.3g} > tolerance {atol:g}"
+def close(a, b, rtol=FP32, what=""):
+    assert_close_scaled(a, b, rtol, what)
 
 
 # --------------------------------------------------------------------------- absolute tables
@@ -103,8 +100,8 @@ def test_rope_half_split_matches_hf_llama(scaling):
     cos, sin = hf(q, positions)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     got_q, got_k = ours.transform(q, k, positions)
-    close(got_q, want_q, ATOL, "RoPE q vs HF LLaMA (tol 1e-5)")
-    close(got_k, want_k, ATOL, "RoPE k vs HF LLaMA (tol 1e-5)")
+    close(got_q, want_q, FP32, "RoPE q vs HF LLaMA")
+    close(got_k, want_k, FP32, "RoPE k vs HF LLaMA")
 
 
 def test_rope_ntk_matches_hf_dynamic_at_equivalent_length():
@@ -125,8 +122,8 @@ def test_rope_ntk_matches_hf_dynamic_at_equivalent_length():
     emb = torch.cat((freqs, freqs), -1)
     want_q, want_k = apply_rotary_pos_emb(q, k, emb.cos()[None], emb.sin()[None])
     got_q, got_k = ours.transform(q, k, pos)
-    close(got_q, want_q, ATOL, "NTK RoPE q (tol 1e-5)")
-    close(got_k, want_k, ATOL, "NTK RoPE k (tol 1e-5)")
+    close(got_q, want_q, FP32, "NTK RoPE q")
+    close(got_k, want_k, FP32, "NTK RoPE k")
 
 
 # --------------------------------------------------------------------------- RoPE layouts (pitfall 7)
@@ -144,8 +141,8 @@ def test_rope_interleaved_matches_complex_formulation():
     q, k = qk()
     pos = torch.arange(10, 17)
     got_q, got_k = RotaryEmbedding(16, interleaved=True).transform(q, k, pos)
-    close(got_q, complex_rope(q, pos), ATOL, "interleaved q vs complex multiply (tol 1e-5)")
-    close(got_k, complex_rope(k, pos), ATOL, "interleaved k vs complex multiply (tol 1e-5)")
+    close(got_q, complex_rope(q, pos), FP32, "interleaved q vs complex multiply")
+    close(got_k, complex_rope(k, pos), FP32, "interleaved k vs complex multiply")
 
 
 def to_half_split_rows(w, heads):
@@ -163,7 +160,7 @@ def test_rope_interleaved_equals_half_split_after_permutation():
     inter, half = RotaryEmbedding(D, interleaved=True), RotaryEmbedding(D)
     a, _ = inter.transform(x[:, None], x[:, None], pos)
     b, _ = half.transform(x[:, None, :, perm], x[:, None, :, perm], pos)
-    close(b, a[..., perm], ATOL, "half-split of permuted channels = permuted interleaved (tol 1e-5)")
+    close(b, a[..., perm], FP32, "half-split of permuted channels = permuted interleaved")
 
     # the same through projection weights with grouped-query heads: scores must agree
     h = torch.randn(1, T, E)
@@ -309,5 +306,5 @@ def test_cached_decoding_equals_full_causal_forward(name):
         cached = torch.cat(steps, dim=1)
         mha.position = None
         plain, _ = mha(x)
-    close(cached, full, ATOL, f"{name}: cached decoding vs full causal forward (tol 1e-5)")
+    close(cached, full, FP32, f"{name}: cached decoding vs full causal forward")
     assert (plain - full).abs().max() > 1e-3, f"{name}: the position module must change the output"

@@ -12,12 +12,13 @@ import attnlab  # noqa: E402
 from attnlab.models import Transformer  # noqa: E402
 from attnlab.nn import MultiHeadAttention, causal_mask, padding_mask  # noqa: E402
 from attnlab.viz import record_attention  # noqa: E402
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 V = 48
 
 
 def close(got, want, what):
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=what)
+    assert_close_scaled(got, want, FP32, what)
 
 
 # ----------------------------------------------------------------------------- translation Transformer

@@ -15,6 +15,7 @@ from torch import nn
 from attnlab.models import CausalLM
 from attnlab.nn import (ALiBi, AttentionPosition, CausalLayer, LayerNorm, MultiHeadAttention, RotaryEmbedding,
                         T5RelativePositionBias)
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 V, E, H, G, CTX = 40, 32, 4, 2, 64
 
@@ -73,7 +74,7 @@ class TinyLM(CausalLM):
 
 
 def close(got, want, what):
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=what)
+    assert_close_scaled(got, want, FP32, what)
 
 
 def _batch(lengths, seed=0):

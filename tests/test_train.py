@@ -33,6 +33,7 @@ from attnlab.train.schedules import cosine_schedule, constant_schedule
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _train_worker import PAD, ReverseTask  # noqa: E402
+from _tolerance import FP32_OP, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 WORKER = Path(__file__).parent / "_train_worker.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -75,10 +76,10 @@ def test_label_smoothing_equals_torch_and_ignores_padding(smoothing, reduction):
     ours = label_smoothed_cross_entropy(logits, target, smoothing, ignore_index=PAD, reduction=reduction)
     ref = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), ignore_index=PAD, label_smoothing=smoothing,
                           reduction=reduction)
-    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+    assert_close_scaled(ours, ref, FP32_OP, "loss vs F.cross_entropy")
     g_ours, = torch.autograd.grad(ours, logits)
     g_ref, = torch.autograd.grad(ref, logits)
-    torch.testing.assert_close(g_ours, g_ref, atol=1e-6, rtol=1e-6)
+    assert_close_scaled(g_ours, g_ref, FP32_OP, "gradient vs F.cross_entropy's")
     assert g_ours[target == PAD].abs().max() == 0  # padding gets no gradient, not even from smoothing
 
 
@@ -176,13 +177,15 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     ga, gb = _grads(task.model), _grads(big_task.model)
     assert ga.keys() == gb.keys()
-    worst = max((ga[k] - gb[k]).abs().max().item() for k in ga)
-    assert worst <= 1e-6, worst
+    # one vector: a key-projection bias has an exactly-zero gradient (softmax ignores a constant
+    # shift), so its own scale is round-off; the scale that matters is the whole gradient's
+    assert_close_scaled(torch.cat([ga[k].flatten() for k in ga]), torch.cat([gb[k].flatten() for k in ga]),
+                        FP32_OP, "accumulated vs one-batch gradients")
 
     one._optimizer_step()
     accum._optimizer_step()
-    worst_w = max((a - b).abs().max().item() for a, b in zip(task.model.parameters(), big_task.model.parameters()))
-    assert worst_w <= 1e-6, worst_w
+    for a, b in zip(task.model.parameters(), big_task.model.parameters()):
+        assert_close_scaled(a, b, FP32_OP, "weights after one step")
 
     # the classic bug (mean per micro-batch, averaged) is far outside that tolerance
     naive_model = ReverseTask(n_examples=16, micro=8, dropout=0.0).model

