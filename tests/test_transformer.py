@@ -285,6 +285,11 @@ def test_memory_padding_defaults_to_the_source_padding():
                                 memory_key_padding_mask=torch.ones_like(src_real))
     assert torch.equal(implicit, explicit)
     assert not torch.allclose(implicit[1:], unmasked_memory[1:])     # rows 1, 2 have source padding
+    # a (B, 1, 1, S) boolean attention mask (True = may attend) says the same as padding masks
+    keys = src_real[:, None, None, :]
+    with torch.no_grad():
+        as_masks = model(src, tgt, src_mask=keys, memory_mask=keys)
+    assert_close_scaled(as_masks, implicit, FP32, "(B, 1, 1, S) attention masks vs padding masks")
 
 
 def test_masks_that_would_be_misread_are_refused():

@@ -6,7 +6,7 @@
 Masks take ``torch.nn.Transformer``'s names and order, with attnlab's one convention:
 
 - attention masks ``src_mask`` (S, S), ``tgt_mask`` (T, T), ``memory_mask`` (T, S), or
-  (B or 1, H or 1, rows, cols): a float mask is *added* to the scores (the chapter's
+  (B or 1, H or 1, rows or 1, cols): a float mask is *added* to the scores (the chapter's
   ``generate_square_subsequent_mask(T)``: 0 allowed, -inf blocked), a boolean mask is True
   where attention is *allowed*. Float masks mean the same as in torch; a torch boolean mask
   (True = blocked) must be inverted first: ``~mask``.
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
     @staticmethod
     def _attn_mask(name: str, mask: Tensor | None, rows: int, cols: int) -> Tensor | None:
         """Check an attention mask: bool (True = may attend) or float (added to the scores), of
-        shape (rows, cols) or (B or 1, H or 1, rows, cols). A (B, L) padding mask passed here by
+        shape (rows, cols) or (B or 1, H or 1, rows or 1, cols). A (B, L) padding mask passed here by
         position, or a 0/1 "keep" mask in the chapter's ``mask == 0`` convention, would be read
         as something else without a word, so both are refused with the fix in the message."""
         if mask is None:
@@ -149,8 +149,9 @@ class Transformer(nn.Module):
         if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             raise ValueError(f"Transformer: {name} must be a bool (True = may attend) or float (added to the "
                              f"scores) tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-        if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (rows, cols):
-            raise ValueError(f"Transformer: {name} must be ({rows}, {cols}) or (B, 1 or H, {rows}, {cols}), got "
+        if not (mask.dim() == 2 and mask.shape == (rows, cols)
+                or mask.dim() == 4 and mask.size(-2) in (1, rows) and mask.size(-1) == cols):
+            raise ValueError(f"Transformer: {name} must be ({rows}, {cols}) or (B, 1 or H, 1 or {rows}, {cols}), got "
                              f"{tuple(mask.shape)}; a (B, L) padding mask goes to src_key_padding_mask, "
                              "tgt_key_padding_mask or memory_key_padding_mask (True = real token)")
         if mask.dtype != torch.bool and bool(((mask == 0) | (mask == 1)).all()) and bool((mask == 1).any()):
