@@ -292,6 +292,22 @@ def test_memory_padding_defaults_to_the_source_padding():
     assert_close_scaled(as_masks, implicit, FP32, "(B, 1, 1, S) attention masks vs padding masks")
 
 
+def test_tgt_mask_adds_to_the_causal_triangle_never_replaces_it():
+    """The decoder's self-attention stays causal whatever tgt_mask allows: an all-zero float mask
+    (everything allowed) changes nothing, and a mask that blocks more blocks more."""
+    torch.manual_seed(0)
+    model = Transformer(**CFG).eval()
+    src, tgt, _, _ = batch()
+    T = tgt.size(1)
+    with torch.no_grad():
+        plain = model(src, tgt)
+        assert_close_scaled(model(src, tgt, tgt_mask=torch.zeros(T, T)), plain, FP32, "all-allowed tgt_mask")
+        assert_close_scaled(model(src, tgt, tgt_mask=torch.ones(T, T, dtype=torch.bool)), plain, FP32,
+                            "all-True tgt_mask")
+        diagonal = torch.eye(T, dtype=torch.bool)                     # each position sees only itself
+        assert not torch.allclose(model(src, tgt, tgt_mask=diagonal)[:, 1:], plain[:, 1:])
+
+
 def test_masks_that_would_be_misread_are_refused():
     """A (B, S) padding mask passed where the old signature took it (third, now src_mask), a
     0/1 keep-mask in the chapter's ``mask == 0`` convention, an integer or 3-D mask: each one a
