@@ -27,7 +27,7 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from ..tokenizer import Tokenizer, load_tokenizer
-from ..train.checkpoint import resolve_checkpoint
+from ..train.checkpoint import resolve_best, resolve_checkpoint
 
 __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "write_run", "read_run", "find_checkpoint", "open_run",
            "resume_point", "inspect_path", "build_model", "architecture_for", "load_model", "load_tokenizers",
@@ -140,10 +140,10 @@ def _has_meta(d: Path) -> bool:
 
 def find_checkpoint(path: str | Path) -> Path | None:
     """The checkpoint a run directory stands for: the directory itself if it is one, else its
-    best/ checkpoint, else the one its ``latest`` file names; None if there is none."""
+    best checkpoint (:func:`attnlab.train.checkpoint.resolve_best`), else the one its ``latest`` file names; None if there is none."""
     path = Path(path)
-    for candidate in (path, path / "best"):
-        if _has_meta(candidate):
+    for candidate in (path, resolve_best(path)):
+        if candidate is not None and _has_meta(candidate):
             return candidate
     try:
         ckpt = resolve_checkpoint(path)
