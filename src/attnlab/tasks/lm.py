@@ -150,8 +150,9 @@ class LoadedLM:
                         draft_model=None if draft is None else draft.model, **options)
 
 
-def _device(device) -> str:
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+def _device(device):
+    from .run import resolve_device
+    return resolve_device(device)
 
 
 def _family_options() -> dict[str, str]:
@@ -185,9 +186,10 @@ class LanguageModeling(TaskDefinition):
         Option("aux_coef", float, None, "mixture-of-experts families: weight of the load-balancing loss "
                "(default 0.02)", check=non_negative, group=_M),
         Option("corpus_mb", float, 2.0, "size of the embedded corpus in MB", check=positive, group=_D),
-        Option("eval_windows", int, 64, "validation windows per evaluation", check=positive, group=_D),
+        Option("eval_windows", int, 64, "validation windows per evaluation", check=positive, group=_D,
+               resumable=True),
         Option("sample_tokens", int, 200, "tokens of the sample printed after training (0 = none)",
-               check=non_negative, group=_D),
+               check=non_negative, group=_D, resumable=True),
     ]
 
     eval_options = [
