@@ -127,6 +127,19 @@ class LoadedLM:
     def vocabulary(self) -> dict:
         return self.tokenizer.vocabulary()
 
+    def unknown_tokens(self, ids) -> int:
+        """How many of ``ids`` are the tokenizer's ``<unk>``: text outside the vocabulary (a
+        character the char tokenizer never saw), which the model can only see as ``<unk>``."""
+        unk = getattr(self.tokenizer, "unk_id", None)
+        return 0 if unk is None else sum(1 for i in ids if i == unk)
+
+    def warn_unknown(self, ids, what: str) -> None:
+        """Say on stderr how many tokens of ``what`` are ``<unk>`` (nothing if none)."""
+        n = self.unknown_tokens(ids)
+        if n:
+            print(f"warning: {n} of {len(ids)} tokens of {what} are outside the vocabulary of {self.path} "
+                  "and become <unk>", file=sys.stderr)
+
     def encode_prompt(self, prompt: str, draft: "LoadedLM | None" = None) -> list[int]:
         """The prompt's ids (an empty prompt: the start token); ValueError if they fill the context
         of the model (or of the draft) or if the draft's vocabulary differs."""
@@ -279,6 +292,7 @@ class LanguageModeling(TaskDefinition):
         from ..data.text import read_text_file
         text = read_text_file(data)
         lm = load_lm(path, device)
+        lm.warn_unknown(lm.tokenizer.encode(text), data)
         progress = sys.stderr.isatty()
 
         def score(label: str) -> dict:
