@@ -170,6 +170,9 @@ def _check_paths(settings: dict) -> None:
     out = Path(settings["out"])
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"--out {out}: {above} is a file, not a directory")
 
 
 def run(args: argparse.Namespace) -> int:
