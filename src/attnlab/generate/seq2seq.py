@@ -153,15 +153,17 @@ def _strip(ids: list[int], eos_id: int, pad_id: int) -> list[int]:
 
 def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int = 1,
               max_len: int | None = None, device: torch.device | str | None = None, batch_size: int = 32,
-              src_eos: bool = False, length_penalty: float = 1.0, temperature: float = 0.0,
+              src_eos: bool = True, length_penalty: float = 1.0, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None,
               generator: torch.Generator | None = None) -> list[str]:
     """Translate ``texts`` with an encoder-decoder model -> one string per text, in order.
 
     Sources are ``src_tok.encode(text)``, plus ``src_tok.eos_id`` when ``src_eos``: give the
-    source as the model was trained on it. attnlab's translation task trains sources without
-    BOS or EOS (:mod:`attnlab.tasks.translate`), hence the default False; a model trained with a
-    source EOS (fairseq, Marian) needs ``src_eos=True``. An empty text translates to "" without
+    source as the model was trained on it. The default (True) suits models trained with a source
+    EOS (the convention of fairseq and Marian, and of this module's tests); attnlab's translation
+    task trains sources without BOS or EOS (:mod:`attnlab.tasks.translate`), so every call of
+    the task (its BLEU evaluation and its Translator, hence ``attnlab translate`` and ``attnlab
+    eval``) passes ``src_eos=False``. An empty text translates to "" without
     running the model (there is nothing to translate; a model would invent a sentence). Right-padded with ``src_tok.pad_id`` in batches of similar
     length. ``max_len`` defaults per text to 2 * len(source) + 10, capped by the model's
     ``config.max_seq_len``, so a greedy or beam translation does not depend on its batch.
