@@ -36,7 +36,6 @@ import math
 import random
 import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -52,10 +51,11 @@ from ..nn.norm import DyT, LayerNorm, RMSNorm
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
+from .interrupt import TrainingInterrupted, catch_stop_signals
 from .schedules import SCHEDULES, make_schedule
 
-__all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer", "plot_metrics",
-           "isolated_rng", "PRECISIONS"]
+__all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
+           "plot_metrics", "isolated_rng", "PRECISIONS"]
 
 log = logging.getLogger("attnlab.train")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -263,19 +263,6 @@ class _Window:
     extras: dict = field(default_factory=dict)
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Raised by :meth:`Trainer.fit` after SIGINT or SIGTERM, once a checkpoint of the last
-    complete step is written; ``checkpoint`` is its path, ``exit_code`` 128 + the signal."""
-
-    def __init__(self, signum: int, checkpoint: Path | None):
-        self.signum, self.checkpoint, self.exit_code = signum, checkpoint, 128 + signum
-        super().__init__(f"{signal.Signals(signum).name}: stopped at an optimizer-step boundary; "
-                         f"checkpoint {checkpoint}")
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 # ----------------------------------------------------------------------------- the trainer
 class Trainer:
     """Trains ``task.model`` on ``task``'s plan; see the module docstring for the guarantees.
@@ -457,7 +444,8 @@ class Trainer:
                    desc="train", dynamic_ncols=True)
         self.ddp_model.train()
         stopped = False
-        previous = self._catch_signals()
+        self.interrupted = None
+        restore_signals = catch_stop_signals(self._interrupt, announce=self.env.is_main)
         try:
             while self.step < cfg.steps and not stopped:
                 plan = self._epoch_plan(self.epoch)
@@ -481,8 +469,7 @@ class Trainer:
                     self.epoch, self.batch_pos = self.epoch + 1, 0
         finally:
             bar.close()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            restore_signals()
         if self.env.is_main and self.records:
             plot_metrics(self.metrics_path, Path(cfg.out_dir) / "loss.png")
         barrier(self.env)
@@ -495,24 +482,8 @@ class Trainer:
         return {"step": self.step, "epoch": self.epoch, "loss": last, "stopped_early": self.step < cfg.steps,
                 "best": self.best, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}
 
-    def _catch_signals(self) -> dict:
-        """Install the SIGINT/SIGTERM handlers of fit (main thread only); returns the previous ones."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        self.interrupted = None
-
-        def handler(signum, frame):
-            if self.interrupted is not None:        # the second signal: stop now
-                raise KeyboardInterrupt
-            self.interrupted = signum
-            if self.env.is_main:
-                print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-                      "(send it again to stop at once)", file=sys.stderr)
-
-        previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
-        for s in _STOP_SIGNALS:
-            signal.signal(s, handler)
-        return previous
+    def _interrupt(self, signum: int) -> None:
+        self.interrupted = signum
 
     def _after_step(self, lr: float, start: float, stopped: bool, bar) -> None:
         """Log, evaluate and save as the step number asks."""
