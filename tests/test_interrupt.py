@@ -62,3 +62,31 @@ def test_a_signal_mid_step_saves_that_step_and_resume_is_exact(tmp_path, signum)
         a, b = load_file(ref_dir / "step-0000010" / name), load_file(run_dir / "step-0000010" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert _curve(ref_dir) == _curve(run_dir)          # metrics.jsonl kept, not emptied, nothing twice
+
+
+def test_attnlab_train_on_sigint_saves_says_how_to_resume_and_exits_130(tmp_path, monkeypatch, capsys):
+    """The command: a real SIGINT to this process during step 2; then --resume finishes the run
+    with metrics.jsonl continued."""
+    from attnlab.cli import main
+    from attnlab.train import Trainer
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    args = ["train", "lm", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "run"), "--steps", "4",
+            "--eval-every", "10", "--save-every", "10", "--d-model", "16", "--heads", "2", "--layers", "1",
+            "--context", "16", "--batch-size", "4", "--sample-tokens", "0", "--no-progress"]
+    real_step = Trainer._optimizer_step
+
+    def step_then_signal(self):
+        if self.step == 1:                          # inside step 2
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", step_then_signal)
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert "SIGINT: stopped after step 2; checkpoint saved in" in err and "--resume" in err
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-0000002"
+    monkeypatch.undo()
+    assert main(args + ["--resume"]) == 0
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "train"]
+    assert steps == [2, 4]                          # the record of step 2 kept, nothing twice

@@ -454,9 +454,9 @@ class Trainer:
                     budget_hit = cfg.time_budget_s is not None and t0 - start >= cfg.time_budget_s
                     micro = plan[self.batch_pos: self.batch_pos + cfg.accum_steps]
                     loss, tokens, stopped, extras = self.accumulate(micro, budget_hit or self.interrupted is not None)
+                    lr = self._optimizer_step()
                     if self.interrupted is not None and not self.env.active:
                         stopped = True              # a signal during this step: it ends here, with a checkpoint
-                    lr = self._optimizer_step()
                     self.batch_pos += cfg.accum_steps
                     self.step += 1
                     bar.update(1)
