@@ -158,6 +158,16 @@ def test_weights_and_json_get_the_same_permissions(tmp_path):
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ckpt.iterdir()}
     assert modes["model.safetensors"] == modes["optimizer.safetensors"] == modes["trainer_state.json"] == 0o644, modes
     assert stat.S_IMODE((tmp_path / "run" / "best" / "model.safetensors").stat().st_mode) == 0o644
+    from attnlab.hub import save_pretrained
+    from attnlab.models import GPT, GPTConfig
+    old = os.umask(0o022)
+    try:
+        hf = save_pretrained(GPT(GPTConfig(vocab_size=20, n_positions=8, d_model=8, num_heads=2, num_layers=1)),
+                             tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in hf.iterdir()} == {"model.safetensors": 0o644,
+                                                                              "config.json": 0o644}
 
 
 def test_an_empty_or_dangling_latest_is_one_line_naming_it(tmp_path):

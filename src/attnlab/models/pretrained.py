@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
 from . import convert
@@ -198,6 +198,7 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
                   dtype=str(dtype).removeprefix("torch."))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / _SAFE), metadata={"format": "pt"})
+    # through open(), not save_file (which creates the file mode 0600): weights readable like config.json
+    (path / _SAFE).write_bytes(save(tensors, metadata={"format": "pt"}))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
