@@ -110,6 +110,15 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
     if name == "trainer-state-broken":
         Path("lm/step-0000003/trainer_state.json").write_text("{not json")
         return cli(*resume_lm)
+    if name == "trainer-state-array":
+        Path("lm/step-0000003/trainer_state.json").write_text("[1]")
+        return cli(*resume_lm)
+    if name == "config-yaml-broken":
+        Path("lm/config.yaml").write_text("task: [lm")
+        return cli(*resume_lm)
+    if name == "tokenizer-broken":
+        (Path("tr/best").resolve() / "tokenizer.json").write_text('{"a":')
+        return cli("translate", "tr", "one cat")
     if name == "weights-truncated":
         best = Path("tr/best").resolve() / "model.safetensors"
         data = best.read_bytes()

@@ -263,7 +263,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{ckpt / STATE_FILE}: not readable JSON ({e})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+    if not isinstance(state, dict):
+        raise ValueError(f"{ckpt / STATE_FILE}: expected a JSON object, found {type(state).__name__}")
+    if state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{ckpt / STATE_FILE}: checkpoint format {state.get('format')}, expected {FORMAT_VERSION}")
     _read_safetensors(ckpt / MODEL_FILE, lambda f: load_model(model, f, strict=True))
     if optimizer is not None:
