@@ -11,7 +11,8 @@ Layout of a run directory (``TrainConfig.out_dir``)::
                                 metrics so far
         ...                     the task's assets (tokenizers), see Task.save_assets
     best -> best-0000080    a symbolic link to a copy (hard links, no extra space) of the
-    best-0000080/           checkpoint with the best validation metric
+    best-0000080/           checkpoint with the best validation metric (on a file system
+                            without symbolic links, ``best`` is a text file naming it)
     metrics.jsonl, loss.png written by the Trainer
 
 Atomicity: a kill at any instant leaves every pointer naming a complete checkpoint, and a
@@ -35,6 +36,7 @@ weights included. Loading reads safetensors and JSON only; no pickle is executed
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
@@ -181,13 +183,31 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def _point_link(link: Path, target_name: str) -> None:
-    """Make ``link`` a symbolic link to the sibling ``target_name`` in one ``os.replace``."""
+    """Make ``link`` name the sibling ``target_name`` in one ``os.replace``: a symbolic link, or
+    on a file system without them a one-line text file (loaders follow either)."""
     tmp = link.with_name(f".{link.name}.tmp-link")
     if tmp.is_symlink() or tmp.exists():
         os.unlink(tmp)
-    os.symlink(target_name, tmp)
+    try:
+        os.symlink(target_name, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        with open(tmp, "w") as f:
+            f.write(target_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, link)
     _fsync_path(link.parent)
+
+
+def _pointed(link: Path) -> str | None:
+    """The name ``link`` (see :func:`_point_link`) points at; None if it is not a pointer."""
+    if link.is_symlink():
+        return os.readlink(link)
+    if link.is_file():
+        return link.read_text().strip() or None
+    return None
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None, state: dict,
@@ -249,6 +269,9 @@ def resolve_best(path: str | Path) -> Path | None:
     path = Path(path)
     if (path / BEST).is_dir():
         return path / BEST
+    name = _pointed(path / BEST)
+    if name is not None and _BEST_DIR.match(name) and (path / name / STATE_FILE).is_file():
+        return path / name
     copies = sorted((int(m.group(1)), p) for p in path.glob(f"{BEST}-*")
                     if (m := _BEST_DIR.match(p.name)) and (p / STATE_FILE).is_file())
     return copies[-1][1] if copies else None
@@ -315,14 +338,14 @@ class CheckpointManager:
         (half-written temporaries, superseded ``best-*`` copies, an older attnlab's trash)."""
         best = self.best_dir
         copies = self.best_dirs()
-        if not best.is_symlink() and not best.exists() and copies:
+        if _pointed(best) is None and not best.is_dir() and copies:
             _point_link(best, copies[-1][1].name)      # killed between renaming a legacy best/ and linking
         for leftover in [*self.out_dir.glob(".tmp-*"), *self.out_dir.glob(".trash-*")]:
             shutil.rmtree(leftover, ignore_errors=True)
         for name in (f".{BEST}.tmp-link", f".{LATEST}.tmp"):
             if (self.out_dir / name).is_symlink() or (self.out_dir / name).is_file():
                 os.unlink(self.out_dir / name)
-        current = os.readlink(best) if best.is_symlink() else None
+        current = _pointed(best)
         for _, p in copies:
             if p.name != current and (current is not None or best.is_dir()):
                 shutil.rmtree(p, ignore_errors=True)
@@ -369,7 +392,7 @@ class CheckpointManager:
                 shutil.rmtree(legacy)
             os.rename(best, legacy)
             _point_link(best, legacy.name)
-        previous = os.readlink(best) if best.is_symlink() else None
+        previous = _pointed(best)
         if previous == final.name:                         # the same step again: keep it, it is complete
             return
         tmp = self.out_dir / f".tmp-{final.name}-{os.getpid()}"
