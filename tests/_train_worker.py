@@ -11,6 +11,7 @@ embeddings.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from attnlab.models import Transformer
 from attnlab.train import TrainConfig, Trainer, count_tokens, label_smoothed_cross_entropy
+from attnlab.train.trainer import TrainingInterrupted
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 13
 MAX_LEN = 7
@@ -42,7 +44,8 @@ class ReverseTask:
     """Implements attnlab.train.Task. Micro-batches are (src, tgt_in, tgt_out) tuples."""
 
     def __init__(self, n_examples: int = 64, micro: int = 8, dropout: float = 0.1, model_seed: int = 0,
-                 smoothing: float = 0.1, hang_at_loss_call: int | None = None, hang_marker: Path | None = None):
+                 smoothing: float = 0.1, hang_at_loss_call: int | None = None, hang_marker: Path | None = None,
+                 wait_for_signal_at: int | None = None):
         self.data = make_data(n_examples, seed=1234)
         self.val = make_data(16, seed=4321)
         self.micro, self.smoothing = micro, smoothing
@@ -51,6 +54,7 @@ class ReverseTask:
                                  d_ff=32, max_seq_len=16, dropout=dropout, pad_id=PAD, tie_output=True,
                                  share_embeddings=True)
         self.loss_calls, self.hang_at, self.hang_marker = 0, hang_at_loss_call, hang_marker
+        self.wait_for_signal_at, self.trainer = wait_for_signal_at, None
 
     def plan(self, epoch: int, seed: int) -> list:
         g = torch.Generator().manual_seed(seed * 7919 + epoch)
@@ -63,6 +67,11 @@ class ReverseTask:
         if self.hang_at is not None and self.loss_calls == self.hang_at:
             self.hang_marker.write_text(str(self.loss_calls))
             time.sleep(600)  # the test SIGKILLs us here, mid-step, after a checkpoint
+        if self.wait_for_signal_at is not None and self.loss_calls == self.wait_for_signal_at:
+            self.hang_marker.write_text(str(self.loss_calls))
+            deadline = time.monotonic() + 120
+            while self.trainer.interrupted is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # the test sends SIGINT or SIGTERM here, mid-step
         src, tgt_in, tgt_out = batch
         logits = model(src, tgt_in)
         loss_sum = label_smoothed_cross_entropy(logits, tgt_out, self.smoothing, ignore_index=PAD, reduction="sum")
@@ -97,17 +106,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--hang-at-loss-call", type=int)
+    p.add_argument("--wait-for-signal-at-loss-call", type=int)
     p.add_argument("--dump-weights", action="store_true", help="each rank writes rank<R>.safetensors")
     args = p.parse_args(argv)
     out = Path(args.out)
     task = ReverseTask(args.n_examples, args.micro, args.dropout, hang_at_loss_call=args.hang_at_loss_call,
-                       hang_marker=out.parent / f"{out.name}.hanging")
+                       hang_marker=out.parent / f"{out.name}.hanging",
+                       wait_for_signal_at=args.wait_for_signal_at_loss_call)
     cfg = TrainConfig(out_dir=out, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup,
                       accum_steps=args.accum, save_every=args.save_every, eval_every=args.eval_every,
                       log_every=args.log_every, precision=args.precision, device=args.device, progress=False,
                       seed=7)
-    trainer = Trainer(task, cfg, resume=args.resume)
-    trainer.fit()
+    trainer = task.trainer = Trainer(task, cfg, resume=args.resume)
+    try:
+        trainer.fit()
+    except TrainingInterrupted as e:
+        sys.exit(e.exit_code)
     if args.dump_weights:
         from safetensors.torch import save_model
         save_model(trainer.model, str(out / f"rank{trainer.env.rank}.safetensors"))

@@ -147,6 +147,10 @@ def test_resume_keeps_the_checkpoints_model_and_tokenizer(trained, tmp_path, cap
     shutil.copytree(d / "run", tmp_path / "run")            # the other tests keep the original run
     code = main(["train", "lm", "--data", str(d / "text.txt"), "--out", str(tmp_path / "run"), "--steps", "32",
                  "--resume", "--sample-tokens", "0", *TINY[:-1], "--d-model", "64", "--no-progress"])
+    assert code == 2                                       # a size flag differing from the run's is refused
+    assert "--d-model 64 differs from the run's 32" in capsys.readouterr().err
+    code = main(["train", "lm", "--data", str(d / "text.txt"), "--out", str(tmp_path / "run"), "--steps", "32",
+                 "--resume", "--sample-tokens", "0", *TINY])
     assert code == 0
     assert "(from the checkpoint)" in capsys.readouterr().err
     meta = json.loads((tmp_path / "run" / "step-0000032" / "run.json").read_text())

@@ -8,14 +8,32 @@
 
 A command module defines ``HELP``, ``EXAMPLE``, ``add_arguments(parser)`` and ``run(args)``; the
 work itself lives in the library (tasks/, generate/, viz/), imported when the command runs, so
-that ``attnlab --help`` stays fast. Errors that come from the user's input (a malformed file, a
-bad option, a checkpoint of the wrong kind) are printed as one line, without a traceback.
+that ``attnlab --help`` stays fast.
+
+Errors. An error in the user's input (a malformed file, a bad option, a checkpoint of the wrong
+kind) is printed as one line naming the file, line or option, exit status 2; docs/errors.md
+lists them. Anything else is a bug and keeps its traceback. Which is which:
+
+- :class:`UserError`, :class:`attnlab.tasks.run.RunError` and
+  :class:`attnlab.data.files.DataFormatError` are always the user's;
+- a ValueError (or FileNotFoundError) is the user's when attnlab's own code raised it, i.e.
+  the innermost frame of its traceback lies in attnlab's source: attnlab validates input and
+  says what is wrong, while a ValueError from deep inside torch, NumPy or the standard library
+  means attnlab passed something it should not have (a JSON or safetensors error that attnlab
+  wants to show as one line is caught where the file is read and re-raised naming the file);
+- an OSError naming a file (permission denied, disk full, no such file) is the environment's,
+  shown as one line wherever it was raised.
+
+``attnlab --debug COMMAND ...`` (or ``ATTNLAB_DEBUG=1``) shows the traceback of every error.
+Ctrl-C exits 130; during training the Trainer first saves a checkpoint (cli/train.py).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
 from .. import __version__
 
@@ -38,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Attention and the Transformer family: train, translate, generate, look inside.",
         epilog="Run 'attnlab COMMAND --help' for a command's options and an example.")
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (also: ATTNLAB_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         mod = _module(name)
@@ -48,9 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
+_SOURCE = Path(__file__).resolve().parents[1]          # the attnlab package
+
+
+def _raised_by_attnlab(e: BaseException) -> bool:
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    try:
+        return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_SOURCE)
+    except (OSError, ValueError):
+        return False
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Whether ``e`` is shown as one line (the user's input or environment) or with its
+    traceback (a bug); see the module docstring."""
+    from ..data.files import DataFormatError
     from ..tasks.run import RunError
-    return (UserError, RunError, ValueError, FileNotFoundError)
+    if isinstance(e, (UserError, RunError, DataFormatError)):
+        return True
+    if isinstance(e, OSError) and e.filename is not None:
+        return True
+    return isinstance(e, (ValueError, FileNotFoundError)) and _raised_by_attnlab(e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
+    debug = args.debug or os.environ.get("ATTNLAB_DEBUG", "") not in ("", "0")
     try:
         return int(args._run(args) or 0)
-    except _user_errors() as e:
-        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
+        if debug:
+            raise
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if debug or not is_user_error(e):
+            raise
+        message = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
+        print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 # what each kind of model is used with (the model registry's kinds; a task records the kind it trains)

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"quantized {m.path} to int8: {before / 2**20:.1f} -> {model_bytes(m.model) / 2**20:.1f} MiB "
                       "of weights", file=sys.stderr)
     ids = lm.encode_prompt(args.prompt, draft)
+    lm.warn_unknown(ids if args.prompt else [], "the prompt")
 
     def emit(text: str) -> None:
         sys.stdout.write(text)

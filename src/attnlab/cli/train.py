@@ -4,10 +4,19 @@ The settings of a run come from, in increasing priority: the task's defaults, a 
 (``--config NAME|FILE.yaml``), the configuration saved in the run directory (``--resume``), and
 the flags given. The resolved settings are written to ``RUN_DIR/config.yaml`` before training,
 and ``--resume`` starts from them, so a resumed run continues with what it was started with.
+
+On ``--resume`` a flag (or recipe value) that differs from the saved settings is an error
+naming the option and both values, unless the option is resumable (how long to train, how
+often to evaluate and save, what is shown: :class:`attnlab.tasks.Option`'s ``resumable``):
+the model, its tokenizers and the data come from the run, and a silently ignored flag, or a
+vocabulary rebuilt from other data, would train something else than asked. The data files'
+size and SHA-256 are saved beside the settings, so a data file changed in place is refused too.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -62,9 +71,17 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
         settings.update(recipe.settings)
     out = Path(given.get("out") or settings.get("out") or f"runs/{task.name}")
     saved_file = out / CONFIG_FILE
-    if args.resume and saved_file.is_file():
-        saved = _read_saved(saved_file, task)
-        settings.update(saved)
+    if args.resume:
+        saved, files = _read_saved(saved_file, task) if saved_file.is_file() else (None, {})
+        if saved is None:
+            from ..train.checkpoint import resolve_checkpoint
+            if resolve_checkpoint(out) is None:
+                raise ValueError(f"--resume: {out} holds no run to resume (no {CONFIG_FILE}, no checkpoint); "
+                                 "leave out --resume to start a new run there")
+        else:
+            _refuse_changes(task, saved, given, recipe, args.config, saved_file)
+            _check_files_unchanged(saved, files, saved_file)
+            settings.update(saved)
     settings.update(given)
     settings["out"] = str(out)
     if recipe is not None and recipe.requires_data and settings["data"] is None:
@@ -74,7 +91,50 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
     return settings, out
 
 
-def _read_saved(file: Path, task) -> dict:
+def _same(option, a, b) -> bool:
+    if option.name in ("data", "valid") and a is not None and b is not None:
+        return os.path.abspath(a) == os.path.abspath(b)
+    return a == b
+
+
+def _refuse_changes(task, saved: dict, given: dict, recipe, config: str | None, saved_file: Path) -> None:
+    """ValueError naming the first option whose given (or recipe) value differs from the saved one."""
+    sources = [(given, "")] + ([(recipe.settings, f" (from --config {config})")] if recipe is not None else [])
+    for values, source in sources:
+        for o in task.all_options():
+            if o.resumable or o.name not in values:
+                continue
+            before = saved.get(o.name, o.default)
+            if not _same(o, values[o.name], before):
+                raise ValueError(f"--resume: {o.flag} {values[o.name]}{source} differs from the run's {before} "
+                                 f"({saved_file}); a resumed run keeps its model, tokenizers and data: leave "
+                                 f"{o.flag} out, or start a new run with another --out")
+
+
+def _fingerprint(path: str) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _data_files(settings: dict) -> dict:
+    return {k: _fingerprint(settings[k]) for k in ("data", "valid") if settings.get(k) and Path(settings[k]).is_file()}
+
+
+def _check_files_unchanged(saved: dict, files: dict, saved_file: Path) -> None:
+    for key, was in files.items():
+        path = saved.get(key)
+        if path is None or not Path(path).is_file():
+            continue                                   # a missing file is reported with the other paths
+        if _fingerprint(path) != was:
+            raise ValueError(f"--resume: --{key} {path} has changed since the run started (its size and SHA-256 "
+                             f"differ from {saved_file}); the run's tokenizers and data position belong to the "
+                             "old file: restore it, or start a new run with another --out")
+
+
+def _read_saved(file: Path, task) -> tuple[dict, dict]:
     from ..recipes import read_yaml
     data = read_yaml(file, "run configuration")
     if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
@@ -84,29 +144,41 @@ def _read_saved(file: Path, task) -> dict:
                          f"'{task.name}'")
     settings = data["settings"]
     task.validate(settings)
-    return settings
+    files = data.get("data_files") or {}
+    return settings, files if isinstance(files, dict) else {}
 
 
 def _write_saved(out: Path, task, settings: dict) -> None:
     from ..train.checkpoint import write_text_atomic
     out.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump({"task": task.name, "settings": settings}, sort_keys=True)
+    text = yaml.safe_dump({"task": task.name, "settings": settings, "data_files": _data_files(settings)},
+                          sort_keys=True)
     write_text_atomic(out / CONFIG_FILE, f"# the resolved settings of this run (attnlab train {task.name})\n{text}")
 
 
 def _check_paths(settings: dict) -> None:
     for key in ("data", "valid"):
         path = settings.get(key)
-        if path is not None and not Path(path).is_file():
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise ValueError(f"--{key} {path}: a directory; give a file")
+        if not Path(path).is_file():
             raise FileNotFoundError(f"--{key} {path}: no such file")
+        if not os.access(path, os.R_OK):
+            raise PermissionError(f"--{key} {path}: not readable (permission denied)")
     out = Path(settings["out"])
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"--out {out}: {above} is a file, not a directory")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..tasks import get_task
     from ..train import TrainConfig, Trainer
+    from ..train.trainer import TrainingInterrupted
     if not args.task:
         raise ValueError("name a task: attnlab train TASK (see attnlab train --help)")
     task = get_task(args.task)
@@ -128,7 +200,14 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(setup.task, config, resume=args.resume)
     if trainer.env.is_main:
         _write_saved(out, task, settings)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as e:                # the Trainer has saved and said where
+        trainer.close()
+        if trainer.env.is_main:
+            print(f"attnlab train: interrupted; continue with: attnlab train {task.name} --out {out} --resume",
+                  file=sys.stderr)
+        return e.exit_code
     trainer.close()
     if trainer.env.is_main:
         task.report(out, setup, settings)

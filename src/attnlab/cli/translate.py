@@ -1,4 +1,8 @@
-"""``attnlab translate RUN "text" ...``: translate with a trained translation run."""
+"""``attnlab translate RUN "text" ...``: translate with a trained translation run.
+
+Reading stdin, line N of the output is the translation of line N of the input, blank lines
+included (a blank line gives a blank line), so outputs stay aligned with their sources.
+"""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--beam must be at least 1, got {args.beam}")
     info, _ = open_model_path(args.checkpoint, "translate", ("seq2seq",))
     translator = get_task(info.run.task).load(info.run, args.device)
-    texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
     for out in translator(texts, beam_size=args.beam, length_penalty=args.length_penalty):
         print(out)
     return 0

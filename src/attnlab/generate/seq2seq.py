@@ -158,8 +158,13 @@ def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int =
               generator: torch.Generator | None = None) -> list[str]:
     """Translate ``texts`` with an encoder-decoder model -> one string per text, in order.
 
-    Sources are ``src_tok.encode(text)`` plus ``src_tok.eos_id`` when ``src_eos`` (as the
-    training data is built), right-padded with ``src_tok.pad_id`` in batches of similar
+    Sources are ``src_tok.encode(text)``, plus ``src_tok.eos_id`` when ``src_eos``: give the
+    source as the model was trained on it. The default (True) suits models trained with a source
+    EOS (the convention of fairseq and Marian, and of this module's tests); attnlab's translation
+    task trains sources without BOS or EOS (:mod:`attnlab.tasks.translate`), so every call of
+    the task (its BLEU evaluation and its Translator, hence ``attnlab translate`` and ``attnlab
+    eval``) passes ``src_eos=False``. An empty text translates to "" without
+    running the model (there is nothing to translate; a model would invent a sentence). Right-padded with ``src_tok.pad_id`` in batches of similar
     length. ``max_len`` defaults per text to 2 * len(source) + 10, capped by the model's
     ``config.max_seq_len``, so a greedy or beam translation does not depend on its batch.
     beam_size 1 decodes with :func:`sample_decode`: greedy at ``temperature`` 0 (the default),
@@ -186,7 +191,7 @@ def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int =
                              f"max_seq_len {longest}")
     limits = [max_len if max_len is not None else min(2 * len(ids) + 10, longest or 2 * len(ids) + 10)
               for ids in sources]
-    order = sorted(range(len(texts)), key=lambda i: len(sources[i]), reverse=True)
+    order = sorted((i for i in range(len(texts)) if texts[i].strip()), key=lambda i: len(sources[i]), reverse=True)
     results: list[str] = [""] * len(texts)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):

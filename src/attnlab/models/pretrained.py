@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
 from . import convert
@@ -78,8 +78,29 @@ _SAFE, _SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _BIN, _BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 
+def _read_json(file: Path) -> dict:
+    """A JSON object from ``file``; ValueError naming the file otherwise."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _read_safetensors(file: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(file)
+    except OSError:
+        raise
+    except Exception as e:                  # safetensors' own error types do not name the file
+        raise ValueError(f"{file}: not a readable safetensors file, truncated or damaged "
+                         f"({(str(e).splitlines() or [''])[0]})") from None
+
+
 def _read_shards(path: Path, index_file: str, read: Callable[[Path], dict]) -> dict[str, Tensor]:
-    index = json.loads((path / index_file).read_text())
+    index = _read_json(path / index_file)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{path / index_file}: no 'weight_map' object")
@@ -96,10 +117,16 @@ def _read_shards(path: Path, index_file: str, read: Callable[[Path], dict]) -> d
 
 def _read_bin(file: Path) -> dict[str, Tensor]:
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        data = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise ValueError(f"{file}: not a plain tensor checkpoint; refusing to execute its pickled code "
                          f"({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError) as e:
+        raise ValueError(f"{file}: not a readable PyTorch checkpoint, truncated or damaged "
+                         f"({(str(e).splitlines() or [''])[0]})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in data.items()):
+        raise ValueError(f"{file}: expected a dict of tensor names to tensors, found {type(data).__name__}")
+    return data
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:
@@ -107,9 +134,9 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
     pytorch_model.bin (weights_only) or sharded .bin, in that order of preference."""
     path = Path(path)
     if (path / _SAFE).is_file():
-        return load_file(path / _SAFE)
+        return _read_safetensors(path / _SAFE)
     if (path / _SAFE_INDEX).is_file():
-        return _read_shards(path, _SAFE_INDEX, load_file)
+        return _read_shards(path, _SAFE_INDEX, _read_safetensors)
     if (path / _BIN).is_file():
         return _read_bin(path / _BIN)
     if (path / _BIN_INDEX).is_file():
@@ -123,7 +150,7 @@ def read_config(path: str | Path) -> tuple[Architecture, object, dict]:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a model directory)")
-    raw = json.loads(file.read_text())
+    raw = _read_json(file)
     fam = family(raw.get("model_type"), str(file))
     names = raw.get("architectures") or [None]
     if not isinstance(names, list):
@@ -171,6 +198,7 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
                   dtype=str(dtype).removeprefix("torch."))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / _SAFE), metadata={"format": "pt"})
+    # through open(), not save_file (which creates the file mode 0600): weights readable like config.json
+    (path / _SAFE).write_bytes(save(tensors, metadata={"format": "pt"}))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path

@@ -181,7 +181,8 @@ def scaled_dot_product_attention(
         A query row with no allowed key gives a zero output row and zero weights.
 
     The explicit path (matmul, scale, mask, softmax in fp32, matmul) is the formula as
-    written; the fused path calls torch's SDPA kernels. Both give the same numbers.
+    written; the fused path calls torch's SDPA kernels. Both give the same numbers, NaN
+    included: a NaN (or infinite) query or a NaN scale gives NaN rows on both paths.
     """
     _check_inputs(q, k, v, mask)
     T, S = q.size(-2), k.size(-2)
@@ -216,6 +217,13 @@ def scaled_dot_product_attention(
             mask = mask.to(q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale)
+        # torch's fused CPU kernel returns zeros for a query row holding NaN (or inf) and for a
+        # NaN scale, where the formula (and the explicit path) gives NaN: put NaN back in those
+        # rows, so that a divergence shows instead of hiding. One pass over q, no device sync.
+        if math.isnan(scale):
+            out = out + float("nan")
+        else:
+            out = out.masked_fill(~torch.isfinite(q).all(dim=-1, keepdim=True), float("nan"))
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
         if weights is not None:

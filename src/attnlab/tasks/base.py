@@ -37,6 +37,10 @@ class Option:
 
     ``type`` is int, float, str or bool (bool: ``--flag`` / ``--no-flag``); ``check(value)``
     returns an error message or None; ``group`` titles the section of the help it is shown in.
+    ``resumable``: the option may take another value when a run is resumed (how long to train,
+    how often to evaluate and save, what is shown). Every other option shapes the model, its
+    tokenizers, the data or the optimisation, and ``--resume`` refuses a value that differs
+    from the one the run was started with, rather than ignoring it or damaging the run.
     """
     name: str
     type: type = str
@@ -46,6 +50,7 @@ class Option:
     check: Callable[[Any], str | None] | None = None
     group: str = "options"
     metavar: str | None = None
+    resumable: bool = False
 
     @property
     def flag(self) -> str:
@@ -88,13 +93,15 @@ TRAINING_OPTIONS = [
     Option("data", str, None, "training data file (default: the task's embedded data set)", metavar="FILE", group=_T),
     Option("valid", str, None, "validation data file (default: held out from --data, or the embedded split)",
            metavar="FILE", group=_T),
-    Option("out", str, None, "run directory for checkpoints and metrics (default runs/TASK)", metavar="DIR", group=_T),
-    Option("steps", int, None, "optimizer steps (default: the task's, for its data)", check=positive, group=_T),
+    Option("out", str, None, "run directory for checkpoints and metrics (default runs/TASK)", metavar="DIR", group=_T,
+           resumable=True),
+    Option("steps", int, None, "optimizer steps (default: the task's, for its data)", check=positive, group=_T,
+           resumable=True),
     Option("time_budget", float, None, "stop (with a checkpoint) after this many minutes", check=positive,
-           metavar="MIN", group=_T),
+           metavar="MIN", group=_T, resumable=True),
     Option("seed", int, 0, "seed of the initial weights, the data order and sampling", group=_T),
     Option("skip_malformed", bool, False, "skip and count malformed data lines instead of stopping", group=_T),
-    Option("progress", bool, True, "show a progress bar", group=_T),
+    Option("progress", bool, True, "show a progress bar", group=_T, resumable=True),
     Option("lr", float, None, "peak learning rate (default: the task's)", check=positive, group=_O),
     Option("schedule", str, "cosine", "learning-rate schedule", choices=("noam", "cosine", "constant"), group=_O),
     Option("warmup", int, None, "warmup steps (default: the task's share of --steps)", check=non_negative, group=_O),
@@ -103,13 +110,14 @@ TRAINING_OPTIONS = [
     Option("weight_decay", float, 0.01, "AdamW's decoupled weight decay (never on norms, biases, embeddings)",
            check=non_negative, group=_O),
     Option("beta2", float, None, "AdamW's second-moment decay (default: the task's)", check=fraction, group=_O),
-    Option("precision", str, "auto", "arithmetic precision", choices=("auto", "fp32", "bf16", "fp16"), group=_O),
+    Option("precision", str, "auto", "arithmetic precision", choices=("auto", "fp32", "bf16", "fp16"), group=_O,
+           resumable=True),
     Option("grad_checkpointing", bool, False, "recompute activations in the backward pass to save memory",
-           group=_O),
+           group=_O, resumable=True),
     Option("eval_every", int, None, "steps between validations (default: the task's; 0 = only at the end)",
-           check=non_negative, group=_O),
+           check=non_negative, group=_O, resumable=True),
     Option("save_every", int, None, "steps between checkpoints (default: --eval-every; 0 = only at the end)",
-           check=non_negative, group=_O),
+           check=non_negative, group=_O, resumable=True),
 ]
 
 

@@ -127,6 +127,19 @@ class LoadedLM:
     def vocabulary(self) -> dict:
         return self.tokenizer.vocabulary()
 
+    def unknown_tokens(self, ids) -> int:
+        """How many of ``ids`` are the tokenizer's ``<unk>``: text outside the vocabulary (a
+        character the char tokenizer never saw), which the model can only see as ``<unk>``."""
+        unk = getattr(self.tokenizer, "unk_id", None)
+        return 0 if unk is None else sum(1 for i in ids if i == unk)
+
+    def warn_unknown(self, ids, what: str) -> None:
+        """Say on stderr how many tokens of ``what`` are ``<unk>`` (nothing if none)."""
+        n = self.unknown_tokens(ids)
+        if n:
+            print(f"warning: {n} of {len(ids)} tokens of {what} are outside the vocabulary of {self.path} "
+                  "and become <unk>", file=sys.stderr)
+
     def encode_prompt(self, prompt: str, draft: "LoadedLM | None" = None) -> list[int]:
         """The prompt's ids (an empty prompt: the start token); ValueError if they fill the context
         of the model (or of the draft) or if the draft's vocabulary differs."""
@@ -150,8 +163,9 @@ class LoadedLM:
                         draft_model=None if draft is None else draft.model, **options)
 
 
-def _device(device) -> str:
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+def _device(device):
+    from .run import resolve_device
+    return resolve_device(device)
 
 
 def _family_options() -> dict[str, str]:
@@ -185,9 +199,10 @@ class LanguageModeling(TaskDefinition):
         Option("aux_coef", float, None, "mixture-of-experts families: weight of the load-balancing loss "
                "(default 0.02)", check=non_negative, group=_M),
         Option("corpus_mb", float, 2.0, "size of the embedded corpus in MB", check=positive, group=_D),
-        Option("eval_windows", int, 64, "validation windows per evaluation", check=positive, group=_D),
+        Option("eval_windows", int, 64, "validation windows per evaluation", check=positive, group=_D,
+               resumable=True),
         Option("sample_tokens", int, 200, "tokens of the sample printed after training (0 = none)",
-               check=non_negative, group=_D),
+               check=non_negative, group=_D, resumable=True),
     ]
 
     eval_options = [
@@ -277,6 +292,7 @@ class LanguageModeling(TaskDefinition):
         from ..data.text import read_text_file
         text = read_text_file(data)
         lm = load_lm(path, device)
+        lm.warn_unknown(lm.tokenizer.encode(text), data)
         progress = sys.stderr.isatty()
 
         def score(label: str) -> dict:

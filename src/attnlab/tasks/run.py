@@ -27,10 +27,10 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from ..tokenizer import Tokenizer, load_tokenizer
-from ..train.checkpoint import resolve_checkpoint
+from ..train.checkpoint import resolve_best, resolve_checkpoint
 
 __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "write_run", "read_run", "find_checkpoint", "open_run",
-           "resume_point", "inspect_path", "build_model", "architecture_for", "load_model", "load_tokenizers",
+           "resume_point", "inspect_path", "resolve_device", "build_model", "architecture_for", "load_model", "load_tokenizers",
            "RunError"]
 
 RUN_FILE, FORMAT = "run.json", 2
@@ -52,6 +52,29 @@ class RunInfo:
     tokenizers: dict[str, str]       # role -> file name inside ``path``
     task_options: dict
     legacy: bool = False             # read from a format-1 file
+
+
+def resolve_device(device=None):
+    """The torch.device to run a model on: ``device`` (a name such as "cpu", "cuda:1" or a
+    torch.device), checked, or CUDA when available, else the CPU. RunError naming the device
+    for a name torch does not know or a device this machine lacks."""
+    import torch
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise RunError(f"--device {device}: not a device name (cpu, cuda, cuda:1, mps, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RunError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RunError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise RunError(f"--device {device}: MPS is not available on this machine (use --device cpu)")
+    elif dev.type not in ("cpu", "cuda", "mps", "meta") and not hasattr(torch, dev.type):
+        raise RunError(f"--device {device}: not available in this PyTorch build")
+    return dev
 
 
 def build_model(model_type: str, config: dict, architecture: str | None = None) -> nn.Module:
@@ -140,10 +163,10 @@ def _has_meta(d: Path) -> bool:
 
 def find_checkpoint(path: str | Path) -> Path | None:
     """The checkpoint a run directory stands for: the directory itself if it is one, else its
-    best/ checkpoint, else the one its ``latest`` file names; None if there is none."""
+    best checkpoint (:func:`attnlab.train.checkpoint.resolve_best`), else the one its ``latest`` file names; None if there is none."""
     path = Path(path)
-    for candidate in (path, path / "best"):
-        if _has_meta(candidate):
+    for candidate in (path, resolve_best(path)):
+        if candidate is not None and _has_meta(candidate):
             return candidate
     try:
         ckpt = resolve_checkpoint(path)

@@ -117,8 +117,9 @@ class Translator:
                          length_penalty=length_penalty, src_eos=False)
 
 
-def _device(device) -> str:
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+def _device(device):
+    from .run import resolve_device
+    return resolve_device(device)
 
 
 class Translate(TaskDefinition):

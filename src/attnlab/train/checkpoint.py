@@ -10,18 +10,33 @@ Layout of a run directory (``TrainConfig.out_dir``)::
                                 param groups, RNG states, GradScaler, best metric, config,
                                 metrics so far
         ...                     the task's assets (tokenizers), see Task.save_assets
-    best/                   a copy of the checkpoint with the best validation metric
+    best -> best-0000080    a symbolic link to a copy (hard links, no extra space) of the
+    best-0000080/           checkpoint with the best validation metric (on a file system
+                            without symbolic links, ``best`` is a text file naming it)
     metrics.jsonl, loss.png written by the Trainer
 
-Atomicity: a checkpoint is written into a hidden sibling ``.tmp-step-...``, every file and
-the directory are fsynced, the directory is renamed into place, and only then is
-``latest`` replaced (write ``.latest.tmp``, fsync, ``os.replace``). A crash at any moment
-leaves ``latest`` naming a complete checkpoint. Loading reads safetensors and JSON only;
-no pickle is executed anywhere.
+Atomicity: a kill at any instant leaves every pointer naming a complete checkpoint, and a
+restart (a new :class:`CheckpointManager`) removes only what no pointer names.
+
+- A checkpoint is written into a hidden sibling ``.tmp-step-...``, every file and the
+  directory are fsynced, and the directory is renamed into place; only then is ``latest``
+  replaced (write ``.latest.tmp``, fsync, ``os.replace``).
+- ``best`` is never replaced by two renames (old away, new in: between them there is no
+  best/ at all, and a restart that sweeps temporaries loses it for good). The new best is
+  copied to a versioned directory ``best-STEP`` under a temporary name and renamed into
+  place, then the link ``best`` is replaced in one ``os.replace`` of a link made under a
+  temporary name; the older ``best-*`` directory is removed after that. A run written by an
+  older attnlab, whose ``best/`` is a real directory, is converted the same way (its
+  directory renamed to a versioned name first; a restart re-creates a missing link from the
+  newest ``best-*``).
+
+Files get the permissions of any new file (``0666`` less the umask, as ``open`` gives),
+weights included. Loading reads safetensors and JSON only; no pickle is executed anywhere.
 """
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
@@ -37,12 +52,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 __all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "capture_rng_state",
-           "restore_rng_state", "optimizer_state_to_flat", "optimizer_state_from_flat", "FORMAT_VERSION"]
+           "restore_rng_state", "resolve_best", "optimizer_state_to_flat", "optimizer_state_from_flat", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, LATEST, BEST = ("model.safetensors", "optimizer.safetensors",
                                                         "trainer_state.json", "latest", "best")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_BEST_DIR = re.compile(r"^best-(\d+)$")
 
 
 # ----------------------------------------------------------------------------- RNG state
@@ -127,16 +143,31 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def _swap_into_place(tmp: Path, final: Path) -> None:
-    """Rename the complete directory ``tmp`` to ``final``, replacing an older ``final``."""
-    if final.exists():
-        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+def _file_mode() -> int:
+    """The mode ``open`` gives a new file: 0666 less the process's umask (read without changing it
+    where Linux exposes it, else by setting and restoring it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _as_new_file(path: Path) -> None:
+    """safetensors writes weights mode 0600; give them the mode of every other file written
+    (a colleague reading a shared run must be able to read its weights as well as its JSON)."""
+    os.chmod(path, _file_mode())
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete directory ``tmp`` to the new name ``final`` (which must not exist:
+    directories are never replaced, pointers are)."""
+    os.rename(tmp, final)
     _fsync_path(final.parent)
 
 
@@ -149,6 +180,34 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_path(path.parent)
+
+
+def _point_link(link: Path, target_name: str) -> None:
+    """Make ``link`` name the sibling ``target_name`` in one ``os.replace``: a symbolic link, or
+    on a file system without them a one-line text file (loaders follow either)."""
+    tmp = link.with_name(f".{link.name}.tmp-link")
+    if tmp.is_symlink() or tmp.exists():
+        os.unlink(tmp)
+    try:
+        os.symlink(target_name, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        with open(tmp, "w") as f:
+            f.write(target_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, link)
+    _fsync_path(link.parent)
+
+
+def _pointed(link: Path) -> str | None:
+    """The name ``link`` (see :func:`_point_link`) points at; None if it is not a pointer."""
+    if link.is_symlink():
+        return os.readlink(link)
+    if link.is_file():
+        return link.read_text().strip() or None
+    return None
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None, state: dict,
@@ -166,15 +225,20 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
     tmp.mkdir()
     state = dict(state, format=FORMAT_VERSION)
     save_model(model, str(tmp / MODEL_FILE))
+    _as_new_file(tmp / MODEL_FILE)
     if optimizer is not None:
         tensors, meta = optimizer_state_to_flat(optimizer)
         save_file(tensors, str(tmp / OPTIMIZER_FILE))
+        _as_new_file(tmp / OPTIMIZER_FILE)
         state["optimizer"] = meta
-    (tmp / STATE_FILE).write_text(json.dumps(state))
+    with open(tmp / STATE_FILE, "w") as f:
+        f.write(json.dumps(state))
     if assets is not None:
         assets(tmp)
     _fsync_tree(tmp)
-    _swap_into_place(tmp, final)
+    if final.exists():                  # a step written again (after a resume): its old copy goes first
+        shutil.rmtree(final)
+    _rename_into_place(tmp, final)
     return final
 
 
@@ -186,11 +250,31 @@ def resolve_checkpoint(path: str | Path) -> Path | None:
         return path
     pointer = path / LATEST
     if pointer.is_file():
-        target = path / pointer.read_text().strip()
+        name = pointer.read_text().strip()
+        if not name:
+            raise FileNotFoundError(f"{pointer}: empty (it should name the newest checkpoint, e.g. step-0000100); "
+                                    "write the name of a complete step-* directory into it, or delete it")
+        target = path / name
         if not (target / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{pointer} names {target.name}, which is not a complete checkpoint")
+            raise FileNotFoundError(f"{pointer} names {name}, which is not a complete checkpoint "
+                                    f"(no {target / STATE_FILE})")
         return target
     return None
+
+
+def resolve_best(path: str | Path) -> Path | None:
+    """The best checkpoint of a run directory: ``best`` (a link, or an older attnlab's
+    directory), else the newest ``best-*`` copy (an instant of converting an older run's best/,
+    repaired by the next :class:`CheckpointManager`); None if there is none."""
+    path = Path(path)
+    if (path / BEST).is_dir():
+        return path / BEST
+    name = _pointed(path / BEST)
+    if name is not None and _BEST_DIR.match(name) and (path / name / STATE_FILE).is_file():
+        return path / name
+    copies = sorted((int(m.group(1)), p) for p in path.glob(f"{BEST}-*")
+                    if (m := _BEST_DIR.match(p.name)) and (p / STATE_FILE).is_file())
+    return copies[-1][1] if copies else None
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None) -> dict:
@@ -198,19 +282,46 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint at {path} (no {STATE_FILE} and no {LATEST} file)")
-    state = json.loads((ckpt / STATE_FILE).read_text())
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{ckpt / STATE_FILE}: not readable JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{ckpt / STATE_FILE}: expected a JSON object, found {type(state).__name__}")
     if state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{ckpt / STATE_FILE}: checkpoint format {state.get('format')}, expected {FORMAT_VERSION}")
-    load_model(model, str(ckpt / MODEL_FILE), strict=True)
+    _read_safetensors(ckpt / MODEL_FILE, lambda f: load_model(model, f, strict=True))
     if optimizer is not None:
         if not (ckpt / OPTIMIZER_FILE).is_file():
             raise FileNotFoundError(f"{ckpt}: no {OPTIMIZER_FILE} to resume the optimizer from")
-        optimizer_state_from_flat(optimizer, load_file(str(ckpt / OPTIMIZER_FILE)), state["optimizer"])
+        tensors = _read_safetensors(ckpt / OPTIMIZER_FILE, load_file)
+        optimizer_state_from_flat(optimizer, tensors, state["optimizer"])
     state["path"] = str(ckpt)
     return state
 
 
+def _read_safetensors(file: Path, read: Callable[[str], Any]) -> Any:
+    """``read(str(file))``, with a damaged or truncated file (or weights of another model)
+    reported as one line naming the file: safetensors raises its own error types, without it."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no such file")
+    try:
+        return read(str(file))
+    except OSError:
+        raise
+    except Exception as e:                              # SafetensorError, RuntimeError of a key mismatch
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{file}: cannot be loaded: truncated, damaged or of another model ({first})") from None
+
+
 # ----------------------------------------------------------------------------- the run directory
+def _step_of(ckpt: Path) -> int:
+    try:
+        return int(json.loads((ckpt / STATE_FILE).read_text()).get("step", 0))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 class CheckpointManager:
     """Saves ``step-XXXXXXX`` checkpoints into ``out_dir``, keeps the last ``keep_last`` and a copy
     of the best one in ``best/``, and maintains the ``latest`` pointer. Only rank 0 uses it."""
@@ -220,8 +331,24 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager: keep_last must be >= 1, got {keep_last}")
         self.out_dir, self.keep_last = Path(out_dir), keep_last
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.out_dir.glob(".tmp-*"):  # from a crash mid-write
+        self._recover()
+
+    def _recover(self) -> None:
+        """After a crash: re-create a missing ``best`` link, then remove what no pointer names
+        (half-written temporaries, superseded ``best-*`` copies, an older attnlab's trash)."""
+        best = self.best_dir
+        copies = self.best_dirs()
+        if _pointed(best) is None and not best.is_dir() and copies:
+            _point_link(best, copies[-1][1].name)      # killed between renaming a legacy best/ and linking
+        for leftover in [*self.out_dir.glob(".tmp-*"), *self.out_dir.glob(".trash-*")]:
             shutil.rmtree(leftover, ignore_errors=True)
+        for name in (f".{BEST}.tmp-link", f".{LATEST}.tmp"):
+            if (self.out_dir / name).is_symlink() or (self.out_dir / name).is_file():
+                os.unlink(self.out_dir / name)
+        current = _pointed(best)
+        for _, p in copies:
+            if p.name != current and (current is not None or best.is_dir()):
+                shutil.rmtree(p, ignore_errors=True)
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         found = [(int(m.group(1)), p) for p in self.out_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
@@ -229,6 +356,11 @@ class CheckpointManager:
 
     def latest(self) -> Path | None:
         return resolve_checkpoint(self.out_dir) if (self.out_dir / LATEST).is_file() else None
+
+    def best_dirs(self) -> list[tuple[int, Path]]:
+        found = [(int(m.group(1)), p) for p in self.out_dir.iterdir()
+                 if (m := _BEST_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+        return sorted(found)
 
     @property
     def best_dir(self) -> Path:
@@ -250,7 +382,20 @@ class CheckpointManager:
                 shutil.rmtree(p)
 
     def _copy_to_best(self, path: Path) -> None:
-        tmp = self.out_dir / f".tmp-best-{os.getpid()}"
+        """Copy ``path`` to ``best-STEP`` and point ``best`` at it (see the module docstring)."""
+        step = int(_STEP_DIR.match(path.name).group(1))
+        final = self.out_dir / f"{BEST}-{step:07d}"
+        best = self.best_dir
+        if best.is_dir() and not best.is_symlink():        # an older attnlab's best/: give it a versioned name
+            legacy = self.out_dir / f"{BEST}-{_step_of(best):07d}"
+            if legacy.exists():
+                shutil.rmtree(legacy)
+            os.rename(best, legacy)
+            _point_link(best, legacy.name)
+        previous = _pointed(best)
+        if previous == final.name:                         # the same step again: keep it, it is complete
+            return
+        tmp = self.out_dir / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:  # files are never modified in place, so hard links are safe and cost no space
             shutil.copytree(path, tmp, copy_function=os.link)
@@ -258,7 +403,12 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(path, tmp)
         _fsync_tree(tmp)
-        _swap_into_place(tmp, self.best_dir)
+        if final.exists():                                  # left by a crash before the link moved
+            shutil.rmtree(final)
+        _rename_into_place(tmp, final)
+        _point_link(best, final.name)
+        if previous is not None and _BEST_DIR.match(previous):
+            shutil.rmtree(self.out_dir / previous, ignore_errors=True)
 
     def _prune(self, keep: Path) -> None:
         dirs = self.step_dirs()

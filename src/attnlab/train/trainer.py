@@ -20,6 +20,13 @@ right before training continues. ``Task.plan`` and ``Task.evaluate`` run with th
 RNGs set aside (plan under a fixed seed derived from (seed, epoch)), so neither perturbs
 the training stream. On CPU a run killed at any point and resumed ends with weights
 bit-identical to an uninterrupted run.
+
+Interruption (SIGINT, i.e. Ctrl-C, and SIGTERM, which job schedulers and torchrun send).
+During :meth:`Trainer.fit` the first such signal lets the running optimizer step finish,
+writes a checkpoint there, says where on stderr and raises :class:`TrainingInterrupted`
+(a KeyboardInterrupt carrying the checkpoint and the exit status 128 + signal: 130, 143);
+``resume=True`` then continues exactly as after any other checkpoint. A second signal stops
+at once. Under several processes the stop is agreed on at the next step's all-reduce.
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ import json
 import logging
 import math
 import random
+import signal
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -42,10 +51,11 @@ from ..nn.norm import DyT, LayerNorm, RMSNorm
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
+from .interrupt import TrainingInterrupted, catch_stop_signals
 from .schedules import SCHEDULES, make_schedule
 
-__all__ = ["Task", "TrainConfig", "Trainer", "split_decay", "param_groups", "build_optimizer", "plot_metrics",
-           "isolated_rng", "PRECISIONS"]
+__all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
+           "plot_metrics", "isolated_rng", "PRECISIONS"]
 
 log = logging.getLogger("attnlab.train")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -286,6 +296,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self._rng_to_restore: dict | None = None
         self._window = _Window()   # sums since the last log line
+        self.interrupted: int | None = None     # the signal received during fit, if any
         if resume:
             self._resume(resume)
         else:
@@ -309,6 +320,9 @@ class Trainer:
             return
         state = load_checkpoint(ckpt, self.model, self.optimizer)
         self._check_resumable(ckpt, state)
+        if state["step"] > self.config.steps:
+            raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
+                             f"for (--steps); give at least {state['step']} to resume it")
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -430,6 +444,8 @@ class Trainer:
                    desc="train", dynamic_ncols=True)
         self.ddp_model.train()
         stopped = False
+        self.interrupted = None
+        restore_signals = catch_stop_signals(self._interrupt, announce=self.env.is_main)
         try:
             while self.step < cfg.steps and not stopped:
                 plan = self._epoch_plan(self.epoch)
@@ -437,8 +453,10 @@ class Trainer:
                     t0 = time.perf_counter()
                     budget_hit = cfg.time_budget_s is not None and t0 - start >= cfg.time_budget_s
                     micro = plan[self.batch_pos: self.batch_pos + cfg.accum_steps]
-                    loss, tokens, stopped, extras = self.accumulate(micro, budget_hit)
+                    loss, tokens, stopped, extras = self.accumulate(micro, budget_hit or self.interrupted is not None)
                     lr = self._optimizer_step()
+                    if self.interrupted is not None and not self.env.active:
+                        stopped = True              # a signal during this step: it ends here, with a checkpoint
                     self.batch_pos += cfg.accum_steps
                     self.step += 1
                     bar.update(1)
@@ -451,12 +469,21 @@ class Trainer:
                     self.epoch, self.batch_pos = self.epoch + 1, 0
         finally:
             bar.close()
+            restore_signals()
         if self.env.is_main and self.records:
             plot_metrics(self.metrics_path, Path(cfg.out_dir) / "loss.png")
         barrier(self.env)
+        if self.interrupted is not None and self.step < cfg.steps:
+            if self.env.is_main:
+                print(f"\n{signal.Signals(self.interrupted).name}: stopped after step {self.step}; checkpoint "
+                      f"saved in {self.last_checkpoint} (resume=True / --resume continues from it)", file=sys.stderr)
+            raise TrainingInterrupted(self.interrupted, self.last_checkpoint)
         last = next((r["loss"] for r in reversed(self.records) if r.get("kind") == "train"), None)
         return {"step": self.step, "epoch": self.epoch, "loss": last, "stopped_early": self.step < cfg.steps,
                 "best": self.best, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}
+
+    def _interrupt(self, signum: int) -> None:
+        self.interrupted = signum
 
     def _after_step(self, lr: float, start: float, stopped: bool, bar) -> None:
         """Log, evaluate and save as the step number asks."""
