@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["InferenceLinear", "optimize_for_inference", "onednn_available", "MIN_WEIGHT_ELEMENTS"]
+__all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype", "onednn_available",
+           "MIN_WEIGHT_ELEMENTS"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 
@@ -79,23 +80,50 @@ class InferenceLinear(nn.Linear):
         new.train(linear.training)
         return new
 
+    # a bf16 (say) copy of the weight for gradient-free calls; None: compute in the weight's own dtype.
+    # Set by set_inference_dtype; a class default, so that layers built before it existed still load.
+    compute_dtype: torch.dtype | None = None
+
+    def _no_grad(self, x: Tensor) -> bool:
+        return not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad
+                                                  or (self.bias is not None and self.bias.requires_grad))
+
     def _fast(self, x: Tensor) -> bool:
         w = self.weight
         if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not w.is_contiguous() \
                 or w.numel() < MIN_WEIGHT_ELEMENTS:
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                        or (self.bias is not None and self.bias.requires_grad)):
-            return False
-        return onednn_available()
+        return self._no_grad(x) and onednn_available()
+
+    def _low_precision(self, x: Tensor) -> bool:
+        return (self.compute_dtype is not None and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and self._no_grad(x))
+
+    def _low_precision_weights(self) -> tuple[Tensor, Tensor | None]:
+        """The weight and bias in ``compute_dtype``, cached; rebuilt whenever the parameters change
+        (an optimizer step or load_state_dict bumps their version, .to() moves their storage)."""
+        w, b, dtype = self.weight, self.bias, self.compute_dtype
+        key = (dtype, w.device, w.data_ptr(), w._version) + ((b.data_ptr(), b._version) if b is not None else ())
+        cached = self.__dict__.get("_low_precision_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, w.detach().to(dtype), None if b is None else b.detach().to(dtype))
+            self.__dict__["_low_precision_cache"] = cached
+        return cached[1], cached[2]
 
     def forward(self, x: Tensor) -> Tensor:
         if x.size(-1) != self.in_features:                 # oneDNN's own message would be obscure
             raise ValueError(f"{type(self).__name__}: input last dim {x.size(-1)} != in_features "
                              f"{self.in_features} (shape {tuple(x.shape)})")
+        if self._low_precision(x):
+            w, b = self._low_precision_weights()
+            return F.linear(x.to(w.dtype), w, b).to(x.dtype)
         if self._fast(x) and x.numel() > 0:
             return _dnn_linear(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def __getstate__(self):                             # deepcopy / pickle: the cache is derived, never copied
+        return {k: v for k, v in self.__dict__.items() if k != "_low_precision_cache"}
 
 
 def optimize_for_inference(model: nn.Module) -> nn.Module:
@@ -111,3 +139,31 @@ def optimize_for_inference(model: nn.Module) -> nn.Module:
             if type(child) is nn.Linear:
                 setattr(parent, name, InferenceLinear.from_linear(child))
     return model
+
+
+def set_inference_dtype(model: nn.Module, dtype: torch.dtype | None,
+                        min_elements: int = MIN_WEIGHT_ELEMENTS) -> nn.Module:
+    """Let every :class:`InferenceLinear` of ``model`` with at least ``min_elements`` weight
+    elements compute its gradient-free calls in ``dtype`` (e.g. ``torch.bfloat16``) from a cached
+    copy of its weight, casting the input to ``dtype`` and the output back; ``None`` turns it off.
+
+    The parameters stay as they are (fp32): training, ``state_dict`` and ``save_pretrained`` see
+    no difference, and a call that needs a gradient computes in fp32 exactly as ``nn.Linear``.
+    The activations between layers (residual stream, norms, softmax) stay fp32 too; only the
+    matrix products round their inputs to ``dtype``. Smaller weights keep fp32: for them the two
+    casts cost more than the halved weight traffic saves. Call :func:`optimize_for_inference`
+    first (``from_pretrained`` does). Returns the model.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"set_inference_dtype: expected a floating torch dtype or None, got {dtype!r}")
+    for m in model.modules():
+        if isinstance(m, InferenceLinear):
+            m.compute_dtype = dtype if dtype is not None and m.weight.numel() >= min_elements else None
+            m.__dict__.pop("_low_precision_cache", None)
+    return model
+
+
+def inference_dtype(model: nn.Module) -> torch.dtype | None:
+    """The ``compute_dtype`` that :func:`set_inference_dtype` gave ``model``'s layers (None if none)."""
+    return next((m.compute_dtype for m in model.modules()
+                 if isinstance(m, InferenceLinear) and m.compute_dtype is not None), None)
