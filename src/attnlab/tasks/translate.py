@@ -247,17 +247,20 @@ class Translate(TaskDefinition):
               f"exact match {scores['exact']:.1f}%")
 
     # ------------------------------------------------------------------ inference
-    def load(self, run: RunInfo, device: str | None = None) -> Translator:
-        from ..nn.linear import optimize_for_inference
+    def load(self, run: RunInfo, device: str | None = None, dtype: str = "auto") -> Translator:
+        """The run's model for inference: oneDNN Linear layers, and bf16 weight copies for the large
+        ones where the device does bf16 natively (``dtype`` "auto"; "fp32" or "bf16" force it)."""
+        from ..nn.linear import prepare_for_inference
         toks = load_tokenizers(run)
-        model = optimize_for_inference(load_model(run).to(_device(device)).eval())
+        model, _ = prepare_for_inference(load_model(run).to(_device(device)).eval(), dtype)
         return Translator(model, toks["source"], toks["target"], run.path)
 
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+                      dtype: str = "auto") -> None:
         pairs, _ = read_pairs(data, settings["skip_malformed"])
         pairs = pairs[: settings["limit"]]
-        translator = self.load(info.run, device)
+        translator = self.load(info.run, device, dtype)
         hyps = translator([a for a, _ in pairs], beam_size=settings["beam"])
         s = score_translations(hyps, [b for _, b in pairs])
         print(f"{data}: {len(pairs)} pairs, beam {settings['beam']}: BLEU {s['bleu']:.2f}  chrF {s['chrf']:.2f}  "
