@@ -305,7 +305,9 @@ def run_train_amp(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
         g = torch.Generator().manual_seed(cfg)
         w = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=g)
         x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        print(f"## train under bf16 autocast, config {cfg} (shape as above); {native_bf16('cpu')[1]}")
+        print(f"## train under bf16 autocast (torch.autocast('cpu', bfloat16) around forward and loss, fp32 weights "
+              f"and AdamW on both sides), config {cfg}: {s.layers} layers, {s.heads} heads, d_model {s.d_model}, "
+              f"context {s.context}, vocabulary {s.vocab}, batch {s.batch}; {native_bf16('cpu')[1]}")
         names = [AL_AMP, REF_AMP] + ([] if args.no_aa else [REF_AMP + AA])
         phases = {n: {p: [] for p in PHASES} for n in names}
         al_opt = build_optimizer(al, TrainConfig(out_dir="unused", steps=1))

@@ -15,6 +15,17 @@ The result equals ``F.linear``'s up to the summation order of the dot products (
 differences ~1e-7, tests/test_linear.py). Anything else (a gradient required, another dtype or
 device, a torch without oneDNN, a oneDNN that fails its first-use self-check) falls back to
 ``F.linear``, so an optimised model still trains, moves to CUDA and exports as before.
+``attnlab.from_pretrained`` and the inference loaders apply :func:`optimize_for_inference`
+themselves: the fast path is the default, and a model switched to ``train()`` trains exactly as
+one with ``nn.Linear`` layers (tests/test_precision.py checks gradients and weights bit for bit).
+
+bf16. On a CPU with AVX512-BF16 or AMX, :func:`set_inference_dtype` lets the large layers compute
+gradient-free calls from a cached bf16 copy of their weight (half the bytes per decoding step),
+packed once into oneDNN's blocked layout, with fp32 activations around each product; the fp32
+parameters stay the only state (``state_dict``, training, saving). ``attnlab generate``, ``eval``
+and ``translate`` do this under ``--dtype auto`` (:func:`prepare_for_inference`). A model that is
+itself bf16 (``from_pretrained(dir, dtype=torch.bfloat16)``) also gets packed copies of its large
+weights. The copies are rebuilt whenever a parameter changes (its version counter moves).
 """
 from __future__ import annotations
 
