@@ -443,8 +443,9 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
                 assert outs[key].shape == (B, P + N), (key, tuple(outs[key].shape))
             kv_avg = P + N / 2
             ref_t, ref_best = timings[ref].median, min(timings[ref].times)
-            models = {AL: al, REF: al, AL_PLAIN: plain, AL_INT8: int8, AL_FBGEMM: fbgemm, AL_BF16: al16 if bf16 else None,
-                      AL_COPY: copies, REF_BF16: al16 if bf16 else None}
+            al16_or_none = al16 if bf16 else None
+            models = {AL: al, REF: al, AL_PLAIN: plain, AL_INT8: int8, AL_FBGEMM: fbgemm, AL_BF16: al16_or_none,
+                      AL_COPY: copies, REF_BF16: al16_or_none}
             rows = []
             for name, t in timings.items():
                 model = models.get(name.removesuffix(AA), al)

@@ -26,7 +26,7 @@ def test_lm_benchmark_quick_runs():
                  "transformers GPT2LMHeadModel bf16", "plain nn.Linear"):
         assert name in out, f"{name!r} missing from the tables"
     tables = [block for block in out.split("\n\n") if block.startswith("implementation ")]
-    assert len(tables) == 8, out                  # train x 2 configs, bf16 autocast x 2, generation 2 batches x 2 dtypes
+    assert len(tables) == 8, out          # train and bf16 autocast x 2 configs, generation 2 batches x 2 dtypes
     for table in tables:
         header, rule, *rows = table.splitlines()
         cols = re.split(r"\s{2,}", header.strip())
