@@ -435,43 +435,50 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
         for dtype, ref, fns in tables:
             if not args.no_aa:
                 fns[ref + AA] = hf_gen(hf if dtype == "fp32" else hf16, ref + AA)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                timings = time_calls(fns, warmup=1, repeats=args.gen_repeats, min_repeats=min(3, args.gen_repeats),
-                                     budget_s=args.gen_budget)
-            for key in fns:
-                assert outs[key].shape == (B, P + N), (key, tuple(outs[key].shape))
-            kv_avg = P + N / 2
-            ref_t, ref_best = timings[ref].median, min(timings[ref].times)
-            al16_or_none = al16 if bf16 else None
-            models = {AL: al, REF: al, AL_PLAIN: plain, AL_INT8: int8, AL_FBGEMM: fbgemm, AL_BF16: al16_or_none,
-                      AL_COPY: copies, REF_BF16: al16_or_none}
-            rows = []
-            for name, t in timings.items():
-                model = models.get(name.removesuffix(AA), al)
-                bound = B * bw / bytes_per_step(model, B, kv_avg)
-                tps = B * N / t.median
-                agree = f"{float((outs[name][:, P:] == outs[AL][:, P:]).float().mean()):.2f}"
-                rows.append([name, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tps:.1f}",
-                             f"{ref_t / t.median:.2f}", f"{ref_best / min(t.times):.2f}", f"{bound:.1f}",
-                             f"{tps / bound:.0%}", agree])
-            same = float((outs[AL if dtype == "fp32" else AL_BF16][:, P:] == outs[ref][:, P:]).float().mean())
-            print(f"# batch {B}, {dtype}: greedy tokens identical to transformers' ({dtype}) in {same:.1%} of the "
-                  f"{B * N} positions; load average now: {load()}\n")
-            print_table(f"Generation, batch {B}, {dtype}; speed ratio = tokens/s / tokens/s of {ref}",
-                        ["implementation", "median ms/call", "min ms/call", "calls", "tokens/s", "speed ratio",
-                         "min-time speed ratio", "bound tokens/s", "share of bound", "same tokens as attnlab fp32"],
-                        rows, args.markdown)
-            aa = None if args.no_aa else ref_t / timings[ref + AA].median
-            judged = ([(AL, ("gen", B))] if dtype == "fp32" and "gen" in sections else []) + \
-                ([(AL_INT8, ("int8", B))] if dtype == "fp32" else []) + \
-                ([(AL_BF16, ("bf16", B)), (AL_COPY, ("bf16", B))] if dtype == "bf16" else [])
-            for name, key in judged:
-                if name in timings and key in TARGETS:
-                    ratio, best = ref_t / timings[name].median, ref_best / min(timings[name].times)
-                    verdicts.append(f"{key[0]} batch {B}: {name} >= {TARGETS[key]:.2f} x {ref} tokens/s: "
-                                    f"{judge(ratio, best, aa, TARGETS[key])} (speed ratio {ratio:.2f}, min-time "
-                                    f"{best:.2f}" + (f", A/A {aa:.2f})" if aa is not None else ")"))
+            models = {AL: al, AL_PLAIN: plain, AL_INT8: int8, AL_FBGEMM: fbgemm, AL_COPY: copies}
+            if bf16:
+                models.update({AL_BF16: al16, REF_BF16: al16})
+            gen_table(args, sections, verdicts, B, dtype, ref, fns, outs, models, bw)
+
+
+def gen_table(args, sections: set[str], verdicts: list[str], B: int, dtype: str, ref: str, fns: dict, outs: dict,
+              models: dict, bw: float) -> None:
+    """Time one generation table round-robin, print it and add its verdicts (``models``: each row's
+    model, for the bytes a step reads; transformers' rows read what attnlab's of the same dtype do)."""
+    P, N = args.prompt, args.new_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timings = time_calls(fns, warmup=1, repeats=args.gen_repeats, min_repeats=min(3, args.gen_repeats),
+                             budget_s=args.gen_budget)
+    for key in fns:
+        assert outs[key].shape == (B, P + N), (key, tuple(outs[key].shape))
+    kv_avg = P + N / 2
+    ref_t, ref_best = timings[ref].median, min(timings[ref].times)
+    rows = []
+    for name, t in timings.items():
+        model = models.get(name.removesuffix(AA), models[AL])
+        bound = B * bw / bytes_per_step(model, B, kv_avg)
+        tps = B * N / t.median
+        agree = f"{float((outs[name][:, P:] == outs[AL][:, P:]).float().mean()):.2f}"
+        rows.append([name, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tps:.1f}", f"{ref_t / t.median:.2f}",
+                     f"{ref_best / min(t.times):.2f}", f"{bound:.1f}", f"{tps / bound:.0%}", agree])
+    same = float((outs[AL if dtype == "fp32" else AL_BF16][:, P:] == outs[ref][:, P:]).float().mean())
+    print(f"# batch {B}, {dtype}: greedy tokens identical to transformers' ({dtype}) in {same:.1%} of the "
+          f"{B * N} positions; load average now: {load()}\n")
+    print_table(f"Generation, batch {B}, {dtype}; speed ratio = tokens/s / tokens/s of {ref}",
+                ["implementation", "median ms/call", "min ms/call", "calls", "tokens/s", "speed ratio",
+                 "min-time speed ratio", "bound tokens/s", "share of bound", "same tokens as attnlab fp32"],
+                rows, args.markdown)
+    aa = None if args.no_aa else ref_t / timings[ref + AA].median
+    judged = ([(AL, ("gen", B))] if dtype == "fp32" and "gen" in sections else []) + \
+        ([(AL_INT8, ("int8", B))] if dtype == "fp32" else []) + \
+        ([(AL_BF16, ("bf16", B)), (AL_COPY, ("bf16", B))] if dtype == "bf16" else [])
+    for name, key in judged:
+        if name in timings and key in TARGETS:
+            ratio, best = ref_t / timings[name].median, ref_best / min(timings[name].times)
+            verdicts.append(f"{key[0]} batch {B}: {name} >= {TARGETS[key]:.2f} x {ref} tokens/s: "
+                            f"{judge(ratio, best, aa, TARGETS[key])} (speed ratio {ratio:.2f}, min-time "
+                            f"{best:.2f}" + (f", A/A {aa:.2f})" if aa is not None else ")"))
 
 
 def run_perplexity(args) -> None:
