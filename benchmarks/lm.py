@@ -60,7 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import environment, fmt_ms, render_table, step_rows, time_calls  # noqa: E402
 
 import attnlab  # noqa: E402
-from attnlab.nn import optimize_for_inference  # noqa: E402
+from attnlab.nn import set_inference_dtype  # noqa: E402
+from attnlab.nn.precision import native_bf16  # noqa: E402
 from attnlab.quantize import model_bytes, quantize_int8  # noqa: E402
 from attnlab.train import TrainConfig, build_optimizer  # noqa: E402
 
@@ -70,11 +71,17 @@ AL = "attnlab GPT"
 AL_UNFUSED = "attnlab GPT, default AdamW"
 AL_ERF = "attnlab GPT, erf GELU (nanoGPT's activation)"
 NANO = "nanoGPT-style GPT (erf GELU, nn.Linear, default AdamW)"
-AL_PLAIN = "attnlab GPT, nn.Linear (no optimize_for_inference)"
+AL_PLAIN = "attnlab GPT, plain nn.Linear (InferenceLinear taken out)"
+AL_BF16 = "attnlab GPT bf16 (from_pretrained(dtype=bfloat16))"
+AL_COPY = "attnlab GPT, fp32 + bf16 weight copies (attnlab generate --dtype auto)"
+REF_BF16 = "transformers GPT2LMHeadModel bf16"
+AL_AMP = "attnlab GPT, bf16 autocast"
+REF_AMP = "transformers GPT2LMHeadModel, bf16 autocast"
 AL_INT8 = "attnlab GPT int8"
 AL_FBGEMM = "attnlab GPT int8 (kernel=fbgemm, W8A8)"
 PHASES = ("forward+loss", "backward", "optimizer")
-TARGETS = {("train", 1): 1.25, ("train", 2): 1.10, ("gen", 1): 1.25, ("gen", 8): 1.00, ("int8", 1): 2.00}
+TARGETS = {("train", 1): 1.25, ("train", 2): 1.10, ("gen", 1): 1.25, ("gen", 8): 1.50, ("int8", 1): 2.00,
+           ("bf16", 1): 1.25, ("bf16", 8): 1.50, ("amp", 1): 1.30, ("amp", 2): 1.30}
 
 
 @dataclass
@@ -194,10 +201,13 @@ def check_train_parity(al, hf, x: Tensor, y: Tensor) -> str:
     return f"loss {float(lh.detach()):.4f} on both; largest gradient difference {worst:.1e} of the gradient's max"
 
 
-def make_train_step(forward, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, phases: dict):
+def make_train_step(forward, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, phases: dict, autocast: bool = False):
+    """One training step; ``autocast``: forward and loss under torch.autocast("cpu", bfloat16), as the
+    Trainer runs them with --precision bf16 (fp32 weights, gradients and optimizer)."""
     def step():
         t0 = time.perf_counter()
-        loss = F.cross_entropy(forward(x).flatten(0, 1), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(forward(x).flatten(0, 1).float(), y.flatten())
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -284,6 +294,47 @@ def run_train(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
                         f"{best:.2f}" + (f", A/A {aa:.2f})" if aa is not None else ")"))
 
 
+def run_train_amp(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
+    """Training under bf16 autocast, attnlab against transformers under the same autocast."""
+    for cfg in args.configs:
+        s = shapes[cfg]
+        steps = args.steps if cfg == 1 else max(3, args.steps // 2)
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            al, hf = build_pair(s, s.context, args.dropout, tmp)
+        g = torch.Generator().manual_seed(cfg)
+        w = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=g)
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        print(f"## train under bf16 autocast (torch.autocast('cpu', bfloat16) around forward and loss, fp32 weights "
+              f"and AdamW on both sides), config {cfg}: {s.layers} layers, {s.heads} heads, d_model {s.d_model}, "
+              f"context {s.context}, vocabulary {s.vocab}, batch {s.batch}; {native_bf16('cpu')[1]}")
+        names = [AL_AMP, REF_AMP] + ([] if args.no_aa else [REF_AMP + AA])
+        phases = {n: {p: [] for p in PHASES} for n in names}
+        al_opt = build_optimizer(al, TrainConfig(out_dir="unused", steps=1))
+        hf_opt = torch.optim.AdamW(hf.parameters())
+        fns = {AL_AMP: make_train_step(al, al_opt, x, y, phases[AL_AMP], autocast=True),
+               REF_AMP: make_train_step(lambda t: hf_logits(hf, t), hf_opt, x, y, phases[REF_AMP], autocast=True)}
+        if not args.no_aa:
+            fns[REF_AMP + AA] = make_train_step(lambda t: hf_logits(hf, t), hf_opt, x, y, phases[REF_AMP + AA],
+                                                autocast=True)
+        timings = time_calls(fns, warmup=args.warmup, repeats=steps, min_repeats=steps, budget_s=0.0)
+        for n in names:
+            for p in PHASES:
+                phases[n][p] = phases[n][p][-timings[n].n:]
+        rows = step_rows(names, timings, REF_AMP, s.batch * s.context, phases, PHASES)
+        print(f"# load average now: {load()}\n")
+        print_table(f"Training step, config {cfg}, bf16 autocast; speed ratio = tokens/s / tokens/s of {REF_AMP}",
+                    ["implementation", "median ms/step", "min ms/step", "steps", "tokens/s", "speed ratio",
+                     "min-time speed ratio"] + [f"{p} ms" for p in PHASES], rows, args.markdown)
+        aa = None if args.no_aa else timings[REF_AMP].median / timings[REF_AMP + AA].median
+        ratio = timings[REF_AMP].median / timings[AL_AMP].median
+        best = min(timings[REF_AMP].times) / min(timings[AL_AMP].times)
+        target = TARGETS[("amp", cfg)]
+        verdicts.append(f"train config {cfg}, bf16 autocast: attnlab >= {target:.2f} x transformers (same autocast): "
+                        f"{judge(ratio, best, aa, target)} (speed ratio {ratio:.2f}, min-time {best:.2f}"
+                        + (f", A/A {aa:.2f})" if aa is not None else ")"))
+
+
 # --------------------------------------------------------------------------- gen and int8
 def measure_bandwidth(nbytes: int) -> float:
     """Bytes per second read by summing an fp32 tensor of ``nbytes`` (median of 5)."""
@@ -299,32 +350,49 @@ def measure_bandwidth(nbytes: int) -> float:
 
 def bytes_per_step(model, batch: int, kv_positions: float) -> float:
     """Bytes a decoding step reads: every parameter and buffer except the embedding tables (a token
-    reads one row; a head tied to the table is counted, through the head), plus the KV cache."""
+    reads one row; a head tied to the table is counted, through the head), plus the KV cache. A
+    Linear layer computing from a bf16 weight copy (set_inference_dtype) reads the copy instead."""
+    from attnlab.nn import InferenceLinear
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    copies = {id(m.weight): m.compute_dtype.itemsize for m in model.modules()
+              if isinstance(m, InferenceLinear) and m.compute_dtype is not None}
     tables = {id(model.token_embedding.weight), id(model.position_embedding.weight)} - linear
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in seen and id(t) not in tables:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            total += t.numel() * copies.get(id(t), t.element_size())
     c = model.config
-    kv = batch * kv_positions * c.num_layers * 2 * c.d_model * 4
+    act = next(model.parameters()).element_size()            # the KV cache holds the activations' dtype
+    kv = batch * kv_positions * c.num_layers * 2 * c.d_model * act
     return total + kv
 
 
 def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
+    """Greedy generation: the plain from_pretrained + generate path, fp32 and bf16, against transformers
+    in the same dtype (and int8 at batch 1)."""
+    import transformers
     s = args.gen_shape
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        al, hf = build_pair(s, s.context, 0.0, tmp)
+        al, hf = build_pair(s, s.context, 0.0, tmp)          # al = attnlab.from_pretrained(tmp): nothing else
+        bf16 = "gen" in sections and not args.no_bf16
+        if bf16:
+            al16 = attnlab.from_pretrained(tmp, dtype=torch.bfloat16)
+            hf16 = transformers.GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.bfloat16,
+                                                                attn_implementation="sdpa").eval()
     al.eval()
     hf.eval()
-    plain = copy.deepcopy(al) if not args.no_plain_row else None
-    optimize_for_inference(al)                               # what attnlab generate / load_lm do
+    plain = None
+    if not args.no_plain_row:                               # the same weights in plain nn.Linear layers
+        plain = type(al)(al.config).eval()
+        plain.load_state_dict(al.state_dict())
+    copies = set_inference_dtype(copy.deepcopy(al), torch.bfloat16) if bf16 else None
     bw = measure_bandwidth(args.bandwidth_bytes)
     P, N = args.prompt, args.new_tokens
     print(f"## generation: {s.layers} layers, {s.heads} heads, d_model {s.d_model}, vocabulary {s.vocab}, random "
-          f"N(0, 0.02) weights, prompt {P}, {N} new tokens, greedy, fp32 (int8 rows: quantize_int8)")
+          f"N(0, 0.02) weights, prompt {P}, {N} new tokens, greedy; attnlab: attnlab.from_pretrained(dir) + "
+          f"model.generate (no other call); int8 rows: quantize_int8; {native_bf16('cpu')[1]}")
     print(f"# memory bandwidth (sum of a {args.bandwidth_bytes / 2**30:.2f} GiB fp32 tensor, "
           f"{torch.get_num_threads()} threads): {bw / 1e9:.1f} GB/s")
     int8 = quantize_int8(copy.deepcopy(al)) if "int8" in sections else None
@@ -345,54 +413,72 @@ def run_gen(args, sections: set[str], verdicts: list[str]) -> None:
                 outs[key] = model.generate(prompt, N)
             return call
 
-        @torch.no_grad()
-        def hf_call(key=REF):
-            outs[key] = hf.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=N, min_new_tokens=N,
-                                    pad_token_id=0)
+        def hf_gen(model, key):
+            @torch.no_grad()
+            def call():
+                outs[key] = model.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=N,
+                                           min_new_tokens=N, pad_token_id=0)
+            return call
 
         with torch.no_grad():                                # same logits at the prompt's last position
             torch.testing.assert_close(al(prompt)[:, -1], hf(prompt).logits[:, -1], atol=1e-3, rtol=1e-3)
-        fns = {AL: gen(al, AL), REF: hf_call}
+        tables = [("fp32", REF, {AL: gen(al, AL), REF: hf_gen(hf, REF)})]
         if plain is not None:
-            fns[AL_PLAIN] = gen(plain, AL_PLAIN)
+            tables[0][2][AL_PLAIN] = gen(plain, AL_PLAIN)
         if B == 1 and int8 is not None:
-            fns[AL_INT8] = gen(int8, AL_INT8)
+            tables[0][2][AL_INT8] = gen(int8, AL_INT8)
             if fbgemm is not None:
-                fns[AL_FBGEMM] = gen(fbgemm, AL_FBGEMM)
-        if not args.no_aa:
-            fns[REF + AA] = lambda: hf_call(REF + AA)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            timings = time_calls(fns, warmup=1, repeats=args.gen_repeats, min_repeats=min(3, args.gen_repeats),
-                                 budget_s=args.gen_budget)
-        for key, out in outs.items():
-            assert out.shape == (B, P + N), (key, tuple(out.shape))
-        same = float((outs[AL][:, P:] == outs[REF][:, P:]).float().mean())
-        kv_avg = P + N / 2
-        ref_t, ref_best = timings[REF].median, min(timings[REF].times)
-        rows = []
-        for name, t in timings.items():
-            model = {AL_INT8: int8, AL_FBGEMM: fbgemm, AL_PLAIN: plain}.get(name, al)
-            bound = B * bw / bytes_per_step(model, B, kv_avg)
-            tps = B * N / t.median
-            agree = (f"{float((outs[name][:, P:] == outs[AL][:, P:]).float().mean()):.2f}"
-                     if name != AL else "1.00")
-            rows.append([name, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tps:.1f}", f"{ref_t / t.median:.2f}",
-                         f"{ref_best / min(t.times):.2f}", f"{bound:.1f}", f"{tps / bound:.0%}", agree])
-        print(f"# batch {B}: greedy tokens identical to transformers' in {same:.1%} of the {B * N} positions; "
-              f"load average now: {load()}\n")
-        print_table(f"Generation, batch {B}; speed ratio = tokens/s / tokens/s of {REF} (fp32)",
-                    ["implementation", "median ms/call", "min ms/call", "calls", "tokens/s", "speed ratio",
-                     "min-time speed ratio", "bound tokens/s", "share of bound", "same tokens as attnlab fp32"],
-                    rows, args.markdown)
-        aa = None if args.no_aa else ref_t / timings[REF + AA].median
-        for name, key in ((AL, ("gen", B)), (AL_INT8, ("int8", B))):
-            if name in timings and key in TARGETS and (key[0] != "gen" or "gen" in sections):
-                ratio, best = ref_t / timings[name].median, ref_best / min(timings[name].times)
-                verdicts.append(f"{key[0]} batch {B}: {name} >= {TARGETS[key]:.2f} x transformers fp32 tokens/s"
-                                f"{' (ahead)' if TARGETS[key] == 1.0 else ''}: "
-                                f"{judge(ratio, best, aa, TARGETS[key])} (speed ratio {ratio:.2f}, min-time {best:.2f}"
-                                + (f", A/A {aa:.2f})" if aa is not None else ")"))
+                tables[0][2][AL_FBGEMM] = gen(fbgemm, AL_FBGEMM)
+        if bf16:
+            tables.append(("bf16", REF_BF16, {AL_BF16: gen(al16, AL_BF16), AL_COPY: gen(copies, AL_COPY),
+                                              REF_BF16: hf_gen(hf16, REF_BF16)}))
+        for dtype, ref, fns in tables:
+            if not args.no_aa:
+                fns[ref + AA] = hf_gen(hf if dtype == "fp32" else hf16, ref + AA)
+            models = {AL: al, AL_PLAIN: plain, AL_INT8: int8, AL_FBGEMM: fbgemm, AL_COPY: copies}
+            if bf16:
+                models.update({AL_BF16: al16, REF_BF16: al16})
+            gen_table(args, sections, verdicts, B, dtype, ref, fns, outs, models, bw)
+
+
+def gen_table(args, sections: set[str], verdicts: list[str], B: int, dtype: str, ref: str, fns: dict, outs: dict,
+              models: dict, bw: float) -> None:
+    """Time one generation table round-robin, print it and add its verdicts (``models``: each row's
+    model, for the bytes a step reads; transformers' rows read what attnlab's of the same dtype do)."""
+    P, N = args.prompt, args.new_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timings = time_calls(fns, warmup=1, repeats=args.gen_repeats, min_repeats=min(3, args.gen_repeats),
+                             budget_s=args.gen_budget)
+    for key in fns:
+        assert outs[key].shape == (B, P + N), (key, tuple(outs[key].shape))
+    kv_avg = P + N / 2
+    ref_t, ref_best = timings[ref].median, min(timings[ref].times)
+    rows = []
+    for name, t in timings.items():
+        model = models.get(name.removesuffix(AA), models[AL])
+        bound = B * bw / bytes_per_step(model, B, kv_avg)
+        tps = B * N / t.median
+        agree = f"{float((outs[name][:, P:] == outs[AL][:, P:]).float().mean()):.2f}"
+        rows.append([name, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{tps:.1f}", f"{ref_t / t.median:.2f}",
+                     f"{ref_best / min(t.times):.2f}", f"{bound:.1f}", f"{tps / bound:.0%}", agree])
+    same = float((outs[AL if dtype == "fp32" else AL_BF16][:, P:] == outs[ref][:, P:]).float().mean())
+    print(f"# batch {B}, {dtype}: greedy tokens identical to transformers' ({dtype}) in {same:.1%} of the "
+          f"{B * N} positions; load average now: {load()}\n")
+    print_table(f"Generation, batch {B}, {dtype}; speed ratio = tokens/s / tokens/s of {ref}",
+                ["implementation", "median ms/call", "min ms/call", "calls", "tokens/s", "speed ratio",
+                 "min-time speed ratio", "bound tokens/s", "share of bound", "same tokens as attnlab fp32"],
+                rows, args.markdown)
+    aa = None if args.no_aa else ref_t / timings[ref + AA].median
+    judged = ([(AL, ("gen", B))] if dtype == "fp32" and "gen" in sections else []) + \
+        ([(AL_INT8, ("int8", B))] if dtype == "fp32" else []) + \
+        ([(AL_BF16, ("bf16", B)), (AL_COPY, ("bf16", B))] if dtype == "bf16" else [])
+    for name, key in judged:
+        if name in timings and key in TARGETS:
+            ratio, best = ref_t / timings[name].median, ref_best / min(timings[name].times)
+            verdicts.append(f"{key[0]} batch {B}: {name} >= {TARGETS[key]:.2f} x {ref} tokens/s: "
+                            f"{judge(ratio, best, aa, TARGETS[key])} (speed ratio {ratio:.2f}, min-time "
+                            f"{best:.2f}" + (f", A/A {aa:.2f})" if aa is not None else ")"))
 
 
 def run_perplexity(args) -> None:
@@ -452,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="example: python benchmarks/lm.py --sections gen --markdown")
-    p.add_argument("--sections", default="train,gen,int8", help="comma-separated: train, gen, int8 (default all)")
+    p.add_argument("--sections", default="train,amp,gen,int8",
+                   help="comma-separated: train, amp (training under bf16 autocast), gen, int8 (default all)")
     p.add_argument("--configs", default="1,2", help="training configs to run (default 1,2)")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per contender, config 1 "
                    "(config 2: half, at least 3; default 10)")
@@ -469,15 +556,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-nanogpt-rows", action="store_true", help="skip config 1's nanoGPT-style model and "
                    "attnlab with erf GELU")
     p.add_argument("--no-plain-row", action="store_true", help="skip attnlab generating with plain nn.Linear layers "
-                   "(without attnlab.nn.optimize_for_inference)")
+                   "(what from_pretrained gave before it applied attnlab.nn.optimize_for_inference)")
     p.add_argument("--no-fbgemm", action="store_true", help="skip the int8 kernel=fbgemm rows")
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 generation tables")
     p.add_argument("--quick", action="store_true", help="tiny shapes, seconds (smoke test)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for benchmarks/README.md)")
     args = p.parse_args(argv)
 
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    if not sections or sections - {"train", "gen", "int8"}:
-        p.error(f"--sections: choose among train, gen, int8, got {args.sections!r}")
+    if not sections or sections - {"train", "amp", "gen", "int8"}:
+        p.error(f"--sections: choose among train, amp, gen, int8, got {args.sections!r}")
     try:
         args.configs = [int(c) for c in args.configs.split(",")]
         args.batches = [int(b) for b in args.batches.split(",")]
@@ -507,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts: list[str] = []
     if "train" in sections:
         run_train(args, shapes, verdicts)
+    if "amp" in sections:
+        run_train_amp(args, shapes, verdicts)
     if sections & {"gen", "int8"}:
         run_gen(args, sections, verdicts)
     if "int8" in sections:

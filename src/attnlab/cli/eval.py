@@ -20,6 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
                    "source<TAB>reference; language model: a UTF-8 text file)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default=None,
+                   help="precision of the large Linear layers' products (bf16 weight copies, fp32 activations); "
+                   "auto = bf16 where the device does bf16 natively, fp32 elsewhere (default: auto for a "
+                   "language model, fp32 for translation)")
     seen: set[str] = set()
     for name, task in registered_tasks().items():
         group = p.add_argument_group(f"{name} runs")
@@ -53,5 +57,6 @@ def run(args: argparse.Namespace) -> int:
                 for o in task.eval_options}
     for o in task.eval_options:
         o.validate(settings[o.name])
-    task.evaluate_file(args.checkpoint, info, args.data, settings, args.device)
+    dtype = {} if args.dtype is None else {"dtype": args.dtype}          # None: the task's own default
+    task.evaluate_file(args.checkpoint, info, args.data, settings, args.device, **dtype)
     return 0

@@ -199,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         s["time_budget"] * 60, **own)
     trainer = Trainer(setup.task, config, resume=args.resume)
     if trainer.env.is_main:
+        print(f"precision: {trainer.precision} ({trainer.precision_reason})", file=sys.stderr)
+    if trainer.env.is_main:
         _write_saved(out, task, settings)
     try:
         summary = trainer.fit()

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import Tensor, nn
 
+from ..nn.linear import optimize_for_inference
 from . import convert
 from .registry import Architecture, architecture_of, family
 
@@ -174,7 +175,11 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None) ->
     """Load a model directory (config.json + weights) as the attnlab model of its architecture.
 
     ``dtype``: None keeps float32, "auto" uses the config's dtype, or a torch dtype / its name.
-    Returns the model in eval mode.
+    Returns the model in eval mode, ready for fast inference: its ``nn.Linear`` layers are
+    :class:`attnlab.nn.InferenceLinear` (:func:`attnlab.nn.optimize_for_inference`), which share
+    the same parameters and state-dict keys, run oneDNN's faster matmul for large fp32 weights
+    when no gradient is needed, and are exactly ``nn.Linear`` whenever one is: ``model.train()``
+    trains as a model built from its config would.
     """
     arch, config, raw = read_config(path)
     tensors = read_weights(path)
@@ -184,7 +189,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None) ->
     target = _dtype(dtype, raw)
     if target is not None:
         model.to(target)
-    return model.eval()
+    return optimize_for_inference(model).eval()
 
 
 def save_pretrained(model: nn.Module, path: str | Path) -> Path:

@@ -170,10 +170,12 @@ class TaskDefinition:
     def report(self, run_dir: Path, setup: Setup, settings: dict) -> None:
         """Print what the user should see after training (default: nothing)."""
 
-    def load(self, run, device: str | None = None):
+    def load(self, run, device: str | None = None, dtype: str = "auto"):
+        """The run's model for inference; ``dtype`` as ``--dtype`` (see attnlab.nn.prepare_for_inference)."""
         raise NotImplementedError
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+                      dtype: str = "auto") -> None:
         """Score the model at ``path`` (``info``: :func:`attnlab.tasks.inspect_path`'s) on ``data``
         and print the result; ``settings`` holds the ``eval_options``."""
         raise NotImplementedError

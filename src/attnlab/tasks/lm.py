@@ -119,6 +119,7 @@ class LoadedLM:
     start_id: int | None               # the token an empty prompt begins with
     path: Path
     kind: str                          # "attnlab" | "huggingface"
+    precision: str = "fp32"            # the line prepare_for_inference returned: dtype chosen and why
 
     @property
     def context(self) -> int:
@@ -281,17 +282,20 @@ class LanguageModeling(TaskDefinition):
         print(lm.tokenizer.decode(prompt) + result.text)
 
     # ------------------------------------------------------------------ inference
-    def load(self, run: RunInfo, device: str | None = None) -> LoadedLM:
-        from ..nn.linear import optimize_for_inference
+    def load(self, run: RunInfo, device: str | None = None, dtype: str = "auto") -> LoadedLM:
+        """The run's model for inference: oneDNN Linear layers, and bf16 weight copies for the large
+        ones where the device does bf16 natively (``dtype`` "auto"; "fp32" or "bf16" force it)."""
+        from ..nn.linear import prepare_for_inference
         tok = load_tokenizers(run)["text"]
-        model = optimize_for_inference(load_model(run).to(_device(device)).eval())
-        return LoadedLM(model, tok, [tok.eos_id], tok.eos_id, run.path, "attnlab")
+        model, chosen = prepare_for_inference(load_model(run).to(_device(device)).eval(), dtype)
+        return LoadedLM(model, tok, [tok.eos_id], tok.eos_id, run.path, "attnlab", chosen)
 
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+                      dtype: str = "auto") -> None:
         from ..data.text import read_text_file
         text = read_text_file(data)
-        lm = load_lm(path, device)
+        lm = load_lm(path, device, dtype)
         lm.warn_unknown(lm.tokenizer.encode(text), data)
         progress = sys.stderr.isatty()
 
@@ -314,10 +318,11 @@ class LanguageModeling(TaskDefinition):
 LM = register_task(LanguageModeling())
 
 
-def load_hf_lm(path: Path, device: str | None = None) -> LoadedLM:
-    """A Hugging Face causal-LM directory (config.json + weights + tokenizer.json)."""
+def load_hf_lm(path: Path, device: str | None = None, dtype: str = "auto") -> LoadedLM:
+    """A Hugging Face causal-LM directory (config.json + weights + tokenizer.json); ``dtype`` as
+    :meth:`LanguageModeling.load`."""
     from ..hub import from_pretrained
-    from ..nn.linear import optimize_for_inference
+    from ..nn.linear import prepare_for_inference
     from ..tokenizer import load_tokenizer
     model = from_pretrained(path)
     tok = load_tokenizer(path)
@@ -326,22 +331,24 @@ def load_hf_lm(path: Path, device: str | None = None) -> LoadedLM:
     eos = [i for i in ([eos] if isinstance(eos, int) else eos or []) if 0 <= i < V]
     bos = model.config.bos_token_id
     start = bos if bos is not None and 0 <= bos < V else (eos[0] if eos else None)
-    return LoadedLM(optimize_for_inference(model.to(_device(device)).eval()), tok, eos, start, path, "huggingface")
+    model, chosen = prepare_for_inference(model.to(_device(device)).eval(), dtype)
+    return LoadedLM(model, tok, eos, start, path, "huggingface", chosen)
 
 
-def load_lm(path: str | Path, device: str | torch.device | None = None) -> LoadedLM:
+def load_lm(path: str | Path, device: str | torch.device | None = None, dtype: str = "auto") -> LoadedLM:
     """An LM run or checkpoint (best/, else latest) or a Hugging Face causal-LM directory, in eval
-    mode with :func:`attnlab.nn.optimize_for_inference` applied (faster gradient-free CPU calls).
+    mode through :func:`attnlab.nn.prepare_for_inference` (oneDNN Linear layers; ``dtype`` "auto":
+    bf16 weight copies for the large layers where the device does bf16 natively, or "fp32", "bf16").
     RunError naming what the path holds when it is not a language model."""
     info = inspect_path(path)
     if info.kind == "run":
         if info.run.task != "lm":
             raise RunError(f"{path}: {info.describe()}, not a language model")
-        return LM.load(info.run, device)
+        return LM.load(info.run, device, dtype)
     from .run import architecture_for
     if architecture_for(info.model_type, info.architectures, str(Path(path) / "config.json")).kind != "causal-lm":
         raise RunError(f"{path}: {info.describe()}, not a causal language model")
-    return load_hf_lm(Path(path), device)
+    return load_hf_lm(Path(path), device, dtype)
 
 
 @torch.no_grad()

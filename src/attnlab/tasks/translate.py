@@ -249,17 +249,22 @@ class Translate(TaskDefinition):
               f"exact match {scores['exact']:.1f}%")
 
     # ------------------------------------------------------------------ inference
-    def load(self, run: RunInfo, device: str | None = None) -> Translator:
-        from ..nn.linear import optimize_for_inference
+    def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> Translator:
+        """The run's model for inference: oneDNN Linear layers; ``dtype`` "auto" adds bf16 weight
+        copies for the large ones (at d_model 256 only the output projection) where the device does
+        bf16 natively, "bf16" forces them. The default stays fp32 for translation: bf16's speed and
+        BLEU on a translator have not been measured yet (GPT-2's decoding was, benchmarks/README.md)."""
+        from ..nn.linear import prepare_for_inference
         toks = load_tokenizers(run)
-        model = optimize_for_inference(load_model(run).to(_device(device)).eval())
+        model, _ = prepare_for_inference(load_model(run).to(_device(device)).eval(), dtype)
         return Translator(model, toks["source"], toks["target"], run.path)
 
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None) -> None:
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+                      dtype: str = "fp32") -> None:
         pairs, _ = read_pairs(data, settings["skip_malformed"])
         pairs = pairs[: settings["limit"]]
-        translator = self.load(info.run, device)
+        translator = self.load(info.run, device, dtype)
         hyps = translator([a for a, _ in pairs], beam_size=settings["beam"])
         s = score_translations(hyps, [b for _, b in pairs])
         print(f"{data}: {len(pairs)} pairs, beam {settings['beam']}: BLEU {s['bleu']:.2f}  chrF {s['chrf']:.2f}  "

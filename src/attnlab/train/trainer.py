@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..nn.norm import DyT, LayerNorm, RMSNorm
+from ..nn.precision import native_bf16
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
@@ -208,16 +209,22 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _resolve_precision(precision: str, device: torch.device) -> str:
+def _resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """(the precision to train in, why, in words). "auto" is bf16 autocast where the device computes
+    bf16 natively (a GPU that supports it; a CPU with AVX512-BF16 or AMX-BF16, where a bf16 matmul
+    is ~4x an fp32 one) and fp32 elsewhere (an emulated bf16 is slower than fp32). Weights,
+    gradients, optimizer state and checkpoints stay fp32 in every case: autocast only runs the
+    matmuls and attention in bf16."""
     cuda = device.type == "cuda"
     if precision == "auto":
-        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+        native, why = native_bf16(device)
+        return ("bf16", f"auto: {why}") if native else ("fp32", f"auto: {why}")
     if precision == "fp16" and not cuda:
         raise ValueError(f"TrainConfig: precision 'fp16' needs a CUDA device (GradScaler), got {device}; "
                          "use 'bf16' or 'fp32'")
     if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
         raise ValueError(f"TrainConfig: this GPU ({device}) does not support bf16; use 'fp16' or 'fp32'")
-    return precision
+    return precision, "asked for"
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -275,7 +282,10 @@ class Trainer:
         self.task, self.config = task, config
         self.env = init_distributed(config.device)
         self.device = self.env.device
-        self.precision = _resolve_precision(config.precision, self.device)
+        self.precision, self.precision_reason = _resolve_precision(config.precision, self.device)
+        if self.env.is_main:
+            log.info("precision: %s (%s)%s", self.precision, self.precision_reason,
+                     "; fp32 weights, optimizer state and checkpoints" if self.precision != "fp32" else "")
         self.model = task.model.to(self.device)
         if config.grad_checkpointing and hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = True
@@ -357,7 +367,7 @@ class Trainer:
         sched = self.scheduler.state_dict()
         sched["lr_lambdas"] = [None] * len(sched["lr_lambdas"])  # the config decides the factors
         return {"step": self.step, "epoch": self.epoch, "batch_pos": self.batch_pos,
-                "world_size": self.env.world_size, "scheduler": sched,
+                "world_size": self.env.world_size, "scheduler": sched, "precision": self.precision,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng, "best": self.best, "config": self.config.to_json(), "metrics": self.records,
                 "log_window": asdict(self._window), "elapsed_s": elapsed}
@@ -480,7 +490,8 @@ class Trainer:
             raise TrainingInterrupted(self.interrupted, self.last_checkpoint)
         last = next((r["loss"] for r in reversed(self.records) if r.get("kind") == "train"), None)
         return {"step": self.step, "epoch": self.epoch, "loss": last, "stopped_early": self.step < cfg.steps,
-                "best": self.best, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None}
+                "best": self.best, "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                "precision": self.precision}
 
     def _interrupt(self, signum: int) -> None:
         self.interrupted = signum
