@@ -42,7 +42,7 @@ from ..nn.norm import DyT, LayerNorm, RMSNorm
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
-from .schedules import SCHEDULES, make_schedule
+from .schedules import SCHEDULES, BudgetFactor, make_schedule, steps_for_budget
 
 __all__ = ["Task", "TrainConfig", "Trainer", "split_decay", "param_groups", "build_optimizer", "plot_metrics",
            "isolated_rng", "PRECISIONS"]
@@ -109,6 +109,15 @@ class TrainConfig:
     progress: bool = True
     device: str | None = None             # None: cuda:LOCAL_RANK if available, else cpu
     find_unused_parameters: bool = False  # DDP option for models that skip parameters
+    # A schedule sized by the time budget: ``steps`` is then only a cap; the speed of the first
+    # ``budget_measure`` steps predicts how many fit in ``time_budget_s`` (less a ``budget_reserve``
+    # share for evaluations and checkpoints), which fixes the schedule's length (recorded in the
+    # checkpoints, so a resumed run keeps it) and, if ``budget_evals`` > 0, spreads that many
+    # evaluations and checkpoints over it instead of ``eval_every`` / ``save_every``.
+    budget_schedule: bool = False
+    budget_measure: int = 20
+    budget_reserve: float = 0.1
+    budget_evals: int = 0
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
@@ -139,6 +148,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"TrainConfig: time_budget_s must be positive or None, got {self.time_budget_s}")
+        if self.budget_schedule and (self.time_budget_s is None or self.budget_measure < 1
+                                     or not 0.0 <= self.budget_reserve < 1.0 or self.budget_evals < 0):
+            raise ValueError("TrainConfig: budget_schedule needs time_budget_s, budget_measure >= 1, "
+                             "0 <= budget_reserve < 1 and budget_evals >= 0")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -275,7 +288,11 @@ class Trainer:
         if config.schedule == "noam" and d_model is None:
             raise ValueError("TrainConfig: the noam schedule needs d_model (the model has no config.d_model)")
         self.scheduler = make_schedule(config.schedule, self.optimizer, warmup=config.warmup_steps,
-                                       total_steps=config.steps, min_lr_ratio=config.min_lr_ratio, d_model=d_model)
+                                       total_steps=None if config.budget_schedule else config.steps,
+                                       min_lr_ratio=config.min_lr_ratio, d_model=d_model,
+                                       measure=config.budget_measure)
+        self.budget_plan: dict | None = None     # the schedule's length once the budget has sized it
+        self._budget_mark: tuple[int, float] | None = None
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.checkpoints = CheckpointManager(config.out_dir, config.keep_last) if self.env.is_main else None
         self.metrics_path = Path(config.out_dir) / "metrics.jsonl"
@@ -309,6 +326,7 @@ class Trainer:
             return
         state = load_checkpoint(ckpt, self.model, self.optimizer)
         self._check_resumable(ckpt, state)
+        self._restore_budget_plan(state.get("budget_plan"), resumed=True)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -346,7 +364,7 @@ class Trainer:
                 "world_size": self.env.world_size, "scheduler": sched,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng, "best": self.best, "config": self.config.to_json(), "metrics": self.records,
-                "log_window": asdict(self._window), "elapsed_s": elapsed}
+                "log_window": asdict(self._window), "elapsed_s": elapsed, "budget_plan": self.budget_plan}
 
     def save(self, elapsed: float, is_best: bool = False) -> None:
         """Checkpoint the current step (collective: every rank calls it; rank 0 writes)."""
@@ -447,6 +465,7 @@ class Trainer:
                     for k, v in extras.items():
                         w.extras[k] = w.extras.get(k, 0.0) + v
                     self._after_step(lr, start, stopped, bar)
+                    self._plan_budget(time.perf_counter() - start, bar)
                 if self.batch_pos + cfg.accum_steps > len(plan):
                     self.epoch, self.batch_pos = self.epoch + 1, 0
         finally:
@@ -477,6 +496,56 @@ class Trainer:
             is_best = self._evaluate(elapsed)
         if (cfg.save_every and self.step % cfg.save_every == 0) or final or stopped or is_best:
             self.save(elapsed, is_best)
+
+    # ------------------------------------------------------------------ a schedule sized by the budget
+    def _plan_budget(self, elapsed: float, bar=None) -> None:
+        """With ``budget_schedule``, after ``budget_measure`` steps of this session (the first one,
+        which warms allocators and kernels up, not counted), fix the schedule's length to the steps
+        that fit in the rest of the budget. Every rank computes the same plan from rank 0's clock."""
+        cfg = self.config
+        if not cfg.budget_schedule or self.budget_plan is not None:
+            return
+        if self._budget_mark is None:
+            self._budget_mark = (self.step, elapsed)
+            return
+        done = self.step - self._budget_mark[0]
+        if done < cfg.budget_measure:
+            return
+        speed = torch.tensor([(elapsed - self._budget_mark[1]) / done, elapsed], dtype=torch.float64)
+        if self.env.active:      # rank 0's measurement for everyone: the same schedule on every rank
+            speed = speed.to(self.device)
+            torch.distributed.broadcast(speed, 0)
+        per_step, elapsed = speed.tolist()
+        total = steps_for_budget(self.step, elapsed, max(per_step, 1e-9), cfg.time_budget_s, cfg.budget_reserve)
+        total = max(min(total, cfg.steps), self.step + 1)
+        plan = {"steps": total, "measured_s_per_step": per_step, "at_step": self.step}
+        if cfg.budget_evals:
+            plan["eval_every"] = plan["save_every"] = max(1, math.ceil(total / cfg.budget_evals))
+        self._restore_budget_plan(plan)
+        log.info("time budget: %.3f s per step over %d steps -> %d steps in all", per_step, done, total)
+        if bar is not None:
+            bar.total = total
+            bar.refresh()
+
+    def _restore_budget_plan(self, plan: dict | None, resumed: bool = False) -> None:
+        """Apply a plan (from :meth:`_plan_budget` or a checkpoint): the schedule's length, the
+        step cap, and the evaluation and checkpoint intervals it chose. A checkpoint's optimizer
+        already holds the lr of its next step; a fresh plan sets it."""
+        if plan is None or not self.config.budget_schedule:
+            return
+        self.budget_plan = dict(plan)
+        self.config.steps = plan["steps"]
+        for key in ("eval_every", "save_every"):
+            if key in plan:
+                setattr(self.config, key, plan[key])
+        factor = self.scheduler.lr_lambdas[0]
+        if isinstance(factor, BudgetFactor):
+            factor.plan(plan["steps"])
+            if resumed:
+                return
+            # the lr of the step about to run follows the planned schedule
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * factor(self.scheduler.last_epoch)
 
     def _record(self, record: dict) -> None:
         self.records.append(record)
