@@ -12,7 +12,7 @@ Defaults (each one overridden by its flag, 0 included where valid). The embedded
 the main job's small Post-Norm model for 400 steps. A file's vocabulary, model and batch follow
 its number of training pairs (:data:`FILE_SIZES`), with Pre-Norm layers (stable without a long
 warmup); with ``--time-budget`` and no ``--steps`` the schedule lasts as many steps as the first
-ones predict fit in the budget, with four evaluations spread over it. The chosen values are
+ones predict fit in the budget, with two evaluations spread over it (halfway and at the end). The chosen values are
 printed and saved in the run's config.yaml.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ FILE_SIZES: list[tuple[float, dict]] = [
 EMBEDDED_SIZES = dict(vocab_size=None, d_model=128, heads=4, layers=2, d_ff=256, dropout=0.1, max_tokens=2048,
                       lr=2e-3, warmup=40, steps=400)
 BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
-BUDGET_EVALS = 4             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
+BUDGET_EVALS = 2             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
 BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
 
