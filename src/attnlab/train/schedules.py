@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["noam", "NoamFactor", "CosineFactor", "ConstantFactor", "BudgetFactor", "noam_schedule",
-           "cosine_schedule", "constant_schedule", "make_schedule", "steps_for_budget", "SCHEDULES"]
+           "cosine_schedule", "constant_schedule", "make_schedule", "steps_for_budget", "BudgetPlanner", "SCHEDULES"]
 
 SCHEDULES = ("noam", "cosine", "constant")
 
@@ -133,6 +133,36 @@ def steps_for_budget(step: int, elapsed_s: float, seconds_per_step: float, budge
                          f"{seconds_per_step}, {budget_s}, {reserve}")
     left = budget_s * (1.0 - reserve) - elapsed_s
     return step + max(0, math.floor(left / seconds_per_step))
+
+
+class BudgetPlanner:
+    """Decides how many steps fit in a time budget from the speed of the first ones.
+
+    Call :meth:`speed` after every optimizer step with the seconds since training (re)started:
+    the first call marks the start of the measurement (the first step warms allocators and
+    kernels up and is not counted), and after ``measure`` more steps it returns the seconds per
+    step (None before). :meth:`plan` turns that into the schedule's length (at most ``cap``)
+    and, with ``evals`` > 0, the interval that spreads that many evaluations and checkpoints.
+    """
+
+    def __init__(self, budget_s: float, measure: int, reserve: float = 0.0, evals: int = 0, cap: int | None = None):
+        self.budget_s, self.measure, self.reserve, self.evals, self.cap = budget_s, measure, reserve, evals, cap
+        self._mark: tuple[int, float] | None = None
+
+    def speed(self, step: int, elapsed_s: float) -> float | None:
+        if self._mark is None:
+            self._mark = (step, elapsed_s)
+            return None
+        done = step - self._mark[0]
+        return (elapsed_s - self._mark[1]) / done if done >= self.measure else None
+
+    def plan(self, step: int, elapsed_s: float, seconds_per_step: float) -> dict:
+        total = steps_for_budget(step, elapsed_s, max(seconds_per_step, 1e-9), self.budget_s, self.reserve)
+        total = max(min(total, self.cap or total), step + 1)
+        plan = {"steps": total, "measured_s_per_step": seconds_per_step, "at_step": step}
+        if self.evals:
+            plan["eval_every"] = plan["save_every"] = max(1, math.ceil(total / self.evals))
+        return plan
 
 
 def noam_schedule(optimizer: Optimizer, d_model: int, warmup: int) -> LambdaLR:

@@ -42,7 +42,7 @@ from ..nn.norm import DyT, LayerNorm, RMSNorm
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
-from .schedules import SCHEDULES, BudgetFactor, make_schedule, steps_for_budget
+from .schedules import SCHEDULES, BudgetFactor, BudgetPlanner, make_schedule
 
 __all__ = ["Task", "TrainConfig", "Trainer", "split_decay", "param_groups", "build_optimizer", "plot_metrics",
            "isolated_rng", "PRECISIONS"]
@@ -292,7 +292,8 @@ class Trainer:
                                        min_lr_ratio=config.min_lr_ratio, d_model=d_model,
                                        measure=config.budget_measure)
         self.budget_plan: dict | None = None     # the schedule's length once the budget has sized it
-        self._budget_mark: tuple[int, float] | None = None
+        self._planner = BudgetPlanner(config.time_budget_s, config.budget_measure, config.budget_reserve,
+                                      config.budget_evals, config.steps) if config.budget_schedule else None
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.checkpoints = CheckpointManager(config.out_dir, config.keep_last) if self.env.is_main else None
         self.metrics_path = Path(config.out_dir) / "metrics.jsonl"
@@ -502,29 +503,18 @@ class Trainer:
         """With ``budget_schedule``, after ``budget_measure`` steps of this session (the first one,
         which warms allocators and kernels up, not counted), fix the schedule's length to the steps
         that fit in the rest of the budget. Every rank computes the same plan from rank 0's clock."""
-        cfg = self.config
-        if not cfg.budget_schedule or self.budget_plan is not None:
+        if self._planner is None or self.budget_plan is not None:
             return
-        if self._budget_mark is None:
-            self._budget_mark = (self.step, elapsed)
+        per_step = self._planner.speed(self.step, elapsed)
+        if per_step is None:
             return
-        done = self.step - self._budget_mark[0]
-        if done < cfg.budget_measure:
-            return
-        speed = torch.tensor([(elapsed - self._budget_mark[1]) / done, elapsed], dtype=torch.float64)
+        speed = torch.tensor([elapsed, per_step], dtype=torch.float64, device=self.device)
         if self.env.active:      # rank 0's measurement for everyone: the same schedule on every rank
-            speed = speed.to(self.device)
             torch.distributed.broadcast(speed, 0)
-        per_step, elapsed = speed.tolist()
-        total = steps_for_budget(self.step, elapsed, max(per_step, 1e-9), cfg.time_budget_s, cfg.budget_reserve)
-        total = max(min(total, cfg.steps), self.step + 1)
-        plan = {"steps": total, "measured_s_per_step": per_step, "at_step": self.step}
-        if cfg.budget_evals:
-            plan["eval_every"] = plan["save_every"] = max(1, math.ceil(total / cfg.budget_evals))
-        self._restore_budget_plan(plan)
-        log.info("time budget: %.3f s per step over %d steps -> %d steps in all", per_step, done, total)
+        self._restore_budget_plan(self._planner.plan(self.step, *speed.tolist()))
+        log.info("time budget: %.3f s per step -> %d steps in all", per_step, self.config.steps)
         if bar is not None:
-            bar.total = total
+            bar.total = self.config.steps
             bar.refresh()
 
     def _restore_budget_plan(self, plan: dict | None, resumed: bool = False) -> None:
