@@ -153,7 +153,7 @@ class Translate(TaskDefinition):
     kind = "seq2seq"
     help = "an encoder-decoder Transformer translating one language into another"
     example = ("attnlab train translate --steps 400 --out runs/numbers\n"
-               "  attnlab train translate --config multi30k --data train.de-en.tsv --valid valid.de-en.tsv")
+               "  attnlab train translate --data train.de-en.tsv --valid valid.de-en.tsv --time-budget 30")
     options = [
         Option("model", str, "transformer", "architecture: a registered encoder-decoder family", group=_M),
         Option("tokenizer", str, None, "default: word (embedded corpus), bpe (files)", choices=("word", "char", "bpe"),
