@@ -95,3 +95,13 @@ def test_the_shakespeare_recipe_trains_nanogpts_model(tmp_path, capsys):
     assert "model: GPT, 10.7" in err and "context 256" in err              # nanoGPT reports 10.65M (vocab 65)
     saved = yaml.safe_load((out / "config.yaml").read_text())["settings"]
     assert (saved["layers"], saved["d_model"], saved["dropout"], saved["batch_size"]) == (6, 384, 0.2, 2)
+
+
+def test_the_multi30k_recipe_s_sizes_are_the_defaults_for_its_corpus():
+    """`--time-budget 30` alone on Multi30k's 29,000 pairs picks the sizes the recipe hand-tuned."""
+    recipe = load_recipe("multi30k").settings
+    task = get_task("translate")
+    chosen = task._sizes(task.settings(data="train.de-en.tsv"), 29_000)
+    keys = ("tokenizer", "vocab_size", "d_model", "heads", "layers", "d_ff", "dropout", "pre_norm", "max_tokens",
+            "lr", "warmup")
+    assert {k: chosen[k] for k in keys} == {k: recipe[k] for k in keys}

@@ -95,16 +95,18 @@ TRAINING_OPTIONS = [
            metavar="FILE", group=_T),
     Option("out", str, None, "run directory for checkpoints and metrics (default runs/TASK)", metavar="DIR", group=_T,
            resumable=True),
-    Option("steps", int, None, "optimizer steps (default: the task's, for its data)", check=positive, group=_T,
-           resumable=True),
-    Option("time_budget", float, None, "stop (with a checkpoint) after this many minutes", check=positive,
+    Option("steps", int, None, "optimizer steps (default: as many as fit in --time-budget if given, else the "
+           "task's for its data)", check=positive, group=_T, resumable=True),
+    Option("time_budget", float, None, "stop (with a checkpoint) after this many minutes; without --steps the "
+           "learning-rate schedule is sized to end with it", check=positive,
            metavar="MIN", group=_T, resumable=True),
     Option("seed", int, 0, "seed of the initial weights, the data order and sampling", group=_T),
     Option("skip_malformed", bool, False, "skip and count malformed data lines instead of stopping", group=_T),
     Option("progress", bool, True, "show a progress bar", group=_T, resumable=True),
     Option("lr", float, None, "peak learning rate (default: the task's)", check=positive, group=_O),
     Option("schedule", str, "cosine", "learning-rate schedule", choices=("noam", "cosine", "constant"), group=_O),
-    Option("warmup", int, None, "warmup steps (default: the task's share of --steps)", check=non_negative, group=_O),
+    Option("warmup", int, None, "warmup steps (default: the task's for its data, at most a tenth of "
+           "the steps)", check=non_negative, group=_O),
     Option("accum", int, 1, "micro-batches per optimizer step", check=positive, group=_O),
     Option("clip", float, 1.0, "gradient-norm clipping (0 = off)", check=non_negative, group=_O),
     Option("weight_decay", float, 0.01, "AdamW's decoupled weight decay (never on norms, biases, embeddings)",

@@ -16,6 +16,12 @@ so an epoch's plan is small whatever the corpus size.
 Models: any registered family of kind "causal-lm" (``--model gpt2|llama|mixtral|...``), sized
 by the task's options through the family's sizing builder; a family's own options (Mixtral's
 ``--experts``) are refused for families that have no such setting.
+
+Defaults (each one overridden by its flag). The embedded corpus trains a small GPT-2 for 2,000
+steps as it always has. A file's model, context and batch follow its number of training tokens
+(:data:`FILE_SIZES`; Tiny Shakespeare's million characters get nanoGPT's shapes); with
+``--time-budget`` and no ``--steps`` the schedule lasts as many steps as the first ones predict
+fit in the budget. The chosen values are printed and saved in the run's config.yaml.
 """
 from __future__ import annotations
 
@@ -37,6 +43,32 @@ from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_
 __all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
 
 _M, _D = "model", "data and evaluation"
+
+# A file's defaults by its number of training tokens: (at most this many tokens, sizes). The
+# second row is nanoGPT's Shakespeare model (with half its batch, for CPUs); larger corpora get
+# GPT-2-like widths and longer contexts. No dropout by default: some families have none (the
+# shakespeare-char recipe asks for nanoGPT's 0.2 on long runs).
+FILE_SIZES: list[tuple[float, dict]] = [
+    (300_000, dict(d_model=128, heads=4, layers=4, context=128, batch_size=16, dropout=0.0, lr=1e-3, warmup=100,
+                   steps=2000)),
+    (3_000_000, dict(d_model=384, heads=6, layers=6, context=256, batch_size=32, dropout=0.0, lr=1e-3, warmup=100,
+                     steps=5000)),
+    (30_000_000, dict(d_model=512, heads=8, layers=8, context=512, batch_size=32, dropout=0.0, lr=6e-4,
+                      warmup=500, steps=20000)),
+    (float("inf"), dict(d_model=768, heads=12, layers=12, context=1024, batch_size=32, dropout=0.0, lr=6e-4,
+                        warmup=2000, steps=100_000)),
+]
+# The embedded corpus: the small GPT-2 this task has always trained there.
+EMBEDDED_SIZES = dict(d_model=128, heads=4, layers=4, context=128, batch_size=16, dropout=0.0, lr=1e-3, warmup=None,
+                      steps=2000)
+BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
+BUDGET_EVALS = 4             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
+BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
+
+
+def bpe_vocab_size(chars: int) -> int:
+    """The default BPE vocabulary for a training text of ``chars`` characters."""
+    return 2000 if chars <= 3_000_000 else 8000 if chars <= 30_000_000 else 16000
 
 
 class LanguageModelTask:
@@ -184,15 +216,21 @@ class LanguageModeling(TaskDefinition):
         Option("model", str, "gpt2", "architecture: a registered causal-LM family", group=_M),
         Option("tokenizer", str, None, "default: bpe (embedded corpus), char (files)", choices=("char", "bpe"),
                group=_M),
-        Option("vocab_size", int, None, "BPE vocabulary size (default 2000)", check=beyond_specials, group=_M),
-        Option("context", int, 128, "context length and training window in tokens", check=positive, group=_M),
-        Option("batch_size", int, 16, "windows per micro-batch and process", check=positive, group=_M),
-        Option("d_model", int, 128, "model width", check=positive, group=_M),
-        Option("heads", int, 4, "attention heads", check=positive, group=_M),
-        Option("layers", int, 4, "layers", check=positive, group=_M),
+        Option("vocab_size", int, None, "BPE vocabulary size (default 2000; 8000 over 3M characters, 16000 over "
+               "30M)", check=beyond_specials, group=_M),
+        Option("context", int, None, "context length and training window in tokens (default 128; files: by "
+               "corpus size, 256 for ~1M tokens)", check=positive, group=_M),
+        Option("batch_size", int, None, "windows per micro-batch and process (default 16; files: by corpus size)",
+               check=positive, group=_M),
+        Option("d_model", int, None, "model width (default 128; files: by corpus size, 384 for ~1M tokens)",
+               check=positive, group=_M),
+        Option("heads", int, None, "attention heads (default 4; files: by corpus size)", check=positive, group=_M),
+        Option("layers", int, None, "layers (default 4; files: by corpus size, 6 for ~1M tokens)", check=positive,
+               group=_M),
         Option("d_ff", int, None, "feed-forward width (default: the family's, e.g. 4 d_model for GPT-2)",
                check=positive, group=_M),
-        Option("dropout", float, 0.0, "dropout", check=fraction, group=_M),
+        Option("dropout", float, 0.0, "dropout (the shakespeare-char recipe: 0.2)",
+               check=fraction, group=_M),
         Option("experts", int, None, "mixture-of-experts families: experts per layer (Mixtral default 4)",
                check=positive, group=_M),
         Option("top_k", int, None, "mixture-of-experts families: experts per token (default 2)", check=positive,
@@ -250,26 +288,70 @@ class LanguageModeling(TaskDefinition):
             context = saved.task_options["context"]
         else:
             kind = s["tokenizer"] or ("bpe" if s["data"] is None else "char")
-            vocab = s["vocab_size"] if s["vocab_size"] is not None else (2000 if kind == "bpe" else None)
-            tok = Tokenizer.registry[kind].train(corpus.train, vocab)
-            model, context = self._model(s, tok.vocab_size), s["context"]
+            s["tokenizer"] = kind
+            if s["vocab_size"] is None and kind == "bpe":
+                s["vocab_size"] = 2000 if s["data"] is None else bpe_vocab_size(sum(map(len, corpus.train)))
+            tok = Tokenizer.registry[kind].train(corpus.train, s["vocab_size"])
         train = encode_documents(tok, corpus.train, corpus.eos_between)
         valid = encode_documents(tok, corpus.valid, corpus.eos_between)
+        d = self._sizes(s, len(train))
+        t = self._schedule(s, d)
+        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup")})
+        if not t["budget_schedule"]:        # a budget's steps are planned in training, kept in its checkpoints
+            s.update(steps=t["steps"], warmup=t["warmup_steps"])
+        if saved is None:
+            model, context = self._model(s, tok.vocab_size), s["context"]
         task = LanguageModelTask(model, tok, train, valid, context=context, batch_size=s["batch_size"],
                                  eval_windows=s["eval_windows"])
         n_params = sum(p.numel() for p in model.parameters())
         lines = [f"data: {corpus.source}: {len(train):,} training and {len(valid):,} validation tokens",
                  f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, context {context}, "
                  f"vocab {tok.vocab_size}{' (from the checkpoint)' if saved else ''}"]
-        return Setup(task, lines)
+        lines += self._describe(s, d, t, len(train), saved)
+        return Setup(task, lines, {"sizes": d})
+
+    # ------------------------------------------------------------------ defaults
+    def _sizes(self, s: dict, n_tokens: int) -> dict:
+        """The model, context, batch and optimisation defaults for ``n_tokens`` training tokens
+        (the embedded corpus: its own), each replaced by its option when given."""
+        base = EMBEDDED_SIZES if s["data"] is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
+        return {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
+
+    def _schedule(self, s: dict, d: dict) -> dict:
+        """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
+        budget = s["time_budget"] is not None and s["steps"] is None
+        steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
+        if s["warmup"] is not None:
+            warmup = s["warmup"]
+        elif budget:                      # shortened to a tenth of the planned steps if the budget is short
+            warmup = d["warmup"] or 80
+        else:
+            warmup = max(1, steps // 25) if d["warmup"] is None else min(d["warmup"], max(1, steps // 10))
+        own_evals = s["eval_every"] is not None or s["save_every"] is not None
+        eval_every = s["eval_every"] if s["eval_every"] is not None else max(250 if budget else steps // 10, 50)
+        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
+                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
+                    budget_evals=0 if own_evals or not budget else BUDGET_EVALS)
+
+    def _describe(self, s: dict, d: dict, t: dict, n_tokens: int, saved) -> list[str]:
+        """One line per group of the chosen values (as ``attnlab train`` prints them)."""
+        model = "model: from the checkpoint" if saved is not None else (
+            f"model (for {n_tokens:,} tokens): {s['model']}, d_model {d['d_model']}, {d['heads']} heads, "
+            f"{d['layers']} layers, context {d['context']}, dropout {d['dropout']}")
+        if t["budget_schedule"]:
+            length = (f"as many steps as the first {BUDGET_MEASURE} predict fit in the {s['time_budget']:g}-minute "
+                      "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
+                                    f"evaluation every {t['eval_every']}"))
+        else:
+            length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
+                f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
+        return [model, f"batches: {d['batch_size']} windows of {d['context']} tokens",
+                f"training: {s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, {length}"]
 
     def train_config(self, s: dict, setup: Setup) -> dict:
-        steps = s["steps"] if s["steps"] is not None else 2000
-        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else 1e-3,
-                    betas=(0.9, 0.95 if s["beta2"] is None else s["beta2"]), eps=1e-8, min_lr_ratio=0.1,
-                    warmup_steps=s["warmup"] if s["warmup"] is not None else max(1, steps // 25),
-                    eval_every=s["eval_every"] if s["eval_every"] is not None else max(steps // 10, 50),
-                    best_metric="val_loss", best_mode="min")
+        d = setup.extra.get("sizes") or self._sizes(s, 0)
+        return dict(self._schedule(s, d), betas=(0.9, 0.95 if s["beta2"] is None else s["beta2"]), eps=1e-8,
+                    min_lr_ratio=0.1, best_metric="val_loss", best_mode="min")
 
     def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
         """The best checkpoint continues the start of the validation text."""

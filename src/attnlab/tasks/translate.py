@@ -1,12 +1,19 @@
 """The translation task: parallel text + tokenizers + an encoder-decoder model, for the Trainer.
 
     attnlab train translate                                  # the embedded English->German corpus
-    attnlab train translate --data train.tsv --valid valid.tsv --pre-norm
+    attnlab train translate --data train.tsv --valid valid.tsv --time-budget 30
 
 Data: the embedded corpus (:mod:`attnlab.data.numbers`, with a held-out test split) or a TSV of
 source<TAB>target (``--data``; 2 % of it held out for validation unless ``--valid`` is given).
 Source ids carry no BOS/EOS; the decoder reads BOS + target and predicts target + EOS. Batches
 hold at most ``--max-tokens`` padded tokens and group pairs of similar length.
+
+Defaults (each one overridden by its flag, 0 included where valid). The embedded corpus trains
+the main job's small Post-Norm model for 400 steps. A file's vocabulary, model and batch follow
+its number of training pairs (:data:`FILE_SIZES`), with Pre-Norm layers (stable without a long
+warmup); with ``--time-budget`` and no ``--steps`` the schedule lasts as many steps as the first
+ones predict fit in the budget, with two evaluations spread over it (halfway and at the end). The chosen values are
+printed and saved in the run's config.yaml.
 """
 from __future__ import annotations
 
@@ -28,6 +35,27 @@ from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, re
 __all__ = ["TranslationTask", "Translate", "Translator", "load_translator", "score_translations", "read_pairs"]
 
 _M, _D = "model", "data and evaluation"
+
+# A file's defaults by its number of training pairs: (at most this many pairs, sizes). The
+# middle row is the Multi30k recipe (29,000 pairs), whose sizes won inside 30 minutes on a
+# 2-core CPU; smaller corpora get a smaller model that does not memorise them, larger ones the
+# paper's base sizes with larger batches.
+FILE_SIZES: list[tuple[float, dict]] = [
+    (10_000, dict(vocab_size=4000, d_model=128, heads=4, layers=2, d_ff=512, dropout=0.1, max_tokens=1024,
+                  lr=1e-3, warmup=100, steps=2000)),
+    (200_000, dict(vocab_size=8000, d_model=256, heads=4, layers=3, d_ff=1024, dropout=0.1, max_tokens=2048,
+                   lr=1e-3, warmup=150, steps=4000)),
+    (2_000_000, dict(vocab_size=16000, d_model=512, heads=8, layers=6, d_ff=2048, dropout=0.1, max_tokens=4096,
+                     lr=7e-4, warmup=1000, steps=30000)),
+    (float("inf"), dict(vocab_size=32000, d_model=512, heads=8, layers=6, d_ff=2048, dropout=0.1,
+                        max_tokens=8192, lr=7e-4, warmup=4000, steps=100_000)),
+]
+# The embedded corpus: the main job, exactly as it has always trained (README and tests rely on it).
+EMBEDDED_SIZES = dict(vocab_size=None, d_model=128, heads=4, layers=2, d_ff=256, dropout=0.1, max_tokens=2048,
+                      lr=2e-3, warmup=40, steps=400)
+BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
+BUDGET_EVALS = 2             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
+BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
 
 def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
@@ -127,22 +155,27 @@ class Translate(TaskDefinition):
     kind = "seq2seq"
     help = "an encoder-decoder Transformer translating one language into another"
     example = ("attnlab train translate --steps 400 --out runs/numbers\n"
-               "  attnlab train translate --config multi30k --data train.de-en.tsv --valid valid.de-en.tsv")
+               "  attnlab train translate --data train.de-en.tsv --valid valid.de-en.tsv --time-budget 30")
     options = [
         Option("model", str, "transformer", "architecture: a registered encoder-decoder family", group=_M),
         Option("tokenizer", str, None, "default: word (embedded corpus), bpe (files)", choices=("word", "char", "bpe"),
                group=_M),
-        Option("vocab_size", int, None, "BPE vocabulary size (default 8000)", check=beyond_specials, group=_M),
+        Option("vocab_size", int, None, "BPE vocabulary size (default: by corpus size, 8000 for ~30k pairs)",
+               check=beyond_specials, group=_M),
         Option("separate_vocab", bool, False, "separate source and target vocabularies", group=_M),
-        Option("d_model", int, None, "model width (default 128 embedded, 256 files)", check=positive, group=_M),
-        Option("heads", int, None, "attention heads (default 4)", check=positive, group=_M),
-        Option("layers", int, None, "encoder and decoder layers each (default 2 embedded, 3 files)", check=positive,
+        Option("d_model", int, None, "model width (default 128 embedded; files: by corpus size, 256 for ~30k "
+               "pairs)", check=positive, group=_M),
+        Option("heads", int, None, "attention heads (default 4; 8 for corpora over 200k pairs)", check=positive,
                group=_M),
-        Option("d_ff", int, None, "feed-forward width (default 256 embedded, 1024 files)", check=positive, group=_M),
+        Option("layers", int, None, "encoder and decoder layers each (default 2 embedded; files: by corpus size, "
+               "3 for ~30k pairs)", check=positive, group=_M),
+        Option("d_ff", int, None, "feed-forward width (default 256 embedded; files: 4 d_model)", check=positive,
+               group=_M),
         Option("dropout", float, None, "dropout (default 0.1)", check=fraction, group=_M),
-        Option("pre_norm", bool, False, "Pre-Norm layers (default: Post-Norm, as the paper)", group=_M),
-        Option("max_tokens", int, None, "padded tokens per micro-batch (default 2048 embedded, 4096 files)",
-               check=positive, group=_D),
+        Option("pre_norm", bool, None, "Pre-Norm layers (default: Pre-Norm for files; Post-Norm, as the paper, "
+               "for the embedded corpus)", group=_M),
+        Option("max_tokens", int, None, "padded tokens per micro-batch (default 2048 embedded; files: by corpus "
+               "size, 2048 for ~30k pairs)", check=positive, group=_D),
         Option("max_len", int, 256, "longer training pairs are skipped and counted", check=positive, group=_D),
         Option("label_smoothing", float, 0.1, "label smoothing of the loss", check=fraction, group=_D),
         Option("eval_size", int, 500, "validation pairs translated for BLEU at each evaluation (0 = none)",
@@ -157,11 +190,56 @@ class Translate(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ training
-    def _sizes(self, s: dict) -> dict:
-        embedded = s["data"] is None
-        base = dict(d_model=128, heads=4, layers=2, d_ff=256, dropout=0.1, tokenizer="word") if embedded else \
-            dict(d_model=256, heads=4, layers=3, d_ff=1024, dropout=0.1, tokenizer="bpe")
-        return {k: (s[k] if s[k] is not None else v) for k, v in base.items()}
+    def _sizes(self, s: dict, n_pairs: int) -> dict:
+        """The model, vocabulary, batch and optimisation defaults for ``n_pairs`` training pairs
+        (the embedded corpus: the main job's), each replaced by its option when given."""
+        if s["data"] is None:
+            base = dict(EMBEDDED_SIZES, tokenizer="word", pre_norm=False)
+        else:
+            base = dict(next(sizes for most, sizes in FILE_SIZES if n_pairs <= most), tokenizer="bpe", pre_norm=True)
+        if s["tokenizer"] not in (None, "bpe") or base["tokenizer"] != "bpe":
+            base["vocab_size"] = None               # word and char vocabularies are what the text holds
+        chosen = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
+        if s["d_model"] is not None and s["d_ff"] is None and s["data"] is not None:
+            chosen["d_ff"] = 4 * s["d_model"]       # the family's usual ratio when only the width is given
+        return chosen
+
+    def _schedule(self, s: dict, d: dict) -> dict:
+        """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
+        budget = s["time_budget"] is not None and s["steps"] is None
+        steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
+        if s["warmup"] is not None:
+            warmup = s["warmup"]
+        elif budget:                      # shortened to a tenth of the planned steps if the budget is short
+            warmup = d["warmup"]
+        else:                             # a tenth of the steps, at most the corpus size's own
+            warmup = min(d["warmup"] if s["data"] is not None else 4000, max(1, steps // 10))
+        own_evals = s["eval_every"] is not None or s["save_every"] is not None
+        eval_every = s["eval_every"] if s["eval_every"] is not None else max(500 if budget else steps // 5, 100)
+        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
+                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
+                    budget_evals=0 if own_evals or not budget else BUDGET_EVALS)
+
+    def _describe(self, s: dict, d: dict, n_pairs: int, src_tok, tgt_tok, saved) -> list[str]:
+        """One line per group of the chosen values (as ``attnlab train`` prints them)."""
+        t = self._schedule(s, d)
+        if saved is not None:
+            model = "model: from the checkpoint"
+        else:
+            vocab = (f"{d['tokenizer']} vocabulary {src_tok.vocab_size}/{tgt_tok.vocab_size}"
+                     f"{' (shared)' if src_tok is tgt_tok else ''}")
+            model = (f"model (for {n_pairs:,} pairs): {vocab}, d_model {d['d_model']}, {d['heads']} heads, "
+                     f"{d['layers']}+{d['layers']} {'Pre' if d['pre_norm'] else 'Post'}-Norm layers, d_ff {d['d_ff']}, "
+                     f"dropout {d['dropout']}")
+        if t["budget_schedule"]:
+            length = (f"as many steps as the first {BUDGET_MEASURE} predict fit in the {s['time_budget']:g}-minute "
+                      "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
+                                    f"evaluation every {t['eval_every']}"))
+        else:
+            length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
+                f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
+        return [model, f"batches: at most {d['max_tokens']:,} padded tokens",
+                f"training: {s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, {length}"]
 
     def check(self, s: dict) -> None:
         from ..models.registry import families
@@ -196,8 +274,14 @@ class Translate(TaskDefinition):
                 [], skipped)
 
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
-        d = self._sizes(s)
+        """Data, tokenizers, model and the Trainer's task. The data-derived defaults are written
+        into ``s``, so the run's saved settings hold the values it used."""
         train, valid, test, skipped = self._data(s)
+        d = self._sizes(s, len(train))
+        t = self._schedule(s, d)
+        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup")})
+        if not t["budget_schedule"]:        # a budget's steps are planned in training, kept in its checkpoints
+            s.update(steps=t["steps"], warmup=t["warmup_steps"])
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:               # the run's own tokenizers and model; the Trainer loads the weights
             toks = load_tokenizers(saved)
@@ -205,15 +289,14 @@ class Translate(TaskDefinition):
             model = build_model(saved.model_type, saved.config, saved.architecture)
         else:
             src_tok, tgt_tok = train_tokenizers(d["tokenizer"], [a for a, _ in train], [b for _, b in train],
-                                                shared=not s["separate_vocab"], vocab_size=s["vocab_size"] or 8000)
+                                                shared=not s["separate_vocab"], vocab_size=d["vocab_size"] or 8000)
             model = self._model(s, d, src_tok, tgt_tok)
         encoded = [(src_tok.encode(a), tgt_tok.encode(b)) for a, b in train]
         keep = [i for i, n in enumerate(pair_lengths(encoded)) if n <= s["max_len"]]
         skipped += len(encoded) - len(keep)
         encoded = [encoded[i] for i in keep]
         embedded = s["data"] is None
-        task = TranslationTask(model, src_tok, tgt_tok, encoded, valid,
-                               max_tokens=s["max_tokens"] or (2048 if embedded else 4096),
+        task = TranslationTask(model, src_tok, tgt_tok, encoded, valid, max_tokens=d["max_tokens"],
                                label_smoothing=s["label_smoothing"], eval_size=s["eval_size"])
         n_params = sum(p.numel() for p in model.parameters())
         lines = [f"data: {'the embedded English->German corpus' if embedded else s['data']}: {len(encoded):,} "
@@ -222,17 +305,13 @@ class Translate(TaskDefinition):
             lines.append(f"skipped {skipped} training pairs (malformed or longer than {s['max_len']} tokens)")
         lines.append(f"model: {n_params / 1e6:.2f}M parameters, vocab {src_tok.vocab_size}/{tgt_tok.vocab_size}"
                      + (" (from the checkpoint)" if saved else ""))
-        return Setup(task, lines, {"test": test})
+        lines += self._describe(s, d, len(train), src_tok, tgt_tok, saved)
+        return Setup(task, lines, {"test": test, "sizes": d})
 
     def train_config(self, s: dict, setup: Setup) -> dict:
-        embedded = s["data"] is None
-        steps = s["steps"] if s["steps"] is not None else (400 if embedded else 100_000)
-        eval_every = s["eval_every"] if s["eval_every"] is not None else max(steps // 5, 100)
-        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else (2e-3 if embedded else 1e-3),
-                    betas=(0.9, 0.98 if s["beta2"] is None else s["beta2"]),
-                    warmup_steps=s["warmup"] if s["warmup"] is not None else min(4000, max(1, steps // 10)),
-                    eval_every=eval_every, best_metric="bleu" if s["eval_size"] else "val_loss",
-                    best_mode="max" if s["eval_size"] else "min")
+        d = setup.extra.get("sizes") or self._sizes(s, 0)
+        return dict(self._schedule(s, d), betas=(0.9, 0.98 if s["beta2"] is None else s["beta2"]),
+                    best_metric="bleu" if s["eval_size"] else "val_loss", best_mode="max" if s["eval_size"] else "min")
 
     def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
         """A few held-out translations and the test (embedded corpus) or validation scores."""

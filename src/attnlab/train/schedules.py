@@ -24,8 +24,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["noam", "NoamFactor", "CosineFactor", "ConstantFactor", "noam_schedule", "cosine_schedule",
-           "constant_schedule", "make_schedule", "SCHEDULES"]
+__all__ = ["noam", "NoamFactor", "CosineFactor", "ConstantFactor", "BudgetFactor", "noam_schedule",
+           "cosine_schedule", "constant_schedule", "make_schedule", "steps_for_budget", "BudgetPlanner", "SCHEDULES"]
 
 SCHEDULES = ("noam", "cosine", "constant")
 
@@ -83,6 +83,88 @@ class ConstantFactor:
         return 1.0 if s >= self.warmup else s / self.warmup
 
 
+class BudgetFactor:
+    """A schedule whose length is fixed by a time budget: the steps the first ones predict.
+
+    Until :meth:`plan` is called (after the first ``measure`` steps, whose speed predicts how
+    many steps fit in the budget), the factor is the warmup ramp ``s / warmup``. ``plan(total)``
+    fixes the total; from then on the factor is ``inner``'s ("cosine": warmup then cosine decay
+    to ``min_lr_ratio`` at ``total``; "constant": warmup then 1), with the warmup shortened to
+    a tenth of the total when the budget is too short for the asked one (never below ``measure``,
+    so the steps already taken keep their place on the ramp). Once planned, the factor is a
+    function of the step alone: a resumed run that restores ``state()`` repeats it exactly.
+    """
+
+    def __init__(self, inner: str, warmup: int, measure: int, min_lr_ratio: float = 0.0):
+        if inner not in ("cosine", "constant") or warmup < 0 or measure < 1 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"BudgetFactor: need a cosine or constant inner schedule, warmup >= 0, measure >= 1, "
+                             f"0 <= min_lr_ratio <= 1; got {inner!r}, {warmup}, {measure}, {min_lr_ratio}")
+        self.inner, self.asked_warmup, self.measure, self.min_lr_ratio = inner, warmup, measure, min_lr_ratio
+        self.warmup, self.total_steps = warmup, None
+
+    def plan(self, total_steps: int) -> None:
+        """Fix the schedule's length (at the step that measured the speed, >= ``measure``)."""
+        total_steps = max(int(total_steps), self.measure + 1)
+        self.total_steps = total_steps
+        self.warmup = min(self.asked_warmup, max(self.measure, total_steps // 10))
+
+    def state(self) -> dict:
+        return {"total_steps": self.total_steps, "warmup": self.warmup}
+
+    def load_state(self, state: dict) -> None:
+        self.total_steps, self.warmup = state["total_steps"], state["warmup"]
+
+    def __call__(self, k: int) -> float:
+        s = k + 1
+        if self.total_steps is None or s <= self.measure:       # the measured steps: the asked warmup's ramp
+            return 1.0 if s >= self.asked_warmup else s / self.asked_warmup
+        if self.inner == "constant":
+            return ConstantFactor(self.warmup)(k)
+        return CosineFactor(self.warmup, self.total_steps, self.min_lr_ratio)(k)
+
+
+def steps_for_budget(step: int, elapsed_s: float, seconds_per_step: float, budget_s: float,
+                     reserve: float = 0.0) -> int:
+    """The total number of optimizer steps that ends training with the budget: ``step`` done
+    after ``elapsed_s`` seconds, then ``seconds_per_step`` each, keeping a ``reserve`` share of
+    the budget for evaluations and checkpoints."""
+    if seconds_per_step <= 0 or budget_s <= 0 or not 0.0 <= reserve < 1.0:
+        raise ValueError(f"steps_for_budget: need positive speed and budget and 0 <= reserve < 1, got "
+                         f"{seconds_per_step}, {budget_s}, {reserve}")
+    left = budget_s * (1.0 - reserve) - elapsed_s
+    return step + max(0, math.floor(left / seconds_per_step))
+
+
+class BudgetPlanner:
+    """Decides how many steps fit in a time budget from the speed of the first ones.
+
+    Call :meth:`speed` after every optimizer step with the seconds since training (re)started:
+    the first call marks the start of the measurement (the first step warms allocators and
+    kernels up and is not counted), and after ``measure`` more steps it returns the seconds per
+    step (None before). :meth:`plan` turns that into the schedule's length (at most ``cap``)
+    and, with ``evals`` > 0, the interval that spreads that many evaluations and checkpoints.
+    """
+
+    def __init__(self, budget_s: float, measure: int, reserve: float = 0.0, evals: int = 0, cap: int | None = None):
+        self.budget_s, self.measure, self.reserve, self.evals, self.cap = budget_s, measure, reserve, evals, cap
+        self._mark: tuple[int, float] | None = None
+
+    def speed(self, step: int, elapsed_s: float) -> float | None:
+        if self._mark is None:
+            self._mark = (step, elapsed_s)
+            return None
+        done = step - self._mark[0]
+        return (elapsed_s - self._mark[1]) / done if done >= self.measure else None
+
+    def plan(self, step: int, elapsed_s: float, seconds_per_step: float) -> dict:
+        total = steps_for_budget(step, elapsed_s, max(seconds_per_step, 1e-9), self.budget_s, self.reserve)
+        total = max(min(total, self.cap or total), step + 1)
+        plan = {"steps": total, "measured_s_per_step": seconds_per_step, "at_step": step}
+        if self.evals:
+            plan["eval_every"] = plan["save_every"] = max(1, math.ceil(total / self.evals))
+        return plan
+
+
 def noam_schedule(optimizer: Optimizer, d_model: int, warmup: int) -> LambdaLR:
     """The paper's schedule; the optimizer's lr scales it (1.0 = the paper)."""
     return LambdaLR(optimizer, NoamFactor(d_model, warmup))
@@ -98,9 +180,15 @@ def constant_schedule(optimizer: Optimizer, warmup: int = 0) -> LambdaLR:
     return LambdaLR(optimizer, ConstantFactor(warmup))
 
 
-def make_schedule(name: str, optimizer: Optimizer, *, warmup: int, total_steps: int, min_lr_ratio: float = 0.0,
-                  d_model: int | None = None) -> LambdaLR:
-    """Build a schedule by name: "noam" (needs ``d_model``) | "cosine" | "constant"."""
+def make_schedule(name: str, optimizer: Optimizer, *, warmup: int, total_steps: int | None, min_lr_ratio: float = 0.0,
+                  d_model: int | None = None, measure: int = 20) -> LambdaLR:
+    """Build a schedule by name: "noam" (needs ``d_model``) | "cosine" | "constant".
+
+    ``total_steps=None``: the length comes from a time budget later; a cosine or constant
+    schedule is then a :class:`BudgetFactor` measuring the first ``measure`` steps (noam does
+    not depend on the total)."""
+    if total_steps is None and name in ("cosine", "constant"):
+        return LambdaLR(optimizer, BudgetFactor(name, warmup, measure, min_lr_ratio))
     if name == "noam":
         if d_model is None:
             raise ValueError("make_schedule: the noam schedule needs d_model")

@@ -47,22 +47,20 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..nn.norm import DyT, LayerNorm, RMSNorm
 from ..nn.precision import native_bf16
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
 from .interrupt import TrainingInterrupted, catch_stop_signals
-from .schedules import SCHEDULES, make_schedule
+from .metrics import plot_metrics
+from .optim import build_optimizer, param_groups, split_decay
+from .schedules import SCHEDULES, BudgetFactor, BudgetPlanner, make_schedule
 
 __all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
-           "plot_metrics", "isolated_rng", "PRECISIONS"]
+           "isolated_rng", "PRECISIONS"]
 
 log = logging.getLogger("attnlab.train")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, LayerNorm, RMSNorm, DyT)
-if hasattr(nn, "RMSNorm"):
-    _NORMS += (nn.RMSNorm,)
 
 
 class Task(Protocol):
@@ -120,6 +118,15 @@ class TrainConfig:
     progress: bool = True
     device: str | None = None             # None: cuda:LOCAL_RANK if available, else cpu
     find_unused_parameters: bool = False  # DDP option for models that skip parameters
+    # A schedule sized by the time budget: ``steps`` is then only a cap; the speed of the first
+    # ``budget_measure`` steps predicts how many fit in ``time_budget_s`` (less a ``budget_reserve``
+    # share for evaluations and checkpoints), which fixes the schedule's length (recorded in the
+    # checkpoints, so a resumed run keeps it) and, if ``budget_evals`` > 0, spreads that many
+    # evaluations and checkpoints over it instead of ``eval_every`` / ``save_every``.
+    budget_schedule: bool = False
+    budget_measure: int = 20
+    budget_reserve: float = 0.1
+    budget_evals: int = 0
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
@@ -150,62 +157,15 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"TrainConfig: time_budget_s must be positive or None, got {self.time_budget_s}")
+        if self.budget_schedule and (self.time_budget_s is None or self.budget_measure < 1
+                                     or not 0.0 <= self.budget_reserve < 1.0 or self.budget_evals < 0):
+            raise ValueError("TrainConfig: budget_schedule needs time_budget_s, budget_measure >= 1, "
+                             "0 <= budget_reserve < 1 and budget_evals >= 0")
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["out_dir"] = str(self.out_dir)
         return d
-
-
-# ----------------------------------------------------------------------------- optimizer
-def split_decay(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """(decayed, not decayed) trainable parameters, each listed once (pitfall 16).
-
-    Not decayed: parameters of embeddings and norm layers (nn.Embedding, torch's and
-    attnlab's LayerNorm/RMSNorm/DyT, GroupNorm, BatchNorm) and every parameter with
-    fewer than 2 dimensions (biases, gains, scalars). A weight tied between an embedding and
-    a linear layer is one parameter, listed once, not decayed (the embedding wins).
-    """
-    exempt: set[int] = set()
-    for module in model.modules():
-        owned = module.parameters(recurse=False)
-        if isinstance(module, (nn.Embedding, *_NORMS)):
-            exempt.update(id(p) for p in owned)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():  # remove_duplicate=True: a tied weight appears once
-        if p.requires_grad:
-            (no_decay if id(p) in exempt or p.ndim < 2 else decay).append((name, p))
-    return decay, no_decay
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW param groups: decayed matrices and undecayed norms/biases/embeddings."""
-    decay, no_decay = split_decay(model)
-    return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
-            {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
-
-
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on the groups of :func:`param_groups`.
-
-    Fused (one kernel pass over parameters, gradients and both moments, instead of about a
-    dozen passes) when torch has a fused AdamW for every parameter's device and dtype;
-    otherwise torch's default (a per-parameter loop on CPU, foreach on CUDA). Same update rule
-    either way; on this project's 2-core CPU the step of a 56M-parameter model takes about
-    4x less time fused (190 -> 42 ms; benchmarks/seq2seq.py). Build it after moving the model
-    to its device, as the Trainer does.
-    """
-    groups = param_groups(model, config.weight_decay)
-    params = [p for g in groups for p in g["params"]]
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-        devices = set(_get_fused_kernels_supported_devices())
-    except ImportError:                 # older torch: fused AdamW on CUDA only
-        devices = {"cuda"}
-    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    fused = bool(params) and all(p.device.type in devices and p.dtype in floats for p in params)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
-                             **({"fused": True} if fused else {}))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -295,7 +255,12 @@ class Trainer:
         if config.schedule == "noam" and d_model is None:
             raise ValueError("TrainConfig: the noam schedule needs d_model (the model has no config.d_model)")
         self.scheduler = make_schedule(config.schedule, self.optimizer, warmup=config.warmup_steps,
-                                       total_steps=config.steps, min_lr_ratio=config.min_lr_ratio, d_model=d_model)
+                                       total_steps=None if config.budget_schedule else config.steps,
+                                       min_lr_ratio=config.min_lr_ratio, d_model=d_model,
+                                       measure=config.budget_measure)
+        self.budget_plan: dict | None = None     # the schedule's length once the budget has sized it
+        self._planner = BudgetPlanner(config.time_budget_s, config.budget_measure, config.budget_reserve,
+                                      config.budget_evals, config.steps) if config.budget_schedule else None
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.checkpoints = CheckpointManager(config.out_dir, config.keep_last) if self.env.is_main else None
         self.metrics_path = Path(config.out_dir) / "metrics.jsonl"
@@ -333,6 +298,7 @@ class Trainer:
         if state["step"] > self.config.steps:
             raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
                              f"for (--steps); give at least {state['step']} to resume it")
+        self._restore_budget_plan(state.get("budget_plan"), resumed=True)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -370,7 +336,7 @@ class Trainer:
                 "world_size": self.env.world_size, "scheduler": sched, "precision": self.precision,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng, "best": self.best, "config": self.config.to_json(), "metrics": self.records,
-                "log_window": asdict(self._window), "elapsed_s": elapsed}
+                "log_window": asdict(self._window), "elapsed_s": elapsed, "budget_plan": self.budget_plan}
 
     def save(self, elapsed: float, is_best: bool = False) -> None:
         """Checkpoint the current step (collective: every rank calls it; rank 0 writes)."""
@@ -475,6 +441,7 @@ class Trainer:
                     for k, v in extras.items():
                         w.extras[k] = w.extras.get(k, 0.0) + v
                     self._after_step(lr, start, stopped, bar)
+                    self._plan_budget(time.perf_counter() - start, bar)
                 if self.batch_pos + cfg.accum_steps > len(plan):
                     self.epoch, self.batch_pos = self.epoch + 1, 0
         finally:
@@ -516,6 +483,45 @@ class Trainer:
         if (cfg.save_every and self.step % cfg.save_every == 0) or final or stopped or is_best:
             self.save(elapsed, is_best)
 
+    # ------------------------------------------------------------------ a schedule sized by the budget
+    def _plan_budget(self, elapsed: float, bar=None) -> None:
+        """With ``budget_schedule``, after ``budget_measure`` steps of this session (the first one,
+        which warms allocators and kernels up, not counted), fix the schedule's length to the steps
+        that fit in the rest of the budget. Every rank computes the same plan from rank 0's clock."""
+        if self._planner is None or self.budget_plan is not None:
+            return
+        per_step = self._planner.speed(self.step, elapsed)
+        if per_step is None:
+            return
+        speed = torch.tensor([elapsed, per_step], dtype=torch.float64, device=self.device)
+        if self.env.active:      # rank 0's measurement for everyone: the same schedule on every rank
+            torch.distributed.broadcast(speed, 0)
+        self._restore_budget_plan(self._planner.plan(self.step, *speed.tolist()))
+        log.info("time budget: %.3f s per step -> %d steps in all", per_step, self.config.steps)
+        if bar is not None:
+            bar.total = self.config.steps
+            bar.refresh()
+
+    def _restore_budget_plan(self, plan: dict | None, resumed: bool = False) -> None:
+        """Apply a plan (from :meth:`_plan_budget` or a checkpoint): the schedule's length, the
+        step cap, and the evaluation and checkpoint intervals it chose. A checkpoint's optimizer
+        already holds the lr of its next step; a fresh plan sets it."""
+        if plan is None or not self.config.budget_schedule:
+            return
+        self.budget_plan = dict(plan)
+        self.config.steps = plan["steps"]
+        for key in ("eval_every", "save_every"):
+            if key in plan:
+                setattr(self.config, key, plan[key])
+        factor = self.scheduler.lr_lambdas[0]
+        if isinstance(factor, BudgetFactor):
+            factor.plan(plan["steps"])
+            if resumed:
+                return
+            # the lr of the step about to run follows the planned schedule
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * factor(self.scheduler.last_epoch)
+
     def _record(self, record: dict) -> None:
         self.records.append(record)
         if self.env.is_main:
@@ -551,50 +557,3 @@ class Trainer:
     def close(self) -> None:
         """Leave the process group if this Trainer created it."""
         shutdown(self.env)
-
-
-# ----------------------------------------------------------------------------- the plot
-def read_metrics(jsonl: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl file (a torn last line, from a crash, is skipped)."""
-    records = []
-    for line in Path(jsonl).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
-    """Draw the training loss (and eval losses) against the step from ``jsonl`` into ``png``;
-    other eval metrics (BLEU, accuracy) go to a second panel. Uses matplotlib's Agg canvas
-    directly, so no GUI backend and no global pyplot state are touched."""
-    from matplotlib.figure import Figure
-
-    records = read_metrics(jsonl)
-    train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    skip = {"kind", "step", "elapsed"}
-    eval_keys = sorted({k for r in evals for k in r if k not in skip})
-    loss_keys = [k for k in eval_keys if "loss" in k or "ppl" in k]
-    other_keys = [k for k in eval_keys if k not in loss_keys]
-    fig = Figure(figsize=(7, 6 if other_keys else 4), layout="constrained")
-    axes = fig.subplots(2 if other_keys else 1, 1, squeeze=False)[:, 0]
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
-    for key in loss_keys:
-        pts = [(r["step"], r[key]) for r in evals if key in r]
-        axes[0].plot(*zip(*pts), marker="o", label=key)
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("loss")
-    axes[0].legend()
-    for key in other_keys:
-        pts = [(r["step"], r[key]) for r in evals if key in r]
-        axes[1].plot(*zip(*pts), marker="o", label=key)
-    if other_keys:
-        axes[1].set_xlabel("step")
-        axes[1].legend()
-    png = Path(png)
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(png)
-    return png
