@@ -41,7 +41,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on the groups of :func:`param_groups`.
+    """AdamW (lr, betas, eps, weight_decay of a TrainConfig) with decoupled weight decay on the
+    groups of :func:`param_groups`.
 
     Fused (one kernel pass over parameters, gradients and both moments, instead of about a
     dozen passes) when torch has a fused AdamW for every parameter's device and dtype;
