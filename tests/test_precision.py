@@ -29,6 +29,7 @@ from attnlab.models.gpt import GPT, GPTConfig
 from attnlab.nn import InferenceLinear, set_inference_dtype
 from attnlab.nn.linear import inference_dtype, prepare_for_inference
 from attnlab.train import TrainConfig, Trainer
+import attnlab.train.trainer as trainer_mod
 from attnlab.train.trainer import _resolve_precision
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -215,6 +216,12 @@ def test_auto_precision_follows_the_cpu_flags_and_is_recorded(tmp_path, monkeypa
     precision, why = _resolve_precision("auto", cpu)
     assert precision == "bf16" and "avx512_bf16" in why
     assert _resolve_precision("fp32", cpu) == ("fp32", "asked for")
+    # a model too small for bf16 matmuls to pay trains in fp32 under auto, and says why
+    tiny = ReverseTask(n_examples=16, micro=8, dropout=0.0).model
+    precision, why = _resolve_precision("auto", cpu, tiny)
+    assert precision == "fp32" and "too few for bf16" in why
+    monkeypatch.setattr(trainer_mod, "AUTO_BF16_MIN_PARAMS", 0)
+    assert _resolve_precision("auto", cpu, tiny)[0] == "bf16"
     cfg = TrainConfig(out_dir=tmp_path / "run", steps=2, save_every=2, progress=False, device="cpu", log_every=1)
     assert cfg.precision == "auto"
     with caplog.at_level("INFO", logger="attnlab.train"):
