@@ -595,8 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     verdicts: list[str] = []
     if "train" in sections:
         run_train(args, shapes, verdicts)
-    if "amp" in sections:
+    native, why = native_bf16("cpu")
+    if "amp" in sections and not native:     # torch's bf16 kernels are missing below AVX-512
+        print(f"# amp section skipped: {why}")
+    elif "amp" in sections:
         run_train_amp(args, shapes, verdicts)
+    if not native:
+        args.no_bf16 = True
     if sections & {"gen", "int8"}:
         run_gen(args, sections, verdicts)
     if "int8" in sections:

@@ -35,7 +35,12 @@ def _proc_cpuinfo_flags() -> frozenset[str]:
 
 
 def cpu_bf16_flags() -> tuple[str, ...]:
-    """The bf16 instruction sets of this CPU (a subset of :data:`BF16_FLAGS`; empty when unknown)."""
+    """The bf16 instruction sets of this CPU that torch's kernels use (a subset of
+    :data:`BF16_FLAGS`; empty when unknown). Empty too when torch runs its CPU kernels below
+    AVX-512 (``ATEN_CPU_CAPABILITY=avx2`` or ``default``): its bf16 kernels (flash attention's
+    VNNI packing among them) then are missing or emulated, whatever the CPU has."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX", "AVX512_BF16"):
+        return ()
     flags = _proc_cpuinfo_flags()
     return tuple(f for f in BF16_FLAGS if f in flags)
 
