@@ -28,14 +28,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _train_worker import ReverseTask  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------- the schedule
 def test_steps_for_budget_fills_the_budget_less_the_reserve():
     assert steps_for_budget(step=10, elapsed_s=10.0, seconds_per_step=1.0, budget_s=100.0) == 100

@@ -36,14 +36,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _train_worker import ReverseTask  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _flags(monkeypatch, flags: tuple[str, ...]) -> None:
     monkeypatch.setattr(precision_mod, "cpu_bf16_flags", lambda: flags)
 

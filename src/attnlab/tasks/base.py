@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 __all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
-           "positive", "non_negative", "fraction", "beyond_specials"]
+           "positive", "non_negative", "fraction", "beyond_specials", "BUDGET_MEASURE", "describe_training"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,22 @@ def beyond_specials(v) -> str | None:
 
 def fraction(v) -> str | None:
     return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
+
+
+def describe_training(s: dict, t: dict) -> str:
+    """The line ``attnlab train`` prints about the schedule, from the settings ``s`` and the task's
+    ``train_config`` ``t``."""
+    if t["budget_schedule"]:
+        length = (f"as many steps as the first {BUDGET_MEASURE} predict fit in the {s['time_budget']:g}-minute "
+                  "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
+                                f"evaluation every {t['eval_every']}"))
+    else:
+        length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
+            f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
+    return f"training: {s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, {length}"
 
 
 _T, _O = "training", "optimisation"

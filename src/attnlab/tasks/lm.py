@@ -37,7 +37,8 @@ from torch import Tensor, nn
 
 from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import BOS_ID, EOS_ID, Tokenizer
-from .base import Option, Setup, TaskDefinition, beyond_specials, fraction, non_negative, positive, register_task
+from .base import (BUDGET_MEASURE, Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction,
+                   non_negative, positive, register_task)
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
 
 __all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
@@ -61,7 +62,6 @@ FILE_SIZES: list[tuple[float, dict]] = [
 # The embedded corpus: the small GPT-2 this task has always trained there.
 EMBEDDED_SIZES = dict(d_model=128, heads=4, layers=4, context=128, batch_size=16, dropout=0.0, lr=1e-3, warmup=None,
                       steps=2000)
-BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
 BUDGET_EVALS = 4             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
 BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
@@ -338,15 +338,8 @@ class LanguageModeling(TaskDefinition):
         model = "model: from the checkpoint" if saved is not None else (
             f"model (for {n_tokens:,} tokens): {s['model']}, d_model {d['d_model']}, {d['heads']} heads, "
             f"{d['layers']} layers, context {d['context']}, dropout {d['dropout']}")
-        if t["budget_schedule"]:
-            length = (f"as many steps as the first {BUDGET_MEASURE} predict fit in the {s['time_budget']:g}-minute "
-                      "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
-                                    f"evaluation every {t['eval_every']}"))
-        else:
-            length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
-                f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
         return [model, f"batches: {d['batch_size']} windows of {d['context']} tokens",
-                f"training: {s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, {length}"]
+                describe_training(s, t)]
 
     def train_config(self, s: dict, setup: Setup) -> dict:
         d = setup.extra.get("sizes") or self._sizes(s, 0)

@@ -30,7 +30,8 @@ from ..tokenizer import Tokenizer, load_tokenizer
 from ..train.checkpoint import resolve_best, resolve_checkpoint
 
 __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "write_run", "read_run", "find_checkpoint", "open_run",
-           "resume_point", "inspect_path", "resolve_device", "build_model", "architecture_for", "load_model", "load_tokenizers",
+           "resume_point", "inspect_path", "resolve_device", "build_model", "architecture_for", "load_model",
+           "load_tokenizers",
            "RunError"]
 
 RUN_FILE, FORMAT = "run.json", 2
@@ -163,7 +164,8 @@ def _has_meta(d: Path) -> bool:
 
 def find_checkpoint(path: str | Path) -> Path | None:
     """The checkpoint a run directory stands for: the directory itself if it is one, else its
-    best checkpoint (:func:`attnlab.train.checkpoint.resolve_best`), else the one its ``latest`` file names; None if there is none."""
+    best checkpoint (:func:`attnlab.train.checkpoint.resolve_best`), else the one its ``latest`` file
+    names; None if there is none."""
     path = Path(path)
     for candidate in (path, resolve_best(path)):
         if candidate is not None and _has_meta(candidate):

@@ -29,7 +29,8 @@ from ..data.files import read_tsv
 from ..data.numbers import number_corpus
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
-from .base import Option, Setup, TaskDefinition, beyond_specials, fraction, non_negative, positive, register_task
+from .base import (BUDGET_MEASURE, Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction,
+                   non_negative, positive, register_task)
 from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
 
 __all__ = ["TranslationTask", "Translate", "Translator", "load_translator", "score_translations", "read_pairs"]
@@ -53,7 +54,6 @@ FILE_SIZES: list[tuple[float, dict]] = [
 # The embedded corpus: the main job, exactly as it has always trained (README and tests rely on it).
 EMBEDDED_SIZES = dict(vocab_size=None, d_model=128, heads=4, layers=2, d_ff=256, dropout=0.1, max_tokens=2048,
                       lr=2e-3, warmup=40, steps=400)
-BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
 BUDGET_EVALS = 2             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
 BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
@@ -231,15 +231,8 @@ class Translate(TaskDefinition):
             model = (f"model (for {n_pairs:,} pairs): {vocab}, d_model {d['d_model']}, {d['heads']} heads, "
                      f"{d['layers']}+{d['layers']} {'Pre' if d['pre_norm'] else 'Post'}-Norm layers, d_ff {d['d_ff']}, "
                      f"dropout {d['dropout']}")
-        if t["budget_schedule"]:
-            length = (f"as many steps as the first {BUDGET_MEASURE} predict fit in the {s['time_budget']:g}-minute "
-                      "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
-                                    f"evaluation every {t['eval_every']}"))
-        else:
-            length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
-                f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
         return [model, f"batches: at most {d['max_tokens']:,} padded tokens",
-                f"training: {s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, {length}"]
+                describe_training(s, t)]
 
     def check(self, s: dict) -> None:
         from ..models.registry import families
