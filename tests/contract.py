@@ -33,8 +33,9 @@ def _ids(high: int, shape, seed: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Kind:
     inputs: Callable              # (config, seed) -> forward's positional arguments
-    shape: Callable               # (config) -> the output's shape
-    hf_output: str | None = None  # the field of a transformers model's output that matches ours
+    shape: Callable               # (config) -> the output's shape, or a tuple of shapes for a tuple of outputs
+    hf_output: str | tuple[str, ...] | None = None   # the field(s) of a transformers output that match ours
+    hf_inputs: Callable = lambda x: {"input_ids": x[0]}   # forward's arguments -> transformers' keywords
 
 
 _TOKENS = lambda c, seed: (_ids(c.vocab_size, (B, T), seed),)                      # noqa: E731
@@ -42,10 +43,30 @@ KINDS = {
     "causal-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
     "masked-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
     "base": Kind(_TOKENS, lambda c: (B, T, c.d_model), "last_hidden_state"),
+    "classifier": Kind(_TOKENS, lambda c: (B, c.num_labels), "logits"),
+    "pretraining": Kind(_TOKENS, lambda c: ((B, T, c.vocab_size), (B, 2)),
+                        ("prediction_logits", "seq_relationship_logits")),
+    "replaced-token": Kind(_TOKENS, lambda c: (B, T), "logits"),
     "seq2seq": Kind(lambda c, seed: (_ids(c.src_vocab_size, (B, T), seed),
                                      _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)),
-                    lambda c: (B, T - 3, c.tgt_vocab_size)),
+                    lambda c: (B, T - 3, c.tgt_vocab_size), "logits",
+                    lambda x: {"input_ids": x[0], "decoder_input_ids": x[1]}),
 }
+
+
+def outputs(out) -> tuple[torch.Tensor, ...]:
+    """A forward's output as a tuple of tensors (kinds with two outputs return a tuple)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def hf_outputs(arch: Architecture, hf_out) -> tuple[torch.Tensor, ...]:
+    names = kind_of(arch).hf_output
+    return tuple(getattr(hf_out, n) for n in ((names,) if isinstance(names, str) else names))
+
+
+def same(a, b) -> bool:
+    a, b = outputs(a), outputs(b)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def kind_of(arch: Architecture) -> Kind:
@@ -80,10 +101,14 @@ def inputs(arch: Architecture, model, seed: int = 1) -> tuple:
 def check_forward_and_gradients(arch: Architecture) -> None:
     """Output shape, no NaN/inf, and a gradient (finite) for every parameter."""
     model = tiny(arch).train()
-    out = model(*inputs(arch, model))
-    assert out.shape == kind_of(arch).shape(model.config), f"{arch}: output shape {tuple(out.shape)}"
-    assert torch.isfinite(out).all(), f"{arch}: non-finite outputs"
-    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+    outs = outputs(model(*inputs(arch, model)))
+    shapes = kind_of(arch).shape(model.config)
+    shapes = shapes if isinstance(shapes[0], tuple) else (shapes,)
+    got = tuple(tuple(o.shape) for o in outs)
+    assert got == tuple(shapes), f"{arch}: output shape(s) {got}, want {tuple(shapes)}"
+    assert all(torch.isfinite(o).all() for o in outs), f"{arch}: non-finite outputs"
+    g = torch.Generator().manual_seed(2)
+    sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"{arch}: no gradient reaches {missing}"
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
@@ -98,10 +123,10 @@ def check_state_dict_round_trip(arch: Architecture, tmp_path) -> None:
     tmp_path.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         want = model(*x)
-        assert not torch.equal(other(*x), want), f"{arch}: two seeds give the same model; the check could not fail"
+        assert not same(other(*x), want), f"{arch}: two seeds give the same model; the check could not fail"
         save_model(model, str(tmp_path / "model.safetensors"))
         load_model(other, str(tmp_path / "model.safetensors"))
-        assert torch.equal(other(*x), want), f"{arch}: outputs changed through a safetensors state-dict round trip"
+        assert same(other(*x), want), f"{arch}: outputs changed through a safetensors state-dict round trip"
     assert arch.config_cls(**asdict(model.config)) == model.config, f"{arch}: config changed through asdict"
 
 
@@ -114,7 +139,7 @@ def check_directory_round_trip(arch: Architecture, tmp_path) -> None:
     assert back.config == model.config, f"{arch}: config changed through save_pretrained / from_pretrained"
     x = inputs(arch, model)
     with torch.no_grad():
-        assert torch.equal(back(*x), model(*x)), f"{arch}: outputs changed through save_pretrained / from_pretrained"
+        assert same(back(*x), model(*x)), f"{arch}: outputs changed through save_pretrained / from_pretrained"
 
 
 def _hf_class(arch: Architecture):
@@ -132,9 +157,10 @@ def check_to_transformers(arch: Architecture, tmp_path) -> None:
     hf, info = _hf_class(arch).from_pretrained(model_dir, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
     assert not problems, f"{arch}: transformers reports {problems}"
-    (ids,) = inputs(arch, model)
+    x = inputs(arch, model)
     with torch.no_grad():
-        close(getattr(hf.eval()(ids), kind_of(arch).hf_output), model(ids), f"{arch} in transformers")
+        for got, want in zip(hf_outputs(arch, hf.eval()(**kind_of(arch).hf_inputs(x))), outputs(model(*x)), strict=True):
+            close(got, want, f"{arch} in transformers")
 
 
 def check_from_transformers(arch: Architecture, tmp_path) -> None:
@@ -148,9 +174,10 @@ def check_from_transformers(arch: Architecture, tmp_path) -> None:
     hf.eval().save_pretrained(tmp_path)
     ours = attnlab.from_pretrained(tmp_path)
     assert type(ours) is arch.model_cls, f"{arch}: a {arch.name} directory loaded as {type(ours).__name__}"
-    (ids,) = inputs(arch, ours)
+    x = inputs(arch, ours)
     with torch.no_grad():
-        close(ours(ids), getattr(hf(ids), kind_of(arch).hf_output), f"{arch} from transformers")
+        for got, want in zip(outputs(ours(*x)), hf_outputs(arch, hf(**kind_of(arch).hf_inputs(x))), strict=True):
+            close(got, want, f"{arch} from transformers")
 
 
 def check_generation(arch: Architecture) -> None:

@@ -44,6 +44,10 @@ KINDS = {
     "base": "forward(input_ids (B, T)) -> the last hidden state (B, T, E) (a bare model, no head)",
     "masked-lm": "forward(input_ids (B, T)) -> logits (B, T, V) for every position",
     "classifier": "forward(input_ids (B, T)) -> class logits (B, C)",
+    "pretraining": "forward(input_ids (B, T)) -> (token logits (B, T, V), sentence logits (B, 2)): masked-LM "
+                   "plus next-sentence (BERT) or sentence-order (ALBERT) prediction",
+    "replaced-token": "forward(input_ids (B, T)) -> (B, T) logits that each token was replaced (ELECTRA's "
+                      "discriminator)",
 }
 # the arguments every family's sizing builder takes (families add keyword options after them)
 UNIFORM_SIZES = ("vocab_size", "context", "d_model", "num_heads", "num_layers", "d_ff", "dropout")
