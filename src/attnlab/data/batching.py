@@ -31,8 +31,11 @@ def pair_lengths(pairs: Sequence[tuple[Ids, Ids]]) -> list[int]:
 
 
 def plan_batches(lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-                 pool_size: int = 8192, max_len: int | None = None) -> list[list[int]]:
-    """Group example indices into batches whose ``max_len * batch_size`` is <= ``max_tokens``.
+                 pool_size: int = 8192, max_len: int | None = None,
+                 max_examples: int | None = None) -> list[list[int]]:
+    """Group example indices into batches whose ``max_len * batch_size`` is <= ``max_tokens``
+    and, if ``max_examples`` is given, that hold at most that many examples (a classifier's
+    batch of texts: its loss counts examples, not tokens).
 
     Every index appears in exactly one batch. With ``shuffle=False`` (evaluation) indices
     are bucketed in their given order and batches keep pool order.
@@ -56,7 +59,7 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: 
         longest = 0
         for i in pool:
             # lengths ascend within the pool, so lengths[i] is the new longest
-            if batch and max(longest, lengths[i]) * (len(batch) + 1) > max_tokens:
+            if batch and (max(longest, lengths[i]) * (len(batch) + 1) > max_tokens or len(batch) == max_examples):
                 batches.append(batch)
                 batch, longest = [], 0
             batch.append(i)

@@ -1,0 +1,470 @@
+"""Text classification: labelled texts + a tokenizer + a classifier, for the Trainer.
+
+    attnlab train classify                                    # the embedded sentiment set
+    attnlab train classify --data train.tsv --valid dev.tsv --time-budget 14
+    attnlab train classify --init all-MiniLM-L6-v2/ --data train.tsv --valid dev.tsv --time-budget 28
+
+Data: the embedded generated reviews (:func:`attnlab.data.labelled.sentiment_corpus`, with a test
+split) or a TSV / CSV with a header, or JSON lines (``--data``; :mod:`attnlab.data.labelled`),
+with ``--text-column`` and ``--label-column`` (default: "text" or "sentence", and "label"). The
+label set is the training data's, sorted (numerically for integer labels), and saved with the
+run; a validation label outside it is an error naming the file and line. Without ``--valid``,
+5 % of the training data (at most 2,000 examples) is held out.
+
+Two kinds of model:
+- from scratch (no ``--init``): the chapter's :class:`attnlab.models.classifier.TextClassifier`,
+  with a word or BPE tokenizer trained on the training texts, sized by the data (:data:`FILE_SIZES`);
+- fine-tuning (``--init DIR``): a pretrained encoder of any registered family, from a Hugging
+  Face directory (e.g. all-MiniLM-L6-v2's BertModel) or an attnlab run, read as its family's
+  "base" architecture (a checkpoint with a head, e.g. BertForMaskedLM, gives up its head), with
+  pooling and a new linear head (:class:`attnlab.models.classifier.EncoderClassifier`), and the
+  model's own tokenizer.json. Fine-tuning defaults are the usual ones for BERT-like encoders:
+  lr 5e-5 with warmup, batch 32, a few epochs.
+
+Batches hold ``--batch-size`` texts of similar length. The loss is the cross-entropy summed over
+a batch's texts, so the Trainer's normalisation gives the mean per text; the best checkpoint is
+the one with the highest validation accuracy. Chosen defaults are printed and saved in config.yaml.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data.batching import plan_batches
+from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
+from ..tokenizer import PAD_ID, Tokenizer
+from .base import (BUDGET_MEASURE, Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction,
+                   positive, register_task)
+from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
+
+__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "encode_texts",
+           "pad_batch", "classification_scores", "format_scores"]
+
+_M, _D = "model", "data and evaluation"
+
+# A file's defaults (from scratch) by its number of training texts: (at most this many, sizes).
+# The second row is for SST-2's 60k phrases.
+FILE_SIZES: list[tuple[float, dict]] = [
+    (10_000, dict(tokenizer="word", vocab_size=8000, d_model=64, heads=4, layers=1, dropout=0.1, batch_size=32,
+                  lr=1e-3, warmup=50, steps=1000)),
+    (200_000, dict(tokenizer="word", vocab_size=16000, d_model=128, heads=4, layers=2, dropout=0.2, batch_size=64,
+                   lr=1e-3, warmup=200, steps=4000)),
+    (float("inf"), dict(tokenizer="bpe", vocab_size=16000, d_model=256, heads=4, layers=4, dropout=0.1,
+                        batch_size=64, lr=5e-4, warmup=1000, steps=30000)),
+]
+EMBEDDED_SIZES = dict(tokenizer="word", vocab_size=None, d_model=64, heads=4, layers=1, dropout=0.1, batch_size=32,
+                      lr=2e-3, warmup=30, steps=300)
+# fine-tuning a pretrained encoder (BERT's recipe: 2e-5..5e-5, warmup, 2-4 epochs)
+INIT_SIZES = dict(dropout=0.1, batch_size=32, lr=5e-5, warmup=200, steps=None)
+BUDGET_EVALS = 4
+BUDGET_STEP_CAP = 1_000_000
+
+
+def encode_texts(tok: Tokenizer, texts: Sequence[str], max_len: int) -> list[list[int]]:
+    """Token ids per text, at most ``max_len``; a truncated text keeps its final special token (a
+    BERT [SEP]) when the tokenizer adds one."""
+    out = []
+    for text in texts:
+        ids = tok.encode(text)
+        if len(ids) > max_len:
+            ids = ids[:max_len - 1] + ids[-1:] if ids[-1] == tok.eos_id and tok.eos_id is not None else ids[:max_len]
+        out.append(ids or [tok.unk_id if tok.unk_id is not None else 0])
+    return out
+
+
+def pad_batch(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(input_ids (B, L), attention_mask (B, L) bool, True = real token), right-padded."""
+    L = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(ids), L, dtype=torch.bool)
+    for b, x in enumerate(ids):
+        input_ids[b, :len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[b, :len(x)] = True
+    return input_ids, mask
+
+
+def _batches(ids: list[list[int]], batch_size: int, max_len: int, **plan) -> list[list[int]]:
+    return plan_batches([len(x) for x in ids], batch_size * max_len, max_examples=batch_size, **plan)
+
+
+class ClassificationTask:
+    """The Trainer's view of classification (see :class:`attnlab.train.Task`): texts as ids,
+    labels as indices into the sorted label set."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, labels: list[str], train: tuple[list, list],
+                 valid: tuple[list, list], *, batch_size: int, max_len: int):
+        self.model, self.tokenizer, self.labels = model, tokenizer, labels
+        self.train_ids, self.train_y = train
+        self.valid_ids, self.valid_y = valid
+        self.batch_size, self.max_len = batch_size, max_len
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else PAD_ID
+
+    def _collate(self, ids: list, y: list, batch: list[int]) -> dict:
+        input_ids, mask = pad_batch([ids[i] for i in batch], self.pad_id)
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": torch.tensor([y[i] for i in batch])}
+
+    def plan(self, epoch: int, seed: int) -> list[dict]:
+        return [self._collate(self.train_ids, self.train_y, b)
+                for b in _batches(self.train_ids, self.batch_size, self.max_len, seed=seed, epoch=epoch)]
+
+    def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == batch["labels"]).sum()
+        return loss, int(batch["labels"].numel()), {"accuracy": correct}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict:
+        device = next(model.parameters()).device
+        nll, correct = 0.0, 0
+        for b in _batches(self.valid_ids, self.batch_size * 4, self.max_len, shuffle=False):
+            batch = self._collate(self.valid_ids, self.valid_y, b)
+            logits = model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).float()
+            y = batch["labels"].to(device)
+            nll += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(-1) == y).sum())
+        n = max(len(self.valid_y), 1)
+        return {"val_loss": nll / n, "accuracy": 100.0 * correct / n}
+
+    def save_assets(self, directory: Path) -> None:
+        write_run(directory, "classify", self.model, {"text": self.tokenizer},
+                  {"labels": self.labels, "max_len": self.max_len})
+
+
+@dataclass
+class LoadedClassifier:
+    """A classifier ready for inference: the model (eval mode), its tokenizer and label names."""
+    model: nn.Module
+    tokenizer: Tokenizer
+    labels: list[str]
+    max_len: int
+    path: Path
+
+    def _runs(self, texts: Sequence[str], batch_size: int):
+        """(indices, input_ids, mask) batches of similar length, on the model's device."""
+        ids = encode_texts(self.tokenizer, texts, self.max_len)
+        pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else PAD_ID
+        device = next(self.model.parameters()).device
+        for b in _batches(ids, batch_size, self.max_len, shuffle=False):
+            input_ids, mask = pad_batch([ids[i] for i in b], pad)
+            yield b, input_ids.to(device), mask.to(device)
+
+    @torch.no_grad()
+    def probabilities(self, texts: Sequence[str], batch_size: int = 64) -> Tensor:
+        """(N, C) class probabilities, row i for texts[i]."""
+        out = torch.empty(len(texts), len(self.labels))
+        for b, input_ids, mask in self._runs(texts, batch_size):
+            out[b] = torch.softmax(self.model(input_ids, attention_mask=mask).float(), -1).cpu()
+        return out
+
+
+def classification_scores(gold: Sequence[int], pred: Sequence[int], num_classes: int) -> dict:
+    """Accuracy and macro-F1 in %, per-class precision, recall and F1 (in %, 0 for a class never
+    predicted or never present) and the confusion matrix (row = true class, column = predicted)."""
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    for g, p in zip(gold, pred):
+        confusion[g, p] += 1
+    tp = confusion.diag().double()
+    predicted, actual = confusion.sum(0).double(), confusion.sum(1).double()
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12),
+                     torch.zeros_like(tp))
+    n = int(confusion.sum())
+    return {"n": n, "accuracy": 100.0 * float(tp.sum()) / max(n, 1), "macro_f1": 100.0 * float(f1.mean()),
+            "precision": (100 * precision).tolist(), "recall": (100 * recall).tolist(), "f1": (100 * f1).tolist(),
+            "support": actual.long().tolist(), "confusion": confusion}
+
+
+def format_scores(scores: dict, labels: Sequence[str]) -> str:
+    """The scores as ``attnlab eval`` prints them: a summary line and a per-class table."""
+    width = max(8, *(len(x) for x in labels))
+    rows = [f"accuracy {scores['accuracy']:.2f}%  macro-F1 {scores['macro_f1']:.2f}",
+            f"  {'class':<{width}}  precision  recall     F1  support"]
+    for i, label in enumerate(labels):
+        rows.append(f"  {label:<{width}}  {scores['precision'][i]:9.2f}  {scores['recall'][i]:6.2f}  "
+                    f"{scores['f1'][i]:5.2f}  {scores['support'][i]:7d}")
+    return "\n".join(rows)
+
+
+def _device(device):
+    from .run import resolve_device
+    return resolve_device(device)
+
+
+def read_examples(path: str, s: dict, labels: list[str] | None = None) -> Examples:
+    """A data file's examples; with ``labels``, a label outside them is an error naming the line."""
+    ex = read_labelled(path, s.get("text_column"), s.get("label_column"), s.get("skip_malformed", False))
+    if labels is not None:
+        known = set(labels)
+        for label, line in zip(ex.labels, ex.lines):
+            if label not in known:
+                raise ValueError(f"{path}, line {line}: label {label!r} does not occur in the training data "
+                                 f"(labels: {', '.join(labels)})")
+    return ex
+
+
+class Classify(TaskDefinition):
+    name = "classify"
+    kind = "classifier"
+    help = "a text classifier: the chapter's self-attention classifier from scratch, or a fine-tuned encoder"
+    example = ("attnlab train classify --steps 300 --out runs/sentiment\n"
+               "  attnlab train classify --data train.tsv --valid dev.tsv --time-budget 14\n"
+               "  attnlab train classify --init all-MiniLM-L6-v2/ --data train.tsv --valid dev.tsv --time-budget 28")
+    options = [
+        Option("init", str, None, "fine-tune this pretrained encoder (a Hugging Face directory or an attnlab run) "
+               "instead of training the chapter's classifier from scratch", metavar="DIR", group=_M),
+        Option("tokenizer", str, None, "from scratch: default word (bpe over 200k texts)", choices=("word", "bpe"),
+               group=_M),
+        Option("vocab_size", int, None, "from scratch: vocabulary size (default: by data size, 16000 for ~60k "
+               "texts)", check=beyond_specials, group=_M),
+        Option("d_model", int, None, "from scratch: width (default: by data size, 128 for ~60k texts)",
+               check=positive, group=_M),
+        Option("heads", int, None, "from scratch: attention heads (default 4)", check=positive, group=_M),
+        Option("layers", int, None, "from scratch: encoder layers (default: by data size, 2 for ~60k texts)",
+               check=positive, group=_M),
+        Option("d_ff", int, None, "from scratch: feed-forward width (default 4 d_model)", check=positive, group=_M),
+        Option("dropout", float, None, "dropout (default: 0.2 from scratch for ~60k texts, 0.1 fine-tuning)",
+               check=fraction, group=_M),
+        Option("pooling", str, "mean", "how token vectors become one per text (padding excluded)",
+               choices=("mean", "cls", "attention"), group=_M),
+        Option("text_column", str, None, "the text column or field (default: 'text', else 'sentence')",
+               metavar="NAME", group=_D),
+        Option("label_column", str, None, "the label column or field (default: 'label')", metavar="NAME", group=_D),
+        Option("max_len", int, 128, "tokens per text; longer texts are cut", check=positive, group=_D),
+        Option("batch_size", int, None, "texts per micro-batch (default 64 from scratch, 32 fine-tuning)",
+               check=positive, group=_D),
+    ]
+    eval_options = [
+        Option("limit", int, None, "score only the first N items", check=positive),
+        Option("plot", str, None, "classify runs: write the confusion matrix to this PNG file"),
+    ]
+
+    # ------------------------------------------------------------------ defaults
+    def _sizes(self, s: dict, n_texts: int) -> dict:
+        if s["init"] is not None:
+            base = dict(INIT_SIZES, steps=max(200, min(20000, 3 * n_texts // INIT_SIZES["batch_size"])))
+        elif s["data"] is None:
+            base = EMBEDDED_SIZES
+        else:
+            base = next(v for most, v in FILE_SIZES if n_texts <= most)
+        return {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
+
+    def _schedule(self, s: dict, d: dict) -> dict:
+        budget = s["time_budget"] is not None and s["steps"] is None
+        steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
+        if s["warmup"] is not None:
+            warmup = s["warmup"]
+        else:
+            warmup = d["warmup"] if budget else min(d["warmup"], max(1, steps // 10))
+        own_evals = s["eval_every"] is not None or s["save_every"] is not None
+        eval_every = s["eval_every"] if s["eval_every"] is not None else max(500 if budget else steps // 5, 50)
+        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
+                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
+                    budget_evals=0 if own_evals or not budget else BUDGET_EVALS)
+
+    # ------------------------------------------------------------------ data and model
+    def _data(self, s: dict) -> tuple[list, list, list, int]:
+        if s["data"] is None:
+            train, valid, test = sentiment_corpus(seed=s["seed"])
+            return train, valid, test, 0
+        ex = read_examples(s["data"], s)
+        train = list(zip(ex.texts, ex.labels))
+        if s["valid"]:
+            labels = sort_labels(ex.labels)
+            v = read_examples(s["valid"], s, labels)
+            return train, list(zip(v.texts, v.labels)), [], ex.skipped + v.skipped
+        order = list(range(len(train)))
+        random.Random(s["seed"]).shuffle(order)
+        held = set(order[:min(2000, max(1, len(train) // 20))])
+        return ([p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held],
+                [], ex.skipped)
+
+    def _pretrained(self, s: dict, labels: list[str]) -> tuple[nn.Module, Tokenizer]:
+        """The ``--init`` encoder with a new head, and its tokenizer."""
+        from ..models.classifier import EncoderClassifier
+        base, tok, what = load_base(s["init"])
+        torch.manual_seed(s["seed"])
+        model = EncoderClassifier.from_base(base, len(labels), s["pooling"], s["dropout"])
+        return model, tok
+
+    def _scratch(self, s: dict, d: dict, texts: list[str], labels: list[str]) -> tuple[nn.Module, Tokenizer]:
+        from ..models.registry import family
+        tok = Tokenizer.registry[d["tokenizer"]].train(texts, d["vocab_size"])
+        fam = family("text-classifier")
+        config = fam.build_config(vocab_size=tok.vocab_size, context=s["max_len"], d_model=d["d_model"],
+                                  num_heads=d["heads"], num_layers=d["layers"], d_ff=s["d_ff"],
+                                  dropout=d["dropout"], num_classes=len(labels), pooling=s["pooling"],
+                                  pad_id=tok.pad_id)
+        torch.manual_seed(s["seed"])
+        return fam.for_kind(self.kind).build(config), tok
+
+    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+        train, valid, test, skipped = self._data(s)
+        saved = None if resume_from is None else resume_point(resume_from, self.name)
+        d = self._sizes(s, len(train))
+        if s["init"] is None:
+            for k in ("tokenizer", "vocab_size", "d_model", "heads", "layers"):
+                s[k] = d[k]
+        s.update(dropout=d["dropout"], batch_size=d["batch_size"])
+        t = self._schedule(s, d)
+        if not t["budget_schedule"]:
+            s.update(steps=t["steps"], warmup=t["warmup_steps"])
+        if saved is not None:              # the run's own labels, tokenizer and model (the Trainer loads the weights)
+            labels = list(saved.task_options["labels"])
+            tok = load_tokenizers(saved)["text"]
+            model = build_model(saved.model_type, saved.config, saved.architecture)
+        else:
+            labels = sort_labels(y for _, y in train)
+            model, tok = (self._pretrained(s, labels) if s["init"] is not None
+                          else self._scratch(s, d, [x for x, _ in train], labels))
+        index = {label: i for i, label in enumerate(labels)}
+        for name, pairs in (("training", train), ("validation", valid)):
+            unknown = sorted({y for _, y in pairs} - set(index))
+            if unknown:
+                raise RunError(f"the {name} data has label(s) {', '.join(unknown)} that the run at {resume_from} "
+                               f"does not know ({', '.join(labels)})")
+        max_len = min(s["max_len"], _context(model))
+        encode = lambda pairs: (encode_texts(tok, [x for x, _ in pairs], max_len), [index[y] for _, y in pairs])  # noqa: E731
+        task = ClassificationTask(model, tok, labels, encode(train), encode(valid), batch_size=d["batch_size"],
+                                  max_len=max_len)
+        lines = [f"data: {'the embedded sentiment reviews' if s['data'] is None else s['data']}: {len(train):,} "
+                 f"training texts, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")
+                 + f"; labels: {', '.join(labels)}"]
+        if skipped:
+            lines.append(f"skipped {skipped} malformed lines")
+        lines.append(self._describe_model(s, d, model, tok, saved))
+        lines += [f"batches: {d['batch_size']} texts of similar length, at most {max_len} tokens each",
+                  describe_training(s, t)]
+        return Setup(task, lines, {"test": test, "sizes": d})
+
+    def _describe_model(self, s, d, model, tok, saved) -> str:
+        n = sum(p.numel() for p in model.parameters()) / 1e6
+        if saved is not None:
+            return f"model: {type(model).__name__}, {n:.2f}M parameters, from the checkpoint"
+        if s["init"] is not None:
+            enc = type(model.encoder).__name__
+            return (f"model: {enc} from {s['init']} + {s['pooling']} pooling + linear head ({n:.2f}M parameters), "
+                    f"its tokenizer (vocabulary {tok.vocab_size}), dropout {d['dropout']}")
+        return (f"model: TextClassifier from scratch ({n:.2f}M parameters): {d['tokenizer']} vocabulary "
+                f"{tok.vocab_size}, d_model {d['d_model']}, {d['heads']} heads, {d['layers']} Pre-Norm layers, "
+                f"{s['pooling']} pooling, dropout {d['dropout']}")
+
+    def train_config(self, s: dict, setup: Setup) -> dict:
+        d = setup.extra.get("sizes") or self._sizes(s, 0)
+        beta2 = s["beta2"] if s["beta2"] is not None else (0.999 if s["init"] is not None else 0.98)
+        return dict(self._schedule(s, d), betas=(0.9, beta2), eps=1e-8 if s["init"] is not None else 1e-9,
+                    best_metric="accuracy", best_mode="max")
+
+    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+        """The best checkpoint's accuracy on the test split (embedded data) or the validation data."""
+        clf = load_classifier(run_dir)
+        pairs = setup.extra["test"]
+        if pairs:
+            probs = clf.probabilities([x for x, _ in pairs])
+            scores = classification_scores([clf.labels.index(y) for _, y in pairs], probs.argmax(-1).tolist(),
+                                           len(clf.labels))
+            print(f"test ({len(pairs)} texts): accuracy {scores['accuracy']:.2f}%  macro-F1 {scores['macro_f1']:.2f}")
+            for (x, _), p in list(zip(pairs, probs))[:3]:
+                print(f"  {x}\n    -> {clf.labels[int(p.argmax())]} ({float(p.max()):.3f})")
+        elif setup.task.valid_y:
+            best = setup.task.evaluate(clf.model)
+            print(f"validation ({len(setup.task.valid_y)} texts): accuracy {best['accuracy']:.2f}%")
+
+    # ------------------------------------------------------------------ inference
+    def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedClassifier:
+        from ..nn.linear import prepare_for_inference
+        tok = load_tokenizers(run)["text"]
+        model, _ = prepare_for_inference(load_model(run).to(_device(device)).eval(), dtype)
+        return LoadedClassifier(model, tok, list(run.task_options["labels"]), int(run.task_options["max_len"]),
+                                run.path)
+
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+                      dtype: str = "fp32") -> None:
+        clf = self.load(info.run, device, dtype)
+        ex = read_examples(data, {"skip_malformed": False}, clf.labels)
+        texts, labels = ex.texts[: settings["limit"]], ex.labels[: settings["limit"]]
+        pred = clf.probabilities(texts).argmax(-1).tolist()
+        scores = classification_scores([clf.labels.index(y) for y in labels], pred, len(clf.labels))
+        print(f"{data}: {len(texts)} texts")
+        print(format_scores(scores, clf.labels))
+        if settings["plot"]:
+            from ..viz.confusion import plot_confusion
+            print(f"confusion matrix: {plot_confusion(scores['confusion'], clf.labels, settings['plot'])}")
+
+
+CLASSIFY = register_task(Classify())
+
+
+def _context(model: nn.Module) -> int:
+    """The longest input the model takes (its position table)."""
+    config = model.encoder.config if hasattr(model, "encoder") else model.config
+    for name in ("max_len", "max_seq_len", "max_position_embeddings", "n_positions"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return 1 << 30
+
+
+def load_base(path: str) -> tuple[nn.Module, Tokenizer, str]:
+    """(a pretrained model of kind "base", its tokenizer, a description) from a Hugging Face model
+    directory or an attnlab run. A checkpoint with a head is read as its family's base architecture
+    (the weights under the head architecture's prefix); a fine-tuned EncoderClassifier gives its encoder."""
+    from ..hub import from_pretrained
+    from ..models.pretrained import from_hf_state_dict, read_config, read_weights
+    from ..tokenizer import load_tokenizer
+    info = inspect_path(path)
+    if info.kind == "run":
+        model = load_model(info.run)
+        tok = load_tokenizers(info.run)["text" if "text" in info.run.tokenizers else next(iter(info.run.tokenizers))]
+        if hasattr(model, "encoder") and type(model).__name__ == "EncoderClassifier":
+            return model.encoder, tok, info.describe()
+        return _base_of(model, path, info.describe()), tok, info.describe()
+    arch, config, _ = read_config(path)
+    tok = load_tokenizer(path)
+    if arch.kind == "base":
+        return from_pretrained(path).train(), tok, info.describe()
+    base_arch = _base_architecture(arch, path, info.describe())
+    base = base_arch.build(config)
+    tensors = {k[len(arch.prefix):]: v for k, v in read_weights(path).items() if k.startswith(arch.prefix)}
+    base.load_state_dict(from_hf_state_dict(base, tensors, base_arch.load_rules, base_arch.skip_on_load), strict=False)
+    return base, tok, info.describe()
+
+
+def _base_architecture(arch, path: str, what: str):
+    try:
+        base_arch = arch.family.for_kind("base")
+    except ValueError:
+        base_arch = None
+    if base_arch is None or not arch.prefix:
+        raise RunError(f"--init {path}: {what}, whose family has no base encoder to fine-tune "
+                       f"(a registered architecture of kind 'base')")
+    return base_arch
+
+
+def _base_of(model: nn.Module, path: str, what: str) -> nn.Module:
+    """The base encoder inside a trained model of a Hugging Face family, through its weight map."""
+    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
+    from ..models.registry import architecture_of
+    arch = architecture_of(model)
+    if arch.kind == "base":
+        return model
+    base_arch = _base_architecture(arch, path, what) if arch.family.hf else _base_architecture(arch, "", what)
+    base = base_arch.build(model.config)
+    tensors = {k[len(arch.prefix):]: v for k, v in to_hf_state_dict(model).items() if k.startswith(arch.prefix)}
+    base.load_state_dict(from_hf_state_dict(base, tensors, base_arch.load_rules, base_arch.skip_on_load), strict=False)
+    return base
+
+
+def load_classifier(path: str | Path, device: str | torch.device | None = None) -> LoadedClassifier:
+    """A classify run or checkpoint (best/, else latest), in eval mode; RunError for anything else."""
+    info = inspect_path(path)
+    if info.kind != "run" or info.run.task != "classify":
+        raise RunError(f"{path}: {info.describe()}, not a classify run")
+    return CLASSIFY.load(info.run, device)
