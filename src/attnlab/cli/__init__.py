@@ -3,6 +3,8 @@
     attnlab train TASK ...      cli/train.py      (one sub-command per registered task)
     attnlab translate RUN ...   cli/translate.py
     attnlab generate RUN ...    cli/generate.py
+    attnlab classify RUN ...    cli/classify.py
+    attnlab embed DIR ...       cli/embed.py
     attnlab eval RUN ...        cli/eval.py       (dispatches on the run's recorded task)
     attnlab viz RUN ...         cli/viz.py
 
@@ -39,7 +41,7 @@ from .. import __version__
 
 __all__ = ["main", "build_parser", "UserError", "COMMANDS"]
 
-COMMANDS = ("train", "translate", "generate", "eval", "viz")
+COMMANDS = ("train", "translate", "generate", "classify", "embed", "eval", "viz")
 
 
 class UserError(Exception):
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # what each kind of model is used with (the model registry's kinds; a task records the kind it trains)
-COMMAND_FOR_KIND = {"causal-lm": "attnlab generate", "seq2seq": "attnlab translate"}
+COMMAND_FOR_KIND = {"causal-lm": "attnlab generate", "seq2seq": "attnlab translate", "classifier": "attnlab classify",
+                    "base": "attnlab embed"}
 
 
 def open_model_path(path: str, command: str, kinds: tuple[str, ...]):

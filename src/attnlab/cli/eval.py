@@ -1,24 +1,27 @@
 """``attnlab eval RUN --data FILE``: score a model on your data, as its task scores it.
 
 The run's recorded task (or a Hugging Face directory's architecture) decides what is measured:
-BLEU, chrF and exact match for translation, perplexity and bits per byte for a language model.
+BLEU, chrF and exact match for translation, perplexity and bits per byte for a language model,
+accuracy, macro-F1, per-class precision and recall (and a confusion-matrix PNG) for a classifier.
 Each task declares its own evaluation options; an option of another task is refused.
 """
 from __future__ import annotations
 
 import argparse
 
-HELP = ("score a model on your data: BLEU, chrF and exact match of a translation run on a TSV, or the "
-        "perplexity of a language model on a text file")
+HELP = ("score a model on your data: BLEU, chrF and exact match of a translation run on a TSV, the "
+        "perplexity of a language model on a text file, or a classifier's accuracy, macro-F1 and confusion matrix")
 EXAMPLE = ("attnlab eval runs/multi30k --data valid.de-en.tsv\n"
-           "  attnlab eval runs/lm --data held_out.txt --quantize int8")
+           "  attnlab eval runs/lm --data held_out.txt --quantize int8\n"
+           "  attnlab eval runs/classify --data test.tsv --plot confusion.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..tasks import registered_tasks
     p.add_argument("checkpoint", help="a run directory or checkpoint, or a Hugging Face model directory")
     p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
-                   "source<TAB>reference; language model: a UTF-8 text file)")
+                   "source<TAB>reference; language model: a UTF-8 text file; classifier: a TSV, CSV or JSON-lines file "
+                   "with the run's text and label columns)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default=None,
                    help="precision of the large Linear layers' products (bf16 weight copies, fp32 activations); "

@@ -244,7 +244,9 @@ class Classify(TaskDefinition):
     ]
     eval_options = [
         Option("limit", int, None, "score only the first N items", check=positive),
-        Option("plot", str, None, "classify runs: write the confusion matrix to this PNG file"),
+        Option("plot", str, None, "write the confusion matrix to this PNG file", metavar="FILE.png"),
+        Option("text_column", str, None, "the text column or field (default: 'text', else 'sentence')"),
+        Option("label_column", str, None, "the label column or field (default: 'label')"),
     ]
 
     # ------------------------------------------------------------------ defaults
@@ -388,8 +390,11 @@ class Classify(TaskDefinition):
 
     def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
                       dtype: str = "fp32") -> None:
+        if info.kind != "run":
+            raise RunError(f"{path}: {info.describe()}; 'attnlab eval' scores a classify run, which knows its label "
+                           f"names (fine-tune this model with: attnlab train classify --init {path} --data FILE)")
         clf = self.load(info.run, device, dtype)
-        ex = read_examples(data, {"skip_malformed": False}, clf.labels)
+        ex = read_examples(data, settings, clf.labels)
         texts, labels = ex.texts[: settings["limit"]], ex.labels[: settings["limit"]]
         pred = clf.probabilities(texts).argmax(-1).tolist()
         scores = classification_scores([clf.labels.index(y) for y in labels], pred, len(clf.labels))
@@ -423,7 +428,8 @@ def load_base(path: str) -> tuple[nn.Module, Tokenizer, str]:
     if info.kind == "run":
         model = load_model(info.run)
         tok = load_tokenizers(info.run)["text" if "text" in info.run.tokenizers else next(iter(info.run.tokenizers))]
-        if hasattr(model, "encoder") and type(model).__name__ == "EncoderClassifier":
+        from ..models.classifier import EncoderClassifier
+        if isinstance(model, EncoderClassifier):
             return model.encoder, tok, info.describe()
         return _base_of(model, path, info.describe()), tok, info.describe()
     arch, config, _ = read_config(path)
@@ -455,7 +461,7 @@ def _base_of(model: nn.Module, path: str, what: str) -> nn.Module:
     arch = architecture_of(model)
     if arch.kind == "base":
         return model
-    base_arch = _base_architecture(arch, path, what) if arch.family.hf else _base_architecture(arch, "", what)
+    base_arch = _base_architecture(arch, path, what)
     base = base_arch.build(model.config)
     tensors = {k[len(arch.prefix):]: v for k, v in to_hf_state_dict(model).items() if k.startswith(arch.prefix)}
     base.load_state_dict(from_hf_state_dict(base, tensors, base_arch.load_rules, base_arch.skip_on_load), strict=False)

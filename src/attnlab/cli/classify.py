@@ -1,0 +1,46 @@
+"""``attnlab classify RUN "text" ...``: label texts with a trained classify run.
+
+One output line per text: the most likely label and its probability, tab-separated, or with
+``--top K`` the K most likely labels each followed by its probability. Reading stdin (no texts
+given), line N of the output belongs to line N of the input; a blank line gives a blank line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "label texts with a trained text classifier (a classify run)"
+EXAMPLE = ('attnlab classify runs/classify "what a wonderful film" "the plot was dull"\n'
+           "  attnlab classify runs/sst2 --top 2 < reviews.txt")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a classify run directory (its best/, else latest checkpoint) or checkpoint")
+    p.add_argument("texts", nargs="*", help="texts to label (default: one per line from stdin)")
+    p.add_argument("--top", type=int, default=1, metavar="K", help="print the K most likely labels (default 1)")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import UserError, open_model_path
+    from ..tasks import get_task
+    if args.top < 1 or args.batch_size < 1:
+        raise UserError(f"--top and --batch-size must be at least 1, got {args.top} and {args.batch_size}")
+    info, _ = open_model_path(args.checkpoint, "classify", ("classifier",))
+    if info.kind != "run":
+        raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab classify' takes a classify run, which "
+                        f"knows its label names (fine-tune this model with: attnlab train classify --init "
+                        f"{args.checkpoint} --data FILE)")
+    clf = get_task(info.run.task).load(info.run, args.device)
+    texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
+    real = [i for i, t in enumerate(texts) if t.strip()]
+    probs = clf.probabilities([texts[i] for i in real], args.batch_size) if real else None
+    rows = dict.fromkeys(range(len(texts)), "")
+    k = min(args.top, len(clf.labels))
+    for row, i in enumerate(real):
+        p, idx = probs[row].topk(k)
+        rows[i] = "\t".join(f"{clf.labels[j]}\t{float(q):.4f}" for q, j in zip(p.tolist(), idx.tolist()))
+    for i in range(len(texts)):
+        print(rows[i])
+    return 0
