@@ -63,8 +63,8 @@ def _column(path: str, columns: list[str], given: str | None, guesses: tuple[str
         return given
     found = next((c for c in guesses if c in columns), None)
     if found is None:
-        raise ValueError(f"{path}: no {what} column ({' or '.join(repr(g) for g in guesses[:2])}; columns: "
-                         f"{', '.join(columns)}); name it with {flag}")
+        raise ValueError(f"{path}: no {what} column (looked for {', '.join(guesses)}; found {', '.join(columns)}); "
+                         f"name it with {flag}")
     return found
 
 
