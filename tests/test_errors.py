@@ -22,6 +22,8 @@ TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 PAIRS = [f"{a} {b}\t{b} {a}" for a in ["one", "two", "three"] for b in ["cat", "dog"]]
 TINY_TR = ["--tokenizer", "word", "--steps", "3", "--eval-every", "3", "--d-model", "16", "--heads", "2",
            "--layers", "1", "--d-ff", "32", "--max-tokens", "256", "--eval-size", "4", "--no-progress"]
+REVIEWS = "text\tlabel\n" + "a great film\tpos\na dull film\tneg\n" * 4
+TINY_CLS = ["--steps", "2", "--d-model", "16", "--heads", "2", "--layers", "1", "--no-progress"]
 TINY_LM = ["--steps", "3", "--eval-every", "3", "--d-model", "16", "--heads", "2", "--layers", "1",
            "--context", "16", "--batch-size", "4", "--sample-tokens", "0", "--no-progress"]
 
@@ -40,11 +42,13 @@ def home(tmp_path_factory):
     d = tmp_path_factory.mktemp("errors")
     (d / "pairs.tsv").write_text("\n".join(PAIRS * 4) + "\n")
     (d / "text.txt").write_text(TEXT)
+    (d / "reviews.tsv").write_text(REVIEWS)
     cwd = os.getcwd()
     os.chdir(d)
     try:
         assert main(["train", "translate", "--data", "pairs.tsv", "--valid", "pairs.tsv", "--out", "tr", *TINY_TR]) == 0
         assert main(["train", "lm", "--data", "text.txt", "--out", "lm", *TINY_LM]) == 0
+        assert main(["train", "classify", "--data", "reviews.tsv", "--out", "cls", *TINY_CLS]) == 0
     finally:
         os.chdir(cwd)
     return d
@@ -53,7 +57,7 @@ def home(tmp_path_factory):
 @pytest.fixture
 def work(home, tmp_path, monkeypatch):
     """A fresh copy of the two runs and their data, as the current directory."""
-    for name in ("pairs.tsv", "text.txt", "tr", "lm"):
+    for name in ("pairs.tsv", "text.txt", "reviews.tsv", "tr", "lm", "cls"):
         (shutil.copytree if (home / name).is_dir() else shutil.copy)(home / name, tmp_path / name,
                                                                      **({"symlinks": True} if (home / name).is_dir()
                                                                         else {}))
@@ -148,6 +152,8 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
     if name == "tsv-malformed":
         Path("bad.tsv").write_text("one cat\tcat one\nno tab here\n")
         return cli("eval", "tr", "--data", "bad.tsv")
+    if name.startswith(("classify-", "init-", "embed-")):
+        return _classify_probe(name, cli)
     if name == "device-unknown":
         return cli("generate", "lm", "--device", "foo")
     if name == "device-no-cuda":
@@ -212,6 +218,40 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         code, out, err = cli("generate", "nothing")
         assert code == 2 and "no checkpoint at nothing" in err
         return 1, "", "the traceback of the user error"
+    raise AssertionError(f"docs/errors.md names the probe {name!r}, which tests/test_errors.py does not run")
+
+
+def _classify_probe(name: str, cli) -> tuple[int, str, str]:
+    """The probes of text classification (a classify run ``cls`` trained on ``reviews.tsv``)."""
+    files = {"classify-empty-file": ("empty.tsv", ""),
+             "classify-no-label-column": ("scores.tsv", "text\tscore\ngood\t5\n"),
+             "classify-bad-jsonl": ("bad.jsonl", '{"text": "good", "label": "pos"}\n{"text": good}\n'),
+             "classify-jsonl-array": ("list.jsonl", "[1, 2]\n"),
+             "classify-fields": ("ragged.tsv", "text\tlabel\ngood\tpos\nbad\tneg\textra\n"),
+             "classify-empty-text": ("blank.csv", 'text,label\n"",pos\n'),
+             "classify-format": ("reviews.txt", "good\tpos\n")}
+    if name in files:
+        file, content = files[name]
+        Path(file).write_text(content)
+        return cli("train", "classify", "--data", file, "--out", "r")
+    if name == "classify-unknown-column":
+        return cli("train", "classify", "--data", "reviews.tsv", "--label-column", "stars", "--out", "r")
+    if name == "classify-valid-label":
+        Path("valid.tsv").write_text("text\tlabel\nfine\tpos\nso so\tneutral\n")
+        return cli("train", "classify", "--data", "reviews.tsv", "--valid", "valid.tsv", "--out", "r")
+    if name == "classify-eval-label":
+        Path("other.tsv").write_text("text\tlabel\nso so\tneutral\n")
+        return cli("eval", "cls", "--data", "other.tsv")
+    if name == "classify-other-kind":
+        return cli("classify", "lm", "a text")
+    if name == "classify-top-zero":
+        return cli("classify", "cls", "--top", "0", "a text")
+    if name == "init-no-encoder":
+        return cli("train", "classify", "--init", "tr", "--data", "reviews.tsv", "--out", "r")
+    if name == "embed-out-not-npy":
+        return cli("embed", "cls", "a text", "--out", "vectors.txt")
+    if name == "embed-translation":
+        return cli("embed", "tr", "a text")
     raise AssertionError(f"docs/errors.md names the probe {name!r}, which tests/test_errors.py does not run")
 
 

@@ -20,6 +20,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=1, metavar="K", help="print the K most likely labels (default 1)")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    texts_anywhere(p)
+
+
+def texts_anywhere(p: argparse.ArgumentParser) -> None:
+    """Let the ``texts`` positional take texts after options too (``RUN --top 2 "text"``): argparse
+    binds an empty ``nargs="*"`` positional with the first one and would reject the later texts as
+    unrecognized arguments, so those are moved back into ``texts``."""
+    plain = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, extras = plain(args, namespace)
+        texts = [a for a in extras if not a.startswith("-")]
+        namespace.texts = list(namespace.texts or []) + texts
+        return namespace, [a for a in extras if a.startswith("-")]
+
+    p.parse_known_args = parse_known_args
 
 
 def run(args: argparse.Namespace) -> int:
