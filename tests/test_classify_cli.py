@@ -5,23 +5,17 @@ base encoder (here a family registered in this file alone, with a Hugging Face t
 import io
 import json
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
 
-import attnlab
 from attnlab.cli import main
 from attnlab.data.labelled import read_labelled, sort_labels
-from attnlab.models.registry import register_family
-from attnlab.nn import EncoderLayer
 from attnlab.tasks import open_run
 from attnlab.tasks.classify import classification_scores, load_classifier
+from _toy_encoder import REVIEWS, toy_encoder_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--no-progress"]
-REVIEWS = [("a great film", "pos"), ("a dull film", "neg"), ("great acting", "pos"), ("dull acting", "neg"),
-           ("truly great", "pos"), ("so dull", "neg")]
 
 
 def _cli(capsys, *args, stdin=None, monkeypatch=None):
@@ -119,57 +113,6 @@ def test_a_file_run_saves_its_labels_and_resumes(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- --init: any base encoder
-@dataclass
-class ToyEncoderConfig:
-    vocab_size: int = 16
-    d_model: int = 16
-    num_heads: int = 2
-    num_layers: int = 1
-    max_seq_len: int = 32
-
-
-class ToyEncoder(nn.Module):
-    """A bidirectional encoder whose forward gives the last hidden state, like BertModel."""
-
-    def __init__(self, config: ToyEncoderConfig):
-        super().__init__()
-        self.config = c = config
-        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
-        self.position = nn.Embedding(c.max_seq_len, c.d_model)
-        self.layers = nn.ModuleList(EncoderLayer(c.d_model, c.num_heads, 2 * c.d_model, 0.0, norm_first=True)
-                                    for _ in range(c.num_layers))
-
-    def forward(self, input_ids, attention_mask=None):
-        x = self.embedding(input_ids) + self.position(torch.arange(input_ids.size(1)))
-        for layer in self.layers:
-            x = layer(x, key_padding_mask=None if attention_mask is None else attention_mask.bool())
-        return x
-
-
-def _toy_sizes(*, vocab_size, context, d_model, num_heads, num_layers, d_ff=None, dropout=0.0):
-    return ToyEncoderConfig(vocab_size, d_model, num_heads, num_layers, context)
-
-
-TOY = register_family("toy-encoder", ToyEncoderConfig, presets={"tiny": {}}, build_config=_toy_sizes)
-TOY.register("ToyEncoder", ToyEncoder, kind="base")
-
-
-def toy_encoder_dir(path):
-    """A pretrained-model directory: config.json + model.safetensors + a WordPiece-like tokenizer.json
-    that adds [CLS] and [SEP], as a BERT directory holds."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    words = sorted({w for t, _ in REVIEWS for w in t.split()})
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
-    torch.manual_seed(0)
-    attnlab.save_pretrained(ToyEncoder(ToyEncoderConfig(vocab_size=len(vocab))), path)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
-                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    tok.save(str(path / "tokenizer.json"))
-    return path
-
-
 def test_init_fine_tunes_any_registered_base_encoder(tmp_path, capsys):
     encoder = toy_encoder_dir(tmp_path / "encoder")
     data = tmp_path / "reviews.tsv"

@@ -1,0 +1,63 @@
+"""A base-encoder family registered by the tests alone (kind "base", like BertModel), and a
+pretrained-model directory of it with a Hugging Face tokenizer.json that adds [CLS] and [SEP]:
+what `attnlab train classify --init` and `attnlab embed` take from any registered family."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import attnlab
+from attnlab.models.registry import register_family
+from attnlab.nn import EncoderLayer
+
+REVIEWS = [("a great film", "pos"), ("a dull film", "neg"), ("great acting", "pos"), ("dull acting", "neg"),
+           ("truly great", "pos"), ("so dull", "neg")]
+@dataclass
+class ToyEncoderConfig:
+    vocab_size: int = 16
+    d_model: int = 16
+    num_heads: int = 2
+    num_layers: int = 1
+    max_seq_len: int = 32
+
+
+class ToyEncoder(nn.Module):
+    """A bidirectional encoder whose forward gives the last hidden state, like BertModel."""
+
+    def __init__(self, config: ToyEncoderConfig):
+        super().__init__()
+        self.config = c = config
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.position = nn.Embedding(c.max_seq_len, c.d_model)
+        self.layers = nn.ModuleList(EncoderLayer(c.d_model, c.num_heads, 2 * c.d_model, 0.0, norm_first=True)
+                                    for _ in range(c.num_layers))
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.embedding(input_ids) + self.position(torch.arange(input_ids.size(1)))
+        for layer in self.layers:
+            x = layer(x, key_padding_mask=None if attention_mask is None else attention_mask.bool())
+        return x
+
+
+def _toy_sizes(*, vocab_size, context, d_model, num_heads, num_layers, d_ff=None, dropout=0.0):
+    return ToyEncoderConfig(vocab_size, d_model, num_heads, num_layers, context)
+
+
+TOY = register_family("toy-encoder", ToyEncoderConfig, presets={"tiny": {}}, build_config=_toy_sizes)
+TOY.register("ToyEncoder", ToyEncoder, kind="base")
+
+
+def toy_encoder_dir(path):
+    """A pretrained-model directory: config.json + model.safetensors + a WordPiece-like tokenizer.json
+    that adds [CLS] and [SEP], as a BERT directory holds."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    words = sorted({w for t, _ in REVIEWS for w in t.split()})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
+    torch.manual_seed(0)
+    attnlab.save_pretrained(ToyEncoder(ToyEncoderConfig(vocab_size=len(vocab))), path)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(path / "tokenizer.json"))
+    return path
