@@ -133,3 +133,12 @@ def test_init_fine_tunes_any_registered_base_encoder(tmp_path, capsys):
     code, _, err = _cli(capsys, "train", "classify", "--init", encoder, "--data", data, "--out", tmp_path / "r2",
                         "--steps", "2", "--no-progress")
     assert code == 0 and "lr 5e-05" in err
+
+
+def test_the_sst2_recipe_is_what_a_file_of_its_size_gets_by_default():
+    from attnlab.recipes import load_recipe
+    from attnlab.tasks.classify import FILE_SIZES
+    recipe = load_recipe("sst2")
+    sizes = next(v for most, v in FILE_SIZES if 60_614 <= most)
+    assert recipe.task == "classify" and recipe.requires_data
+    assert {k: recipe.settings[k] for k in sizes if k != "steps"} == {k: v for k, v in sizes.items() if k != "steps"}
