@@ -248,6 +248,8 @@ def _classify_probe(name: str, cli) -> tuple[int, str, str]:
         return cli("classify", "cls", "--top", "0", "a text")
     if name == "init-no-encoder":
         return cli("train", "classify", "--init", "tr", "--data", "reviews.tsv", "--out", "r")
+    if name == "init-with-sizes":
+        return cli("train", "classify", "--init", "enc", "--data", "reviews.tsv", "--d-model", "64", "--out", "r")
     if name == "embed-out-not-npy":
         return cli("embed", "cls", "a text", "--out", "vectors.txt")
     if name == "embed-translation":

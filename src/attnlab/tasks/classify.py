@@ -63,6 +63,7 @@ EMBEDDED_SIZES = dict(tokenizer="word", vocab_size=None, d_model=64, heads=4, la
 # fine-tuning a pretrained encoder (BERT's recipe: 2e-5..5e-5, warmup, 2-4 epochs)
 INIT_SIZES = dict(dropout=0.1, batch_size=32, lr=5e-5, warmup=200, steps=None)
 BUDGET_EVALS = 4
+_SCRATCH_ONLY = ("tokenizer", "vocab_size", "d_model", "heads", "layers", "d_ff")
 BUDGET_STEP_CAP = 1_000_000
 
 
@@ -250,6 +251,16 @@ class Classify(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ defaults
+    def check(self, s: dict) -> None:
+        if s["init"] is not None:
+            scratch = [f"--{n.replace('_', '-')}" for n in _SCRATCH_ONLY if s[n] is not None]
+            if scratch:
+                raise ValueError(f"{', '.join(scratch)}: only for a classifier trained from scratch; with --init the "
+                                 "pretrained model brings its own tokenizer and sizes")
+        if s["valid"] is not None and s["data"] is None:
+            raise ValueError("--valid: give the training data too (--data FILE); the embedded data set has its own "
+                             "validation split")
+
     def _sizes(self, s: dict, n_texts: int) -> dict:
         if s["init"] is not None:
             base = dict(INIT_SIZES, steps=max(200, min(20000, 3 * n_texts // INIT_SIZES["batch_size"])))
