@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 __all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
-           "positive", "non_negative", "fraction", "beyond_specials", "BUDGET_MEASURE", "describe_training"]
+           "positive", "non_negative", "fraction", "beyond_specials", "BUDGET_MEASURE", "BUDGET_STEP_CAP",
+           "training_schedule", "describe_training"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,25 @@ def fraction(v) -> str | None:
 
 
 BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time-budget
+BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
+
+
+def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval_every: Callable[[int, bool], int],
+                      budget_evals: int) -> dict:
+    """The Trainer's length, lr, warmup and evaluation settings (a task's ``train_config`` base)
+    from the settings ``s`` and the task's sizes ``d`` (its default ``steps`` and ``lr``); a
+    flag given always wins. Without --steps, --time-budget sizes the schedule (``steps`` is then
+    only a cap). ``warmup(steps, budget)`` and ``eval_every(steps, budget)`` give the task's
+    defaults; ``budget_evals`` evaluations are spread over a budget-sized schedule unless
+    --eval-every or --save-every is given."""
+    budget = s["time_budget"] is not None and s["steps"] is None
+    steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
+    own_evals = s["eval_every"] is not None or s["save_every"] is not None
+    return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"],
+                warmup_steps=s["warmup"] if s["warmup"] is not None else warmup(steps, budget),
+                eval_every=s["eval_every"] if s["eval_every"] is not None else eval_every(steps, budget),
+                budget_schedule=budget, budget_measure=BUDGET_MEASURE,
+                budget_evals=0 if own_evals or not budget else budget_evals)
 
 
 def describe_training(s: dict, t: dict) -> str:

@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from ..data.batching import plan_batches
 from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
 from ..tokenizer import PAD_ID, Tokenizer
-from .base import (BUDGET_MEASURE, Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction,
-                   positive, register_task)
+from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, positive,
+                   register_task, training_schedule)
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
 
 __all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "encode_texts",
@@ -64,7 +64,6 @@ EMBEDDED_SIZES = dict(tokenizer="word", vocab_size=None, d_model=64, heads=4, la
 INIT_SIZES = dict(dropout=0.1, batch_size=32, lr=5e-5, warmup=200, steps=None)
 BUDGET_EVALS = 4
 _SCRATCH_ONLY = ("tokenizer", "vocab_size", "d_model", "heads", "layers", "d_ff")
-BUDGET_STEP_CAP = 1_000_000
 
 
 def encode_texts(tok: Tokenizer, texts: Sequence[str], max_len: int) -> list[list[int]]:
@@ -95,16 +94,24 @@ def _batches(ids: list[list[int]], batch_size: int, max_len: int, **plan) -> lis
 
 
 class ClassificationTask:
-    """The Trainer's view of classification (see :class:`attnlab.train.Task`): texts as ids,
-    labels as indices into the sorted label set."""
+    """The Trainer's view of classification (see :class:`attnlab.train.Task`): (text, label)
+    pairs become ids of at most ``max_len`` tokens and indices into ``labels``."""
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, labels: list[str], train: tuple[list, list],
-                 valid: tuple[list, list], *, batch_size: int, max_len: int):
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, labels: list[str], train: list[tuple[str, str]],
+                 valid: list[tuple[str, str]], *, batch_size: int, max_len: int):
         self.model, self.tokenizer, self.labels = model, tokenizer, labels
-        self.train_ids, self.train_y = train
-        self.valid_ids, self.valid_y = valid
         self.batch_size, self.max_len = batch_size, max_len
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else PAD_ID
+        self.train_ids, self.train_y = self._encode(train, "training")
+        self.valid_ids, self.valid_y = self._encode(valid, "validation")
+
+    def _encode(self, pairs: list[tuple[str, str]], name: str) -> tuple[list[list[int]], list[int]]:
+        index = {label: i for i, label in enumerate(self.labels)}
+        unknown = sorted({y for _, y in pairs} - index.keys())
+        if unknown:
+            raise ValueError(f"the {name} data has label(s) {', '.join(unknown)} that the model does not know "
+                             f"({', '.join(self.labels)})")
+        return encode_texts(self.tokenizer, [x for x, _ in pairs], self.max_len), [index[y] for _, y in pairs]
 
     def _collate(self, ids: list, y: list, batch: list[int]) -> dict:
         input_ids, mask = pad_batch([ids[i] for i in batch], self.pad_id)
@@ -271,17 +278,12 @@ class Classify(TaskDefinition):
         return {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
 
     def _schedule(self, s: dict, d: dict) -> dict:
-        budget = s["time_budget"] is not None and s["steps"] is None
-        steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
-        if s["warmup"] is not None:
-            warmup = s["warmup"]
-        else:
-            warmup = d["warmup"] if budget else min(d["warmup"], max(1, steps // 10))
-        own_evals = s["eval_every"] is not None or s["save_every"] is not None
-        eval_every = s["eval_every"] if s["eval_every"] is not None else max(500 if budget else steps // 5, 50)
-        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
-                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
-                    budget_evals=0 if own_evals or not budget else BUDGET_EVALS)
+        """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
+        def warmup(steps: int, budget: bool) -> int:
+            return d["warmup"] if budget else min(d["warmup"], max(1, steps // 10))     # a tenth at most
+
+        return training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 50),
+                                 BUDGET_EVALS)
 
     # ------------------------------------------------------------------ data and model
     def _data(self, s: dict) -> tuple[list, list, list, int]:
@@ -338,16 +340,8 @@ class Classify(TaskDefinition):
             labels = sort_labels(y for _, y in train)
             model, tok = (self._pretrained(s, labels) if s["init"] is not None
                           else self._scratch(s, d, [x for x, _ in train], labels))
-        index = {label: i for i, label in enumerate(labels)}
-        for name, pairs in (("training", train), ("validation", valid)):
-            unknown = sorted({y for _, y in pairs} - set(index))
-            if unknown:
-                raise RunError(f"the {name} data has label(s) {', '.join(unknown)} that the run at {resume_from} "
-                               f"does not know ({', '.join(labels)})")
         max_len = min(s["max_len"], _context(model))
-        encode = lambda pairs: (encode_texts(tok, [x for x, _ in pairs], max_len), [index[y] for _, y in pairs])  # noqa: E731
-        task = ClassificationTask(model, tok, labels, encode(train), encode(valid), batch_size=d["batch_size"],
-                                  max_len=max_len)
+        task = ClassificationTask(model, tok, labels, train, valid, batch_size=d["batch_size"], max_len=max_len)
         lines = [f"data: {'the embedded sentiment reviews' if s['data'] is None else s['data']}: {len(train):,} "
                  f"training texts, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")
                  + f"; labels: {', '.join(labels)}"]

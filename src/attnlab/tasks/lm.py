@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import BOS_ID, EOS_ID, Tokenizer
-from .base import (BUDGET_MEASURE, Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction,
-                   non_negative, positive, register_task)
+from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, non_negative,
+                   positive, register_task, training_schedule)
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
 
 __all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
@@ -63,7 +63,6 @@ FILE_SIZES: list[tuple[float, dict]] = [
 EMBEDDED_SIZES = dict(d_model=128, heads=4, layers=4, context=128, batch_size=16, dropout=0.0, lr=1e-3, warmup=None,
                       steps=2000)
 BUDGET_EVALS = 4             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
-BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
 
 def bpe_vocab_size(chars: int) -> int:
@@ -319,19 +318,13 @@ class LanguageModeling(TaskDefinition):
 
     def _schedule(self, s: dict, d: dict) -> dict:
         """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
-        budget = s["time_budget"] is not None and s["steps"] is None
-        steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
-        if s["warmup"] is not None:
-            warmup = s["warmup"]
-        elif budget:                      # shortened to a tenth of the planned steps if the budget is short
-            warmup = d["warmup"] or 80
-        else:
-            warmup = max(1, steps // 25) if d["warmup"] is None else min(d["warmup"], max(1, steps // 10))
-        own_evals = s["eval_every"] is not None or s["save_every"] is not None
-        eval_every = s["eval_every"] if s["eval_every"] is not None else max(250 if budget else steps // 10, 50)
-        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
-                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
-                    budget_evals=0 if own_evals or not budget else BUDGET_EVALS)
+        def warmup(steps: int, budget: bool) -> int:
+            if budget:                    # shortened to a tenth of the planned steps if the budget is short
+                return d["warmup"] or 80
+            return max(1, steps // 25) if d["warmup"] is None else min(d["warmup"], max(1, steps // 10))
+
+        return training_schedule(s, d, warmup, lambda steps, budget: max(250 if budget else steps // 10, 50),
+                                 BUDGET_EVALS)
 
     def _describe(self, s: dict, d: dict, t: dict, n_tokens: int, saved) -> list[str]:
         """One line per group of the chosen values (as ``attnlab train`` prints them)."""

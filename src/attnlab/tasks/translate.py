@@ -29,8 +29,8 @@ from ..data.files import read_tsv
 from ..data.numbers import number_corpus
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
-from .base import (BUDGET_MEASURE, Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction,
-                   non_negative, positive, register_task)
+from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, non_negative,
+                   positive, register_task, training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
 
 __all__ = ["TranslationTask", "Translate", "Translator", "load_translator", "score_translations", "read_pairs"]
@@ -55,7 +55,6 @@ FILE_SIZES: list[tuple[float, dict]] = [
 EMBEDDED_SIZES = dict(vocab_size=None, d_model=128, heads=4, layers=2, d_ff=256, dropout=0.1, max_tokens=2048,
                       lr=2e-3, warmup=40, steps=400)
 BUDGET_EVALS = 2             # evaluations (and checkpoints) spread over a schedule sized by --time-budget
-BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
 
 def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
@@ -206,19 +205,13 @@ class Translate(TaskDefinition):
 
     def _schedule(self, s: dict, d: dict) -> dict:
         """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
-        budget = s["time_budget"] is not None and s["steps"] is None
-        steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
-        if s["warmup"] is not None:
-            warmup = s["warmup"]
-        elif budget:                      # shortened to a tenth of the planned steps if the budget is short
-            warmup = d["warmup"]
-        else:                             # a tenth of the steps, at most the corpus size's own
-            warmup = min(d["warmup"] if s["data"] is not None else 4000, max(1, steps // 10))
-        own_evals = s["eval_every"] is not None or s["save_every"] is not None
-        eval_every = s["eval_every"] if s["eval_every"] is not None else max(500 if budget else steps // 5, 100)
-        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
-                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
-                    budget_evals=0 if own_evals or not budget else BUDGET_EVALS)
+        def warmup(steps: int, budget: bool) -> int:
+            if budget:                    # shortened to a tenth of the planned steps if the budget is short
+                return d["warmup"]
+            return min(d["warmup"] if s["data"] is not None else 4000, max(1, steps // 10))   # a tenth at most
+
+        return training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 100),
+                                 BUDGET_EVALS)
 
     def _describe(self, s: dict, d: dict, n_pairs: int, src_tok, tgt_tok, saved) -> list[str]:
         """One line per group of the chosen values (as ``attnlab train`` prints them)."""
