@@ -66,6 +66,18 @@ def test_embed_takes_a_classify_run_and_a_language_model(tmp_path, capsys):
     emb = load_embedder(run, "cpu")
     v = emb.embed(["a great film", "so dull"])
     assert v.shape == (2, 16) and torch.allclose(v.norm(dim=-1), torch.ones(2), atol=1e-5)
+    lm = tmp_path / "lm"                                              # an LM run: its GPT-2 base, no head
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    assert main(["train", "lm", "--data", str(tmp_path / "t.txt"), "--out", str(lm), "--steps", "2", "--d-model", "16",
+                 "--heads", "2", "--layers", "1", "--context", "16", "--batch-size", "2", "--sample-tokens", "0",
+                 "--no-progress"]) == 0
+    from attnlab.models.gpt import GPTModel
+    from attnlab.tasks.lm import load_lm
+    trained = load_lm(lm, "cpu").model.state_dict()
+    emb = load_embedder(lm, "cpu")
+    assert isinstance(emb.model, GPTModel) and emb.embed(["the quick fox"]).shape == (1, 16)
+    base = emb.model.state_dict()
+    assert base.keys() <= trained.keys() and all(torch.equal(base[k], trained[k]) for k in base)   # the LM's weights
     hf, _ = tiny_gpt2_dir(tmp_path / "gpt2", n_embd=8)                # GPT2LMHeadModel: its base, no head
     capsys.readouterr()
     assert main(["embed", str(tmp_path / "gpt2"), "--no-normalize", "the quick fox"]) == 0
