@@ -245,7 +245,7 @@ def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int,
 
 PRESETS = {
     "tiny": dict(vocab_size=96, d_model=32, num_heads=4, num_layers=3, d_ff=48, embedding_size=16,
-                 max_position_embeddings=64),
+                 max_position_embeddings=64, classifier_dropout=0.0),
     "albert-base-v2": dict(d_model=768, num_heads=12, d_ff=3072),                             # 11.7M parameters
     "albert-large-v2": dict(d_model=1024, num_heads=16, num_layers=24, d_ff=4096),            # 17.7M
     "albert-xlarge-v2": dict(d_model=2048, num_heads=16, num_layers=24, d_ff=8192),           # 58.7M

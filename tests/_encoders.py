@@ -1,0 +1,51 @@
+"""Helpers of the encoder parity tests (tests/test_albert.py, tests/test_deberta.py): a random
+transformers model saved and loaded through attnlab, right-padded batches, comparisons over the
+real tokens only, and the padded-equals-alone check (padding must not change a real token)."""
+from __future__ import annotations
+
+import torch
+
+import attnlab
+import contract
+from _tolerance import FP32, assert_close_scaled
+
+
+def hf_pair(hf_cls, hf_config, tmp_path, seed: int = 0):
+    """(transformers model with O(1) random weights, the attnlab model loaded from its
+    save_pretrained directory), both in eval mode."""
+    torch.manual_seed(seed)
+    hf = hf_cls(hf_config)
+    contract.randomize_(hf, seed)
+    hf.eval().save_pretrained(tmp_path)
+    return hf, attnlab.from_pretrained(tmp_path)
+
+
+def padded_batch(vocab_size: int, lengths: list[int], seed: int = 0, types: int = 0):
+    """(ids (B, L), mask (B, L) True for real tokens, token types or None): right padding, with
+    junk ids in the padding so that a leak shows; token types 0 then 1 from the middle of each row."""
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.randint(0, vocab_size, (len(lengths), L), generator=g)
+    mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    token_types = None
+    if types > 1:
+        token_types = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None] // 2).long() * mask
+    return ids, mask, token_types
+
+
+def close_on_real(got, want, mask, what: str, rtol: float = FP32) -> None:
+    """Compare (B, T, ...) outputs at the real tokens only (padding rows are free to differ)."""
+    assert_close_scaled(got[mask], want[mask], rtol, what)
+
+
+def check_padding_invariance(model, vocab_size: int, lengths: list[int], what: str, types: int = 0) -> None:
+    """Each row of a right-padded batch equals that row alone, unpadded, at its real tokens.
+    Works on per-token outputs (B, T, ...) and per-sequence ones (B, C)."""
+    ids, mask, token_types = padded_batch(vocab_size, lengths, seed=3, types=types)
+    with torch.no_grad():
+        batch = contract.outputs(model(ids, mask, token_types))
+        for b, n in enumerate(lengths):
+            alone = contract.outputs(model(ids[b:b + 1, :n], None, None if token_types is None else token_types[b:b + 1, :n]))
+            for got, want in zip(batch, alone, strict=True):
+                got = got[b, :n] if got.dim() >= 3 else got[b]
+                assert_close_scaled(got, want[0], FP32, f"{what}: row {b} padded vs alone")
