@@ -27,8 +27,8 @@ from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, MaskedLMHead, check_inputs, init_weights, labels_from_hf,
-                      labels_to_hf)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, MaskedLMHead, check_inputs, init_weights,
+                      labels_from_hf, labels_to_hf)
 from .registry import register_family
 
 __all__ = ["AlbertConfig", "Albert", "AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining",
@@ -102,8 +102,7 @@ class Albert(nn.Module):
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                token_type_ids: Tensor | None = None) -> Tensor:
         c = self.config
-        mask = check_inputs(self, input_ids, attention_mask, token_type_ids, c.max_position_embeddings,
-                            c.type_vocab_size)
+        mask = check_inputs(self, input_ids, attention_mask, token_type_ids)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.position_embedding(self.token_embedding(input_ids) + self.token_type_embedding(types))
         x = self.embedding_proj(self.embedding_dropout(self.embedding_norm(x)))       # (B, T, E_emb) -> (B, T, E)
@@ -180,10 +179,7 @@ class AlbertForSequenceClassification(Albert):
 # ----------------------------------------------------------------------------- Hugging Face
 _LAYER, _HF_LAYER = "groups.{g}.{j}.", "encoder.albert_layer_groups.{g}.albert_layers.{j}."
 BASE_RULES = [
-    Rule("token_embedding.weight", "embeddings.word_embeddings.weight"),
-    Rule("position_embedding.weight", "embeddings.position_embeddings.weight"),
-    Rule("token_type_embedding.weight", "embeddings.token_type_embeddings.weight"),
-    Rule("embedding_norm.{p}", "embeddings.LayerNorm.{p}"),
+    *EMBEDDING_RULES,
     Rule("embedding_proj.{p}", "encoder.embedding_hidden_mapping_in.{p}"),
     *(Rule(_LAYER + ours + ".{p}", _HF_LAYER + theirs + ".{p}") for ours, theirs in [
         ("self_attn.q_proj", "attention.query"), ("self_attn.k_proj", "attention.key"),

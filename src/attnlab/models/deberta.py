@@ -33,8 +33,8 @@ from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, MaskedLMHead, activation_module, check_inputs, init_weights,
-                      labels_from_hf, labels_to_hf)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, MaskedLMHead, activation_module, check_inputs,
+                      init_weights, labels_from_hf, labels_to_hf)
 from .registry import register_family
 
 __all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaV2",
@@ -206,9 +206,7 @@ class DebertaV2(nn.Module):
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                token_type_ids: Tensor | None = None) -> Tensor:
-        c = self.config
-        mask = check_inputs(self, input_ids, attention_mask, token_type_ids, c.max_position_embeddings,
-                            c.type_vocab_size)
+        mask = check_inputs(self, input_ids, attention_mask, token_type_ids)
         x = self.token_embedding(input_ids)
         if self.position_embedding is not None:
             x = self.position_embedding(x)
@@ -269,11 +267,8 @@ class DebertaV2ForSequenceClassification(DebertaV2):
 # ----------------------------------------------------------------------------- Hugging Face
 _LAYER, _HF_LAYER = "layers.{i}.", "encoder.layer.{i}."
 BASE_RULES = [
-    Rule("token_embedding.weight", "embeddings.word_embeddings.weight"),
-    Rule("position_embedding.weight", "embeddings.position_embeddings.weight"),
-    Rule("token_type_embedding.weight", "embeddings.token_type_embeddings.weight"),
+    *EMBEDDING_RULES,
     Rule("embedding_proj.weight", "embeddings.embed_proj.weight"),
-    Rule("embedding_norm.{p}", "embeddings.LayerNorm.{p}"),
     Rule("relative.weight", "encoder.rel_embeddings.weight"),
     Rule("relative.norm.{p}", "encoder.LayerNorm.{p}"),
     *(Rule(_LAYER + ours + ".{p}", _HF_LAYER + theirs + ".{p}") for ours, theirs in [

@@ -12,10 +12,18 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.norm import LayerNorm
+from .convert import Rule
 
-__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "activation_module", "check_inputs", "init_weights", "MaskedLMHead", "labels_from_hf",
+__all__ = ["EMBEDDING_RULES", "ACT_FROM_HF", "ACT_TO_HF", "activation_module", "check_inputs", "init_weights", "MaskedLMHead", "labels_from_hf",
            "labels_to_hf"]
 
+# the input embeddings' weights, named alike in BERT-style checkpoints (relative to the base)
+EMBEDDING_RULES = [
+    Rule("token_embedding.weight", "embeddings.word_embeddings.weight"),
+    Rule("position_embedding.weight", "embeddings.position_embeddings.weight"),
+    Rule("token_type_embedding.weight", "embeddings.token_type_embeddings.weight"),
+    Rule("embedding_norm.{p}", "embeddings.LayerNorm.{p}"),
+]
 # Hugging Face's activation names <-> FeedForward's ("gelu_new" is GPT-2's tanh approximation)
 ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
@@ -28,13 +36,15 @@ def activation_module(name: str) -> nn.Module:
     return nn.GELU(approximate="tanh") if name == "gelu_tanh" else nn.GELU() if name == "gelu" else nn.ReLU()
 
 
-def check_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None,
-                 max_len: int | None, type_vocab_size: int) -> Tensor | None:
-    """Validate an encoder's inputs; returns the (B, T) boolean padding mask (True = real
-    token), or None when there is no padding. One clear ValueError per problem: ids not a
-    non-empty integer (B, T) tensor or out of [0, vocab_size), a sequence longer than
-    ``max_len`` (None: no limit), a mask or token types of another shape, a type out of range."""
+def check_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                 token_type_ids: Tensor | None) -> Tensor | None:
+    """Validate an encoder's inputs against ``model.config`` (vocab_size, max_position_embeddings,
+    type_vocab_size); returns the (B, T) boolean padding mask (True = real token), or None when
+    there is no padding. One clear ValueError per problem: ids not a non-empty integer (B, T)
+    tensor or out of [0, vocab_size), a sequence longer than the positions, a mask or token
+    types of another shape, a type out of range."""
     who, V = type(model).__name__, model.config.vocab_size
+    max_len, type_vocab_size = model.config.max_position_embeddings, model.config.type_vocab_size
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0 \
             or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"{who}: input_ids must be a non-empty integer (batch, seq) tensor, got "
@@ -44,7 +54,7 @@ def check_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | N
     lo, hi = (int(v) for v in input_ids.aminmax())
     if lo < 0 or hi >= V:
         raise ValueError(f"{who}: token id {hi if hi >= V else lo} is out of range [0, vocab_size={V})")
-    if max_len is not None and T > max_len:
+    if T > max_len:
         raise ValueError(f"{who}: a sequence of {T} tokens is longer than the model's {max_len} positions")
     if token_type_ids is not None:
         if token_type_ids.shape != (B, T):
