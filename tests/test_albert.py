@@ -137,3 +137,14 @@ def test_unsupported_configs_are_refused_by_name():
         AlbertConfig(num_layers=2, num_hidden_groups=3)
     with pytest.raises(ValueError, match="not divisible"):
         AlbertConfig(d_model=30, num_heads=4)
+
+
+@pytest.mark.parametrize("preset, parameters", [("albert-base-v2", 11_683_584), ("albert-large-v2", 17_683_968),
+                                                ("albert-xlarge-v2", 58_724_864), ("albert-xxlarge-v2", 222_595_584)])
+def test_presets_have_the_published_sizes(preset, parameters):
+    """The paper's 12M / 18M / 60M / 235M (table 1 rounds, and counts slightly differently), exactly
+    as transformers' AlbertModel counts them for the same config."""
+    fam = attnlab.models.family("albert")
+    with torch.device("meta"):
+        model = fam.default.build(fam.preset(preset))
+    assert sum(p.numel() for p in model.parameters()) == parameters

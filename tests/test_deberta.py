@@ -168,3 +168,14 @@ def test_unsupported_configs_are_refused_by_name():
         DebertaV2Config(pos_att_type=("p2p",))
     with pytest.raises(ValueError, match="needs at least one of pos_att_type"):
         DebertaV2Config(pos_att_type=())
+
+
+@pytest.mark.parametrize("preset, parameters", [("deberta-v3-xsmall", 70_682_112), ("deberta-v3-small", 141_304_320),
+                                                ("deberta-v3-base", 183_831_552), ("deberta-v3-large", 434_012_160)])
+def test_presets_have_the_published_sizes(preset, parameters):
+    """Microsoft's DeBERTa-v3 sizes (the 128k-token embedding is most of the smaller ones), as
+    transformers' DebertaV2Model counts them for the same config."""
+    fam = attnlab.models.family("deberta-v2")
+    with torch.device("meta"):
+        model = fam.default.build(fam.preset(preset))
+    assert sum(p.numel() for p in model.parameters()) == parameters
