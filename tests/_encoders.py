@@ -74,7 +74,8 @@ def check_padding_invariance(model, vocab_size: int, lengths: list[int], what: s
     with torch.no_grad():
         batch = contract.outputs(model(ids, mask, token_types))
         for b, n in enumerate(lengths):
-            alone = contract.outputs(model(ids[b:b + 1, :n], None, None if token_types is None else token_types[b:b + 1, :n]))
+            types_alone = None if token_types is None else token_types[b:b + 1, :n]
+            alone = contract.outputs(model(ids[b:b + 1, :n], None, types_alone))
             for got, want in zip(batch, alone, strict=True):
                 got = got[b, :n] if got.dim() >= 3 else got[b]
                 assert_close_scaled(got, want[0], FP32, f"{what}: row {b} padded vs alone")

@@ -77,14 +77,16 @@ class DebertaV2Config:
             if getattr(self, name) <= 0:
                 raise ValueError(f"DebertaV2Config: {name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
-            raise ValueError(f"DebertaV2Config: d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads})")
+            raise ValueError(f"DebertaV2Config: d_model ({self.d_model}) is not divisible by num_heads "
+                             f"({self.num_heads})")
         if not set(self.pos_att_type) <= set(TERMS):
             raise ValueError(f"DebertaV2Config: pos_att_type may hold {TERMS}, got {self.pos_att_type}")
         if self.relative_attention and not self.pos_att_type:
             raise ValueError("DebertaV2Config: relative_attention needs at least one of pos_att_type c2p, p2c")
         for name in ("activation", "pooler_activation"):
             if getattr(self, name) not in ACT_TO_HF:
-                raise ValueError(f"DebertaV2Config: {name} must be one of {tuple(ACT_TO_HF)}, got {getattr(self, name)!r}")
+                raise ValueError(f"DebertaV2Config: {name} must be one of {tuple(ACT_TO_HF)}, "
+                                 f"got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"DebertaV2Config: dropout must be in [0, 1), got {self.dropout}")
         if self.id2label is not None and sorted(self.id2label) != list(range(self.num_labels)):
@@ -141,7 +143,8 @@ class DisentangledPosition(AttentionPosition):
                  scale: float, buckets: int, max_position: int, shared: bool):
         super().__init__()
         self._table, self._attention = (table,), (attention,)        # tuples: not registered submodules
-        self.terms, self.scale, self.buckets, self.max_position, self.shared = terms, scale, buckets, max_position, shared
+        self.terms, self.scale, self.shared = terms, scale, shared
+        self.buckets, self.max_position = buckets, max_position
         E = attention.d_model
         if not shared:
             if "c2p" in terms:

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from ..nn.norm import LayerNorm
 from .convert import Rule
 
-__all__ = ["EMBEDDING_RULES", "ACT_FROM_HF", "ACT_TO_HF", "activation_module", "check_inputs", "init_weights", "MaskedLMHead", "labels_from_hf",
-           "labels_to_hf"]
+__all__ = ["EMBEDDING_RULES", "ACT_FROM_HF", "ACT_TO_HF", "activation_module", "check_inputs", "init_weights",
+           "MaskedLMHead", "labels_from_hf", "labels_to_hf"]
 
 # the input embeddings' weights, named alike in BERT-style checkpoints (relative to the base)
 EMBEDDING_RULES = [
@@ -58,7 +58,8 @@ def check_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | N
         raise ValueError(f"{who}: a sequence of {T} tokens is longer than the model's {max_len} positions")
     if token_type_ids is not None:
         if token_type_ids.shape != (B, T):
-            raise ValueError(f"{who}: token_type_ids must be (batch, seq) = {(B, T)}, got {tuple(token_type_ids.shape)}")
+            raise ValueError(f"{who}: token_type_ids must be (batch, seq) = {(B, T)}, "
+                             f"got {tuple(token_type_ids.shape)}")
         lo, hi = (int(v) for v in token_type_ids.aminmax())
         if lo < 0 or hi >= type_vocab_size:
             raise ValueError(f"{who}: token type {hi if hi >= type_vocab_size else lo} is out of range "
