@@ -180,3 +180,26 @@ def test_presets_have_the_published_sizes(preset, parameters):
     with torch.device("meta"):
         model = fam.default.build(fam.preset(preset))
     assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_copies_read_their_own_table_and_projections(tmp_path):
+    """The position terms hold the model's relative table and their attention's projections by
+    reference (not as submodules): a deepcopy must read its own, and loading weights must reach them."""
+    import copy
+    config = DebertaV2Config(**attnlab.models.family("deberta-v2").presets["tiny"])
+    torch.manual_seed(0)
+    model = DebertaV2Model(config).eval()
+    contract.randomize_(model)
+    twin = copy.deepcopy(model)
+    position = twin.layers[1].self_attn.position
+    assert position._table[0] is twin.relative and position._attention[0] is twin.layers[1].self_attn
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    with torch.no_grad():
+        before = model(ids)
+        twin.relative.weight.mul_(3.0)
+        twin.layers[1].self_attn.k_proj.weight.mul_(2.0)
+        assert torch.equal(model(ids), before), "changing the copy changed the original"
+        assert (twin(ids) - before).abs().max() > 1e-3
+    attnlab.save_pretrained(twin, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(attnlab.from_pretrained(tmp_path)(ids), twin(ids))
