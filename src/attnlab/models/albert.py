@@ -14,6 +14,10 @@ group by default, every checkpoint Google published), and a group runs its
 ``inner_group_num`` layers in turn. The feed-forward is E -> d_ff -> E with GELU's tanh
 approximation ("gelu_new"), LayerNorm eps 1e-12. Attention masks: ``attention_mask`` (B, T)
 is True/1 for real tokens. Shape letters: see :mod:`attnlab.nn.attention`.
+
+One difference in training only: transformers' ALBERT layer has no dropout on the feed-forward
+output, EncoderLayer puts ``dropout`` on every residual branch; ALBERT v2 trains with dropout 0,
+where the two are the same.
 """
 from __future__ import annotations
 
