@@ -64,8 +64,8 @@ def hf_outputs(arch: Architecture, hf_out) -> tuple[torch.Tensor, ...]:
     whichever of them the output has (families name the same output differently)."""
     names = kind_of(arch).hf_output
     names = (names,) if isinstance(names, str) else names
-    return tuple(getattr(hf_out, n) if isinstance(n, str) else getattr(hf_out, next(a for a in n if hasattr(hf_out, a)))
-                 for n in names)
+    names = [n if isinstance(n, str) else next(a for a in n if hasattr(hf_out, a)) for n in names]
+    return tuple(getattr(hf_out, n) for n in names)
 
 
 def same(a, b) -> bool:
