@@ -34,7 +34,7 @@ def _ids(high: int, shape, seed: int) -> torch.Tensor:
 class Kind:
     inputs: Callable              # (config, seed) -> forward's positional arguments
     shape: Callable               # (config) -> the output's shape, or a tuple of shapes for a tuple of outputs
-    hf_output: str | tuple[str, ...] | None = None   # the field(s) of a transformers output that match ours
+    hf_output: str | tuple | None = None   # the field(s) of a transformers output that match ours
     hf_inputs: Callable = lambda x: {"input_ids": x[0]}   # forward's arguments -> transformers' keywords
 
 
@@ -45,7 +45,7 @@ KINDS = {
     "base": Kind(_TOKENS, lambda c: (B, T, c.d_model), "last_hidden_state"),
     "classifier": Kind(_TOKENS, lambda c: (B, c.num_labels), "logits"),
     "pretraining": Kind(_TOKENS, lambda c: ((B, T, c.vocab_size), (B, 2)),
-                        ("prediction_logits", "seq_relationship_logits")),
+                        ("prediction_logits", ("seq_relationship_logits", "sop_logits"))),   # BERT's, ALBERT's
     "replaced-token": Kind(_TOKENS, lambda c: (B, T), "logits"),
     "seq2seq": Kind(lambda c, seed: (_ids(c.src_vocab_size, (B, T), seed),
                                      _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)),
@@ -60,8 +60,12 @@ def outputs(out) -> tuple[torch.Tensor, ...]:
 
 
 def hf_outputs(arch: Architecture, hf_out) -> tuple[torch.Tensor, ...]:
+    """The transformers output's fields that match ours; a field given as a tuple of names is
+    whichever of them the output has (families name the same output differently)."""
     names = kind_of(arch).hf_output
-    return tuple(getattr(hf_out, n) for n in ((names,) if isinstance(names, str) else names))
+    names = (names,) if isinstance(names, str) else names
+    names = [n if isinstance(n, str) else next(a for a in n if hasattr(hf_out, a)) for n in names]
+    return tuple(getattr(hf_out, n) for n in names)
 
 
 def same(a, b) -> bool:
@@ -99,7 +103,7 @@ def inputs(arch: Architecture, model, seed: int = 1) -> tuple:
 
 # ----------------------------------------------------------------------------- checks
 def check_forward_and_gradients(arch: Architecture) -> None:
-    """Output shape, no NaN/inf, and a gradient (finite) for every parameter."""
+    """Output shape, no NaN/inf, and a gradient (finite) for every parameter the forward uses."""
     model = tiny(arch).train()
     outs = outputs(model(*inputs(arch, model)))
     shapes = kind_of(arch).shape(model.config)
@@ -109,9 +113,12 @@ def check_forward_and_gradients(arch: Architecture) -> None:
     assert all(torch.isfinite(o).all() for o in outs), f"{arch}: non-finite outputs"
     g = torch.Generator().manual_seed(2)
     sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    # a model may keep weights its checkpoint class holds but its forward does not use (ALBERT's
+    # bare AlbertModel keeps the pooler): it names their prefixes in ``kept_for_checkpoint``
+    unused = tuple(getattr(model, "kept_for_checkpoint", ()))
+    missing = [n for n, p in model.named_parameters() if p.grad is None and not n.startswith(unused)]
     assert not missing, f"{arch}: no gradient reaches {missing}"
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     assert not bad, f"{arch}: non-finite gradients in {bad}"
 
 

@@ -23,8 +23,10 @@ def _pair(k, n, bias=True, seed=0):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records oneDNN calls; the size threshold is lifted so the tests' small layers qualify."""
+    """Records oneDNN calls; the size threshold is lifted so the tests' small layers qualify, and
+    fp32 products take oneDNN whatever the CPU's vendor (where this torch has it)."""
     monkeypatch.setattr(linear_mod, "MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(linear_mod, "_FP32_ONEDNN", linear_mod.onednn_available())
     calls = []
     real = linear_mod._dnn_linear
 
@@ -74,6 +76,7 @@ def test_bad_input_width_is_named():
 
 
 def test_small_weights_stay_on_f_linear_large_ones_do_not(monkeypatch):
+    monkeypatch.setattr(linear_mod, "_FP32_ONEDNN", linear_mod.onednn_available())
     calls = []
     real = linear_mod._dnn_linear
     monkeypatch.setattr(linear_mod, "_dnn_linear", lambda *a: calls.append(a[1].shape) or real(*a))
@@ -87,11 +90,27 @@ def test_small_weights_stay_on_f_linear_large_ones_do_not(monkeypatch):
 
 def test_disabled_onednn_gives_plain_linear(monkeypatch, spy):
     monkeypatch.setattr(linear_mod, "_ONEDNN", False)
+    monkeypatch.setattr(linear_mod, "_FP32_ONEDNN", None)
     lin, fast = _pair(40, 24)
     x = torch.randn(3, 40)
     with torch.no_grad():
         assert torch.equal(fast(x), lin(x))
     assert spy == []
+
+
+@pytest.mark.parametrize("vendor, forced, want", [
+    ("AuthenticAMD", "", True), ("GenuineIntel", "", False), ("", "", False),
+    ("GenuineIntel", "onednn", True), ("AuthenticAMD", "mkl", False),
+])
+def test_fp32_products_take_onednn_off_intel_or_when_forced(monkeypatch, vendor, forced, want):
+    monkeypatch.setattr(linear_mod, "_FP32_ONEDNN", None)
+    monkeypatch.setattr(linear_mod, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setenv("ATTNLAB_FP32_LINEAR", forced)
+    assert linear_mod.fp32_onednn() is (want and linear_mod.onednn_available())
+    monkeypatch.setattr(linear_mod, "_FP32_ONEDNN", None)
+    monkeypatch.setenv("ATTNLAB_FP32_LINEAR", "blas")
+    with pytest.raises(ValueError, match="ATTNLAB_FP32_LINEAR must be"):
+        linear_mod.fp32_onednn()
 
 
 @pytest.mark.parametrize("make", [

@@ -223,17 +223,17 @@ def _random_np(rng: random.Random, nouns: list[str]) -> NP:
     return NP(noun, det, adj, plural=det == "the" and r < 0.4)
 
 
-def _random_clause(rng: random.Random, pp_prob: float, allow_that: bool) -> Clause:
+def _random_clause(rng: random.Random, pp_prob: float, allow_that: bool, subject: NP | None = None) -> Clause:
     verbs = [v for v in _VERBS if allow_that or _VERBS[v][3] != "that"]
     verb = rng.choice(verbs)
     cases = _VERBS[verb][3]
     if cases == "that":
-        return Clause(_random_np(rng, _ANIMATE), verb, that=_random_clause(rng, 0.0, allow_that=False))
+        return Clause(subject or _random_np(rng, _ANIMATE), verb, that=_random_clause(rng, 0.0, allow_that=False))
     # a dative object is a person or animal; the thing given or shown is a thing
     objects = tuple(_random_np(rng, _ANIMATE if c == "dat" else _THINGS if len(cases) == 2 else list(_NOUNS))
                     for c in cases)
     pp = (rng.choice(list(_PREPOSITIONS)), _random_np(rng, _ANIMATE)) if rng.random() < pp_prob else None
-    return Clause(_random_np(rng, _ANIMATE), verb, objects, pp)
+    return Clause(subject or _random_np(rng, _ANIMATE), verb, objects, pp)
 
 
 def random_pair(rng: random.Random) -> Pair:
@@ -286,3 +286,26 @@ def number_corpus(n_train: int = 20000, n_valid: int = 500, n_test: int = 500, s
         if len(pairs) < total:
             raise ValueError(f"the grammar gave only {len(pairs)} distinct sentences of <= {max_words} words")
     return Splits(pairs[n_test + n_valid:], pairs[n_test:n_test + n_valid], pairs[:n_test])
+
+
+def english_documents(n_documents: int = 2000, seed: int = 0, sentences: tuple[int, int] = (4, 8)) -> list[list[str]]:
+    """English documents drawn from the same grammar, for masked-LM pre-training (``attnlab train
+    mlm`` without ``--data``): each document follows one protagonist ("the old dog", "the
+    women") through ``sentences`` (min, max) sentences, each a clause with that subject, some
+    opened by an adverb. Consecutive sentences therefore share their subject while two random
+    sentences rarely do, so next-sentence prediction has a signal to learn, and the masked
+    words are predictable from their context (agreement "the dog sees" / "the dogs see",
+    objects of "give" are things, numbers are spelled out). Deterministic for a seed."""
+    if n_documents < 0 or not 1 <= sentences[0] <= sentences[1]:
+        raise ValueError("english_documents: n_documents must be >= 0 and 1 <= sentences[0] <= sentences[1]")
+    rng = random.Random(seed)
+    documents = []
+    for _ in range(n_documents):
+        noun, adj = rng.choice(_ANIMATE), rng.choice(list(_ADJECTIVES)) if rng.random() < 0.5 else None
+        protagonist = NP(noun, "the", adj, plural=rng.random() < 0.3)
+        lines = []
+        for _ in range(rng.randint(*sentences)):
+            clause = _random_clause(rng, 0.3, allow_that=True, subject=protagonist).english()
+            lines.append(f"{rng.choice(list(_ADVERBS))} {clause}" if rng.random() < 0.25 else clause)
+        documents.append(lines)
+    return documents

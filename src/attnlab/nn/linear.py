@@ -1,12 +1,13 @@
 """Faster Linear layers for inference on CPU.
 
 A decoding step multiplies one row per sequence by every weight matrix of the model: it is bound
-by how fast the weights stream from memory, not by arithmetic. On this project's 2-core AVX2 CPU,
-PyTorch's fp32 ``F.linear`` (an MKL GEMM) streams a weight at 13-16 GB/s for one row, while
-oneDNN's matmul primitive (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's own CPU
-inference paths use under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is
-also ahead for 8-128 rows (prefill, batched decoding) -- for weights of a few MB and up; small
-ones stay on ``F.linear`` (see :data:`MIN_WEIGHT_ELEMENTS`). :class:`InferenceLinear` is an
+by how fast the weights stream from memory, not by arithmetic. On a 2-core AMD EPYC, PyTorch's
+fp32 ``F.linear`` (an MKL GEMM) streams a weight at 13-16 GB/s for one row, while oneDNN's matmul
+primitive (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's own CPU inference paths use
+under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is also ahead for 8-128
+rows (prefill, batched decoding) -- for weights of a few MB and up; small ones stay on
+``F.linear`` (see :data:`MIN_WEIGHT_ELEMENTS`). On Intel CPUs MKL is as fast, so fp32 stays on
+``F.linear`` there (:func:`fp32_onednn` decides by the CPU's vendor). :class:`InferenceLinear` is an
 ``nn.Linear`` that takes that path when nothing needs a gradient, and :func:`optimize_for_inference`
 swaps every ``nn.Linear`` of a model for one (same ``Parameter`` objects: tied weights stay tied,
 ``state_dict`` keys do not change).
@@ -29,14 +30,17 @@ weights. The copies are rebuilt whenever a parameter changes (its version counte
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
-           "prepare_for_inference", "onednn_available", "MIN_WEIGHT_ELEMENTS"]
+           "prepare_for_inference", "onednn_available", "fp32_onednn", "MIN_WEIGHT_ELEMENTS"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
+_FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
 
 # oneDNN costs ~20 us more per call than MKL here; it pays off once the weight is large enough
 # for its faster streaming to matter. Measured (one row, 2 threads): 256 x 256 takes 27 us instead
@@ -86,8 +90,41 @@ def onednn_available() -> bool:
     return _ONEDNN
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor_id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...), "" if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fp32_onednn() -> bool:
+    """Whether gradient-free fp32 products of large weights run oneDNN's matmul instead of
+    ``F.linear`` (MKL). MKL is Intel's library and streams a one-row product as fast as oneDNN on
+    an Intel CPU (an AMX Xeon at 2 threads: GPT-2 small greedy decoding 1.11x transformers with
+    ``F.linear``, 0.88x with oneDNN, benchmarks/README.md), while on AMD CPUs it takes slower
+    generic paths and oneDNN streams the weights ~1.8x faster. So: oneDNN on any other x86
+    vendor, ``F.linear`` on Intel and wherever the vendor is unknown. ``ATTNLAB_FP32_LINEAR=onednn``
+    or ``=mkl`` overrides the choice (a benchmark comparing both). bf16 products always use
+    oneDNN (its packed AMX/AVX512-BF16 kernels; :func:`set_inference_dtype`)."""
+    global _FP32_ONEDNN
+    if _FP32_ONEDNN is None:
+        forced = os.environ.get("ATTNLAB_FP32_LINEAR", "").strip().lower()
+        if forced not in ("", "onednn", "mkl"):
+            raise ValueError(f"ATTNLAB_FP32_LINEAR must be 'onednn' or 'mkl', got {forced!r}")
+        vendor = _cpu_vendor()
+        wanted = forced == "onednn" if forced else vendor not in ("GenuineIntel", "")
+        _FP32_ONEDNN = wanted and onednn_available()
+    return _FP32_ONEDNN
+
+
 class InferenceLinear(nn.Linear):
-    """``nn.Linear`` whose gradient-free fp32 CPU calls run oneDNN's matmul (see the module docstring).
+    """``nn.Linear`` whose gradient-free fp32 CPU calls run oneDNN's matmul where :func:`fp32_onednn`
+    says it is faster, and whose bf16 calls use packed weights (see the module docstring).
 
     Build one with :meth:`from_linear` (it shares the original's parameters) or directly like an
     ``nn.Linear``. The oneDNN path is taken when autograd is off or nothing involved requires a
@@ -121,7 +158,7 @@ class InferenceLinear(nn.Linear):
         if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not w.is_contiguous() \
                 or w.numel() < MIN_WEIGHT_ELEMENTS:
             return False
-        return self._no_grad(x) and onednn_available()
+        return self._no_grad(x) and fp32_onednn()
 
     def _low_precision(self, x: Tensor) -> torch.dtype | None:
         """The dtype of a gradient-free call's cached weight copy, or None for the plain path: the
