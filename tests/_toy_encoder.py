@@ -50,14 +50,34 @@ TOY.register("ToyEncoder", ToyEncoder, kind="base")
 def toy_encoder_dir(path):
     """A pretrained-model directory: config.json + model.safetensors + a WordPiece-like tokenizer.json
     that adds [CLS] and [SEP], as a BERT directory holds."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     words = sorted({w for t, _ in REVIEWS for w in t.split()})
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
     torch.manual_seed(0)
-    attnlab.save_pretrained(ToyEncoder(ToyEncoderConfig(vocab_size=len(vocab))), path)
+    attnlab.save_pretrained(ToyEncoder(ToyEncoderConfig(vocab_size=4 + len(words))), path)
+    word_tokenizer_json(path, words)
+    return path
+
+
+def word_tokenizer_json(path, words) -> None:
+    """A Hugging Face tokenizer.json: [PAD] [UNK] [CLS] [SEP] then ``words``, adding [CLS] ... [SEP]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + list(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
                                                        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tok.save(str(path / "tokenizer.json"))
+
+
+def masked_lm_dir(path, model_type: str, architecture: str):
+    """A Hugging Face directory of a registered family's masked-LM architecture (its "tiny" preset,
+    random weights of order 0.2), with a word tokenizer.json: a checkpoint whose base sits under a
+    prefix, beside a head that fine-tuning and embedding must leave out."""
+    import contract
+    from attnlab.models.registry import family
+    fam = family(model_type)
+    torch.manual_seed(0)
+    model = fam.architecture(architecture).build(fam.preset("tiny"))
+    contract.randomize_(model)
+    attnlab.save_pretrained(model, path)
+    word_tokenizer_json(path, sorted({w for t, _ in REVIEWS for w in t.split()}))
     return path

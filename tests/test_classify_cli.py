@@ -13,7 +13,7 @@ from attnlab.cli import main
 from attnlab.data.labelled import read_labelled, sort_labels
 from attnlab.tasks import open_run
 from attnlab.tasks.classify import classification_scores, load_classifier
-from _toy_encoder import REVIEWS, toy_encoder_dir  # noqa: E402  (tests/ is on sys.path under pytest)
+from _toy_encoder import REVIEWS, masked_lm_dir, toy_encoder_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--no-progress"]
 
@@ -133,6 +133,21 @@ def test_init_fine_tunes_any_registered_base_encoder(tmp_path, capsys):
     code, _, err = _cli(capsys, "train", "classify", "--init", encoder, "--data", data, "--out", tmp_path / "r2",
                         "--steps", "2", "--no-progress")
     assert code == 0 and "lr 5e-05" in err
+
+
+def test_init_takes_the_base_of_a_pretrained_masked_lm(tmp_path, capsys):
+    """A registered Hugging Face family (ALBERT): the masked-LM checkpoint's base, without its head,
+    under a new head; the run saves and reloads it through the registry."""
+    encoder = masked_lm_dir(tmp_path / "albert", "albert", "AlbertForMaskedLM")
+    data = tmp_path / "reviews.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in REVIEWS * 4))
+    out = tmp_path / "run"
+    code, _, err = _cli(capsys, "train", "classify", "--init", encoder, "--data", data, "--valid", data, "--out", out,
+                        "--steps", "3", "--no-progress")
+    assert code == 0 and "model: AlbertModel from" in err, err
+    run = open_run(out)
+    assert run.config["base_model_type"] == "albert" and run.config["base_architecture"] == "AlbertModel"
+    assert load_classifier(out).probabilities(["a great film"]).shape == (1, 2)
 
 
 def test_the_sst2_recipe_is_what_a_file_of_its_size_gets_by_default():

@@ -423,55 +423,66 @@ def _context(model: nn.Module) -> int:
     return 1 << 30
 
 
-def load_base(path: str) -> tuple[nn.Module, Tokenizer]:
-    """(a pretrained model of kind "base", its tokenizer) from a Hugging Face model
-    directory or an attnlab run. A checkpoint with a head is read as its family's base architecture
-    (the weights under the head architecture's prefix); a fine-tuned EncoderClassifier gives its encoder."""
+def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
+    """(a pretrained model of kind "base", its tokenizer) from a Hugging Face model directory or an
+    attnlab run. A checkpoint with a head (BertForMaskedLM, GPT2LMHeadModel) gives its family's
+    base architecture with the weights under the head architecture's prefix; a fine-tuned
+    EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
     from ..hub import from_pretrained
-    from ..models.pretrained import from_hf_state_dict, read_config, read_weights
+    from ..models.classifier import EncoderClassifier
+    from ..models.pretrained import read_config, read_weights, to_hf_state_dict
+    from ..models.registry import architecture_of
     from ..tokenizer import load_tokenizer
     info = inspect_path(path)
+    where = f"{flag} {path}: {info.describe()}".lstrip()
     if info.kind == "run":
         model = load_model(info.run)
-        tok = load_tokenizers(info.run)["text" if "text" in info.run.tokenizers else next(iter(info.run.tokenizers))]
-        from ..models.classifier import EncoderClassifier
+        toks = load_tokenizers(info.run)
+        tok = toks.get("text") or next(iter(toks.values()))
         if isinstance(model, EncoderClassifier):
             return model.encoder, tok
-        return _base_of(model, path, info.describe()), tok
+        arch = architecture_of(model)
+        if arch.kind == "base":
+            return model, tok
+        return _base_from(arch, model.config, to_hf_state_dict(model) if arch.family.hf else {}, where), tok
     arch, config, _ = read_config(path)
     tok = load_tokenizer(path)
     if arch.kind == "base":
         return from_pretrained(path).train(), tok
-    base_arch = _base_architecture(arch, path, info.describe())
-    base = base_arch.build(config)
-    tensors = {k[len(arch.prefix):]: v for k, v in read_weights(path).items() if k.startswith(arch.prefix)}
-    base.load_state_dict(from_hf_state_dict(base, tensors, base_arch.load_rules, base_arch.skip_on_load), strict=False)
-    return base, tok
+    return _base_from(arch, config, read_weights(path), where), tok
 
 
-def _base_architecture(arch, path: str, what: str):
-    try:
-        base_arch = arch.family.for_kind("base")
-    except ValueError:
-        base_arch = None
-    if base_arch is None or not arch.prefix:
-        raise RunError(f"--init {path}: {what}, whose family has no base encoder to fine-tune "
-                       f"(a registered architecture of kind 'base')")
-    return base_arch
-
-
-def _base_of(model: nn.Module, path: str, what: str) -> nn.Module:
-    """The base encoder inside a trained model of a Hugging Face family, through its weight map."""
+def _base_from(arch, config, checkpoint: dict[str, Tensor], where: str) -> nn.Module:
+    """The family's base architecture built from ``config``, with the base's weights from a
+    checkpoint of ``arch`` (a model with a head, whose base keys sit under ``arch.prefix``).
+    Weights the checkpoint lacks keep their fresh initialisation only if the base's output does
+    not depend on them (a pooler that a masked-LM checkpoint leaves out, as transformers allows);
+    any other missing weight is an error."""
+    from ..models.convert import convert
     from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
-    from ..models.registry import architecture_of
-    arch = architecture_of(model)
-    if arch.kind == "base":
-        return model
-    base_arch = _base_architecture(arch, path, what)
-    base = base_arch.build(model.config)
-    tensors = {k[len(arch.prefix):]: v for k, v in to_hf_state_dict(model).items() if k.startswith(arch.prefix)}
-    base.load_state_dict(from_hf_state_dict(base, tensors, base_arch.load_rules, base_arch.skip_on_load), strict=False)
+    base_arch = next((a for a in arch.family.architectures.values() if a.kind == "base"), None)
+    if base_arch is None or not arch.prefix:
+        raise RunError(f"{where}, whose family has no base encoder to fine-tune (a registered architecture of "
+                       f"kind 'base')")
+    base = base_arch.build(config)
+    tensors = {k[len(arch.prefix):]: v for k, v in checkpoint.items() if k.startswith(arch.prefix)}
+    fill = {k: v for k, v in to_hf_state_dict(base).items() if k not in tensors}
+    if fill:
+        needed = sorted(set(convert(fill, base_arch.weight_map, base.config, to_hf=False)[0]) & _used(base))
+        if needed:
+            raise RunError(f"{where}: the checkpoint lacks weights its encoder uses: {', '.join(needed[:5])}")
+    state = from_hf_state_dict(base, {**fill, **tensors}, base_arch.load_rules, base_arch.skip_on_load)
+    base.load_state_dict(state, strict=False)
     return base
+
+
+def _used(model: nn.Module) -> set[str]:
+    """The names of the parameters that the model's output depends on (those a gradient reaches)."""
+    model.zero_grad(set_to_none=True)
+    model(torch.zeros(1, 2, dtype=torch.long)).float().sum().backward()
+    used = {name for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return used
 
 
 def load_classifier(path: str | Path, device: str | torch.device | None = None) -> LoadedClassifier:

@@ -81,6 +81,6 @@ def load_embedder(path: str | Path, device: str | torch.device | None = None) ->
             from ..tokenizer import load_tokenizer
             model, tok = from_pretrained(path), load_tokenizer(path)
     if model is None:
-        model, tok = load_base(str(path))
+        model, tok = load_base(str(path), flag="")
     model = model.to(resolve_device(device)).eval()
     return Embedder(model, tok, Path(path), min(512, _context(model)))
