@@ -68,10 +68,10 @@ def word_tokenizer_json(path, words) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-def masked_lm_dir(path, model_type: str, architecture: str):
-    """A Hugging Face directory of a registered family's masked-LM architecture (its "tiny" preset,
-    random weights of order 0.2), with a word tokenizer.json: a checkpoint whose base sits under a
-    prefix, beside a head that fine-tuning and embedding must leave out."""
+def pretrained_dir(path, model_type: str, architecture: str):
+    """A Hugging Face directory of a registered family's architecture (its "tiny" preset, random
+    weights of order 0.2), with a word tokenizer.json; for a masked LM, a checkpoint whose base
+    sits under a prefix beside a head that fine-tuning and embedding must leave out."""
     import contract
     from attnlab.models.registry import family
     fam = family(model_type)

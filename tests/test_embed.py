@@ -17,7 +17,7 @@ from attnlab.models.registry import families
 from attnlab.tasks.embed import load_embedder
 from _hf_fixtures import tiny_gpt2_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 from _tolerance import FP32, assert_close_scaled  # noqa: E402
-from _toy_encoder import TOY, masked_lm_dir, toy_encoder_dir  # noqa: E402
+from _toy_encoder import TOY, pretrained_dir, toy_encoder_dir  # noqa: E402
 
 TEXTS = ["a great film", "so dull", "truly great acting and a dull film"]
 
@@ -88,11 +88,11 @@ def test_embed_takes_a_classify_run_and_a_language_model(tmp_path, capsys):
     assert_close_scaled(got, want, 1e-4, "embed of a GPT-2 directory vs transformers' GPT2Model mean")
 
 
-def test_embed_of_a_masked_lm_directory_is_its_base_as_transformers_reads_it(tmp_path, capsys):
+def test_embed_of_a_pretrained_directory_is_its_base_as_transformers_reads_it(tmp_path, capsys):
     """ALBERT's masked-LM checkpoint: the base under "albert.", the head left out; the vectors are
     the mean of transformers' AlbertModel hidden states over the real tokens."""
     import transformers
-    d = masked_lm_dir(tmp_path / "albert", "albert", "AlbertForMaskedLM")
+    d = pretrained_dir(tmp_path / "albert", "albert", "AlbertForMaskedLM")
     assert main(["embed", str(d), "--no-normalize", "a great film", "so dull"]) == 0
     got = _vectors(capsys.readouterr().out)
     hf = transformers.AlbertModel.from_pretrained(d).eval()

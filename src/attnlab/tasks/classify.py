@@ -361,9 +361,10 @@ class Classify(TaskDefinition):
             enc = type(model.encoder).__name__
             return (f"model: {enc} from {s['init']} + {s['pooling']} pooling + linear head ({n:.2f}M parameters), "
                     f"its tokenizer (vocabulary {tok.vocab_size}), dropout {d['dropout']}")
+        layers = f"{d['layers']} Pre-Norm layer" + ("s" if d["layers"] != 1 else "")
         return (f"model: TextClassifier from scratch ({n:.2f}M parameters): {d['tokenizer']} vocabulary "
-                f"{tok.vocab_size}, d_model {d['d_model']}, {d['heads']} heads, {d['layers']} Pre-Norm layers, "
-                f"{s['pooling']} pooling, dropout {d['dropout']}")
+                f"{tok.vocab_size}, d_model {d['d_model']}, {d['heads']} heads, {layers}, {s['pooling']} pooling, "
+                f"dropout {d['dropout']}")
 
     def train_config(self, s: dict, setup: Setup) -> dict:
         d = setup.extra.get("sizes") or self._sizes(s, 0)
