@@ -115,7 +115,7 @@ def describe_training(s: dict, t: dict) -> str:
     """The line ``attnlab train`` prints about the schedule, from the settings ``s`` and the task's
     ``train_config`` ``t``."""
     if t["budget_schedule"]:
-        length = (f"as many steps as the first {BUDGET_MEASURE} predict fit in the {s['time_budget']:g}-minute "
+        length = (f"as many steps as the first {t['budget_measure']} predict fit in the {s['time_budget']:g}-minute "
                   "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
                                 f"evaluation every {t['eval_every']}"))
     else:
