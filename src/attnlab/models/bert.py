@@ -42,8 +42,8 @@ from .convert import Rule, Split
 from .registry import register_family
 
 __all__ = ["BertConfig", "BertEmbeddings", "BertEncoder", "MaskedLMHead", "BertModel", "BertForMaskedLM",
-           "BertForPreTraining", "BertForSequenceClassification", "BERT", "bert_rules", "bert_config_from_hf",
-           "bert_config_to_hf", "build_config"]
+           "BertForPreTraining", "BertForSequenceClassification", "BERT", "bert_rules", "mlm_head_rules", "bert_config_from_hf",
+           "bert_config_to_hf", "build_config", "sized_fields"]
 
 
 @dataclass
@@ -336,7 +336,8 @@ def bert_rules(layers: str = "encoder.layer") -> list[Rule]:
     ]
 
 
-def _mlm_rules(ours: str, dense: str, norm: str, decoder: str, bias: str) -> list[Rule]:
+def mlm_head_rules(ours: str, dense: str, norm: str, decoder: str, bias: str) -> list[Rule]:
+    """A :class:`MaskedLMHead` called ``ours`` <-> its checkpoint names (ELECTRA's generator reuses it)."""
     return [Rule(f"{ours}.dense.{{p}}", f"{dense}.{{p}}"), Rule(f"{ours}.norm.{{p}}", f"{norm}.{{p}}"),
             Rule(f"{ours}.decoder.weight", f"{decoder}.weight"),   # tied: omitted on save, ignored on load
             Rule(f"{ours}.decoder.bias", bias)]
@@ -379,14 +380,24 @@ def bert_config_to_hf(cfg: BertConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- registration
+def sized_fields(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None, dropout: float, type_vocab_size: int, num_labels: int,
+                 pad_token_id: int | None) -> dict:
+    """The config fields a sizing builder sets (ELECTRA's builder shares them): ``context``
+    positions, d_ff 4 d_model unless given, one dropout for the hidden states and the attention."""
+    return dict(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
+                d_ff=d_ff or 4 * d_model, dropout=dropout, attention_dropout=dropout, max_position_embeddings=context,
+                type_vocab_size=type_vocab_size, num_labels=num_labels, pad_token_id=pad_token_id)
+
+
 def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
                  d_ff: int | None = None, dropout: float = 0.0, type_vocab_size: int = 2, num_labels: int = 2,
                  pad_token_id: int | None = 0) -> BertConfig:
-    """A BERT sized for training: ``context`` positions, d_ff 4 d_model unless given."""
-    return BertConfig(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
-                      d_ff=d_ff or 4 * d_model, dropout=dropout, attention_dropout=dropout,
-                      max_position_embeddings=context, type_vocab_size=type_vocab_size, num_labels=num_labels,
-                      pad_token_id=pad_token_id)
+    """A BERT sized for training (see :func:`sized_fields`)."""
+    return BertConfig(**sized_fields(vocab_size=vocab_size, context=context, d_model=d_model, num_heads=num_heads,
+                                     num_layers=num_layers, d_ff=d_ff, dropout=dropout,
+                                     type_vocab_size=type_vocab_size, num_labels=num_labels,
+                                     pad_token_id=pad_token_id))
 
 
 PRESETS = {
@@ -403,7 +414,7 @@ BERT = register_family("bert", BertConfig, base_rules=bert_rules(), config_from_
                        ignore_on_load=(r"embeddings\.position_ids$", r"embeddings\.token_type_ids$",
                                        r"^cls\.predictions\.decoder\.bias$"))
 _POOLER = [Rule("pooler.{p}", "bert.pooler.dense.{p}")]
-_MLM = _mlm_rules("mlm_head", "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
+_MLM = mlm_head_rules("mlm_head", "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
                   "cls.predictions.decoder", "cls.predictions.bias")
 BERT.register("BertModel", BertModel, kind="base", head_rules=[Rule("pooler.{p}", "pooler.dense.{p}")])
 # a masked-LM model loads a pre-training checkpoint (bert-base-uncased's), leaving out the heads it has not
