@@ -17,20 +17,14 @@ from attnlab.hub import Split  # noqa: E402
 from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel  # noqa: E402
 from attnlab.models.bert import BertForSequenceClassification  # noqa: E402
 from attnlab.nn import make_activation  # noqa: E402
-from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
+from _encoder_inputs import padded_two_segment_batch  # noqa: E402  (tests/ is on sys.path under pytest)
+from _tolerance import FP32, assert_close_scaled  # noqa: E402
+from contract import randomize_  # noqa: E402
 
 V, CTX = 99, 40
 HF_SIZES = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
                 max_position_embeddings=CTX, type_vocab_size=3, hidden_act="gelu", layer_norm_eps=1e-12,
                 id2label={0: "negative", 1: "neutral", 2: "positive"}, pad_token_id=0)
-
-
-def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights of order 0.2 (norm scales around 1), so outputs are O(1) and every mapping error shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if p.dim() == 1 and "LayerNorm.weight" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def saved(tmp_path_factory):
             config = transformers.BertConfig(**HF_SIZES, attn_implementation=attn)
             torch.manual_seed(0)
             hf = getattr(transformers, name)(config)
-            _randomize(hf)
+            randomize_(hf)
             path = tmp_path_factory.mktemp(f"{name}-{attn}")
             hf.eval().save_pretrained(path)
             cache[name, attn] = (hf, path)
@@ -51,16 +45,8 @@ def saved(tmp_path_factory):
     return get
 
 
-def _batch(B=3, T=12, seed=1):
-    """Ids, a right-padded mask (rows of T, 7 and 3 real tokens) and two segments per row."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, V, (B, T), generator=g)
-    lengths = torch.tensor([T, 7, 3])[:B]
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    ids = ids.masked_fill(~mask, 0)
-    types = (torch.arange(T)[None, :] >= (lengths[:, None] // 2)).long() * mask      # segment B after the middle
-    types[0, -2:] = 2                                                                 # the third type too
-    return ids, mask, types
+def _batch(seed=1):
+    return padded_two_segment_batch(V, seed=seed)
 
 
 def _close(got, want, what, rtol=FP32):
@@ -148,7 +134,7 @@ def _tiny(cls=BertModel, **overrides):
     config = BertConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=2, d_ff=48, max_position_embeddings=CTX,
                         type_vocab_size=3, dropout=0.0, attention_dropout=0.0, **overrides)
     model = cls(config)
-    _randomize(model)
+    randomize_(model)
     return model
 
 
