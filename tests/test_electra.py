@@ -38,7 +38,8 @@ def _hf(name: str, embedding_size: int, path):
 OUTPUT = {"ElectraModel": "last_hidden_state", "ElectraForPreTraining": "logits", "ElectraForMaskedLM": "logits",
           "ElectraForSequenceClassification": "logits"}
 CLASSES = {"ElectraModel": ElectraModel, "ElectraForPreTraining": ElectraForPreTraining,
-           "ElectraForMaskedLM": ElectraForMaskedLM, "ElectraForSequenceClassification": ElectraForSequenceClassification}
+           "ElectraForMaskedLM": ElectraForMaskedLM,
+           "ElectraForSequenceClassification": ElectraForSequenceClassification}
 
 
 @pytest.mark.parametrize("embedding_size", [16, 32])
@@ -47,7 +48,8 @@ def test_electra_equals_transformers_on_a_padded_two_segment_batch(name, embeddi
     hf = _hf(name, embedding_size, tmp_path)
     ours = attnlab.from_pretrained(tmp_path)
     assert type(ours) is CLASSES[name] and ours.config.embedding_size == embedding_size
-    assert (ours.embeddings.project is None) == (embedding_size == 32) == (not hasattr(hf.base_model, "embeddings_project"))
+    projected = hasattr(hf.base_model, "embeddings_project")
+    assert (ours.embeddings.project is not None) == projected == (embedding_size != 32)
     ids, mask, types = _batch(seed=11)
     with torch.no_grad():
         got = ours(ids, attention_mask=mask, token_type_ids=types)

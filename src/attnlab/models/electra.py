@@ -1,7 +1,7 @@
 """ELECTRA: a small generator fills masked positions, and the discriminator, the model kept
 after pre-training, learns which tokens were replaced (Clark et al. 2020, section 2).
 
-    the encoder is BERT's (:class:`~attnlab.models.bert.BertEncoder`), with embeddings of their own
+    the encoder is BERT's (:class:`~attnlab.models.encoder.BertEncoder`), with embeddings of their own
     width: ids -> token + token-type + position embeddings (width embedding_size) -> LayerNorm
               -> dropout -> Linear up to d_model (only when embedding_size != d_model)
               -> N x Post-Norm encoder layer -> hidden (B, T, E)
@@ -12,7 +12,7 @@ after pre-training, learns which tokens were replaced (Clark et al. 2020, sectio
 The generator and the discriminator are separate checkpoints (transformers' ElectraForMaskedLM
 and ElectraForPreTraining); in pre-training the generator is a fraction of the discriminator's
 size and they share the token embedding. Masks, checks and fused Q/K/V as in
-:mod:`attnlab.models.bert`. Shape letters: see :mod:`attnlab.nn.attention`.
+:mod:`attnlab.models.encoder`. Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from ..nn.mlp import make_activation
-from .bert import (BertConfig, BertEncoder, MaskedLMHead, bert_config_from_hf, bert_config_to_hf, bert_rules,
-                   mlm_head_rules, sized_fields)
+from .bert import BertConfig, bert_config_from_hf, bert_config_to_hf, bert_rules, mlm_head_rules, sized_fields
 from .convert import Rule
+from .encoder import BertEncoder, MaskedLMHead
 from .registry import register_family
 
 __all__ = ["ElectraConfig", "ElectraModel", "ElectraForMaskedLM", "ElectraForPreTraining",
