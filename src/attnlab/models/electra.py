@@ -138,9 +138,8 @@ def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int,
 PRESETS = {
     "tiny": dict(vocab_size=96, embedding_size=16, d_model=32, num_heads=4, num_layers=2, d_ff=64,
                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, num_labels=3),
-    "electra-small-discriminator": dict(),                                                    # 13.5M parameters
-    "electra-small-generator": dict(embedding_size=128, d_model=256, num_heads=4, d_ff=1024),
-    "electra-base-discriminator": dict(embedding_size=768, d_model=768, num_heads=12, d_ff=3072),   # 110M
+    "electra-small": dict(),                                                              # 13.5M parameters
+    "electra-base": dict(embedding_size=768, d_model=768, num_heads=12, d_ff=3072),       # 110M
 }
 
 ELECTRA = register_family("electra", ElectraConfig,
