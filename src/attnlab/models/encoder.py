@@ -16,6 +16,8 @@ Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,6 +28,9 @@ from ..nn.checkpoint import checkpoint
 from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
+
+if TYPE_CHECKING:
+    from .bert import BertConfig
 
 __all__ = ["BertEmbeddings", "BertEncoder", "Pooler", "MaskedLMHead"]
 
@@ -68,6 +73,8 @@ class BertEncoder(nn.Module):
 
     def __init__(self, config: BertConfig, embedding_size: int | None = None, pooler: str | None = None):
         super().__init__()
+        if pooler not in (None, "kept", "trained"):
+            raise ValueError(f"{type(self).__name__}: pooler must be None, 'kept' or 'trained', got {pooler!r}")
         self.config, c = config, config
         self.gradient_checkpointing = False
         self.embeddings = BertEmbeddings(c, embedding_size)
@@ -80,8 +87,9 @@ class BertEncoder(nn.Module):
         self.pooler = None if pooler is None else Pooler(c.d_model, trainable=pooler == "trained")
 
     def reset_parameters(self) -> None:
-        """Matrices and embeddings ~ N(0, 0.02), biases 0, the padding token's embedding 0; norms
-        keep weight 1, bias 0 (pitfall 23: a large-scale init slows the CPU backward with denormals)."""
+        """Matrices and embeddings ~ N(0, 0.02), biases 0, the padding token's embedding 0, norms
+        weight 1 and bias 0, as BERT: PyTorch's N(0, 1) embedding, tied to the masked-LM decoder,
+        would give huge logits and a CPU backward slowed by denormal floats."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, (nn.Linear, nn.Embedding, LearnedPositionalEmbedding, Pooler)):
