@@ -16,8 +16,6 @@ Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -29,9 +27,6 @@ from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
 
-if TYPE_CHECKING:
-    from .bert import BertConfig
-
 __all__ = ["BertEmbeddings", "BertEncoder", "Pooler", "MaskedLMHead"]
 
 
@@ -41,7 +36,7 @@ class BertEmbeddings(nn.Module):
 
     ``forward(input_ids (B, T), token_type_ids (B, T), positions (T,) or (B, T)) -> (B, T, E)``."""
 
-    def __init__(self, config: BertConfig, embedding_size: int | None = None):
+    def __init__(self, config, embedding_size: int | None = None):
         super().__init__()
         c, width = config, embedding_size or config.d_model
         self.token = nn.Embedding(c.vocab_size, width, padding_idx=c.pad_token_id)
@@ -71,7 +66,7 @@ class BertEncoder(nn.Module):
 
     init_std = 0.02                        # N(0, 0.02) for matrices and embeddings, as BERT
 
-    def __init__(self, config: BertConfig, embedding_size: int | None = None, pooler: str | None = None):
+    def __init__(self, config, embedding_size: int | None = None, pooler: str | None = None):
         super().__init__()
         if pooler not in (None, "kept", "trained"):
             raise ValueError(f"{type(self).__name__}: pooler must be None, 'kept' or 'trained', got {pooler!r}")
