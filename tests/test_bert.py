@@ -16,7 +16,7 @@ import attnlab  # noqa: E402
 from attnlab.hub import Split  # noqa: E402
 from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel  # noqa: E402
 from attnlab.models.bert import BertForSequenceClassification  # noqa: E402
-from attnlab.nn import make_activation  # noqa: E402
+from attnlab.nn import InferenceLinear, make_activation  # noqa: E402
 from _encoder_inputs import padded_two_segment_batch  # noqa: E402  (tests/ is on sys.path under pytest)
 from _tolerance import FP32, assert_close_scaled  # noqa: E402
 from contract import randomize_  # noqa: E402
@@ -279,6 +279,8 @@ def test_all_minilm_l6_v2_equals_transformers():
     ours = attnlab.from_pretrained(MINILM)
     hf = transformers.AutoModel.from_pretrained(MINILM).eval()
     assert type(ours) is BertModel
+    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, InferenceLinear) for m in linears), "from_pretrained gives the fast linears"
     with torch.no_grad():
         got = ours(ids, attention_mask=mask)
         want = hf(ids, attention_mask=mask.long()).last_hidden_state
