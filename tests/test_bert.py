@@ -172,9 +172,20 @@ def test_padded_batches_run_the_fused_kernel_with_a_boolean_key_mask(monkeypatch
     assert all(layer.self_attn.fused_qkv for layer in model.layers), "Q, K and V are one projection"
 
 
-def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
-    model = _tiny(BertForSequenceClassification).train()
-    ids, mask, types = _batch(seed=7)
+@pytest.mark.parametrize("model_type, name", [
+    ("bert", "BertForSequenceClassification"), ("electra", "ElectraForSequenceClassification"),
+    ("albert", "AlbertForSequenceClassification"), ("deberta-v2", "DebertaV2ForSequenceClassification")])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_type, name):
+    """Every encoder runs encoders.Encoder's stack; ALBERT's reruns one layer's weights, DeBERTa's
+    layers read a shared relative table: recomputation must give the same gradients."""
+    from attnlab.models.registry import family
+    fam = family(model_type)
+    torch.manual_seed(0)
+    model = fam.architecture(name).build(fam.preset("tiny"))          # tiny presets have no dropout
+    randomize_(model)
+    model.train()
+    ids, mask, types = padded_two_segment_batch(model.config.vocab_size, seed=7)
+    types = types.clamp(max=model.config.type_vocab_size - 1) if model.config.type_vocab_size else None
     grads = []
     for on in (False, True):
         model.gradient_checkpointing = on

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, MaskedLMHead, Pooler, check_inputs,
-                      init_weights, labels_from_hf, labels_to_hf, mlm_head_rules)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, Encoder, MaskedLMHead, Pooler,
+                      labels_from_hf, labels_to_hf, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["AlbertConfig", "Albert", "AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining",
@@ -78,14 +78,14 @@ class AlbertConfig:
             raise ValueError(f"AlbertConfig: id2label must name the classes 0 .. {self.num_labels - 1}")
 
 
-class Albert(nn.Module):
+class Albert(Encoder):
     """The encoder every ALBERT architecture is built on (no forward of its own):
-    ``encode(input_ids, attention_mask, token_type_ids) -> (B, T, E)`` and ``pool(h) -> (B, E)``."""
+    ``encode(input_ids, attention_mask, token_type_ids) -> (B, T, E)`` and ``pool(h) -> (B, E)``
+    (:class:`~attnlab.models.encoder.Encoder`), the layer groups run as :meth:`stack` says."""
 
     def __init__(self, config: AlbertConfig, pooler: str | None = "trained"):
-        super().__init__()
+        super().__init__(config)
         c, E = config, config.d_model
-        self.config = config
         self.embeddings = BertEmbeddings(c, c.embedding_size)        # E_emb wide, then projected to E
         self.groups = nn.ModuleList(
             nn.ModuleList(EncoderLayer(E, c.num_heads, c.d_ff, c.dropout, norm_first=False, eps=c.layer_norm_eps,
@@ -94,19 +94,11 @@ class Albert(nn.Module):
             for _ in range(c.num_hidden_groups))
         self.pooler = Pooler.make(E, pooler, type(self).__name__)
 
-    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-               token_type_ids: Tensor | None = None) -> Tensor:
+    def stack(self):
+        """Pass i runs group i * num_hidden_groups // num_layers: the same weights again and again."""
         c = self.config
-        mask, types, positions = check_inputs(self, input_ids, attention_mask, token_type_ids)
-        x = self.embeddings(input_ids, types, positions)
         for i in range(c.num_layers):
-            for layer in self.groups[i * c.num_hidden_groups // c.num_layers]:      # shared weights
-                x = layer(x, key_padding_mask=mask)
-        return x
-
-    def pool(self, h: Tensor) -> Tensor:
-        """The sentence vector: tanh(W h_0 + b) of the first ([CLS]) token, (B, T, E) -> (B, E)."""
-        return self.pooler(h)
+            yield from self.groups[i * c.num_hidden_groups // c.num_layers]
 
 
 class AlbertModel(Albert):
@@ -117,7 +109,7 @@ class AlbertModel(Albert):
 
     def __init__(self, config: AlbertConfig):
         super().__init__(config, pooler="kept")
-        init_weights(self)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -130,7 +122,7 @@ class AlbertForMaskedLM(Albert):
     def __init__(self, config: AlbertConfig):
         super().__init__(config, pooler=None)
         self.predictions = MaskedLMHead(config.d_model, self.embeddings.token, config.activation, config.layer_norm_eps)
-        init_weights(self)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -147,7 +139,7 @@ class AlbertForPreTraining(Albert):
         self.predictions = MaskedLMHead(c.d_model, self.embeddings.token, c.activation, c.layer_norm_eps)
         self.sop_dropout = nn.Dropout(c.classifier_dropout)
         self.sop_classifier = nn.Linear(c.d_model, 2)
-        init_weights(self)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -163,7 +155,7 @@ class AlbertForSequenceClassification(Albert):
         super().__init__(config)
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.d_model, config.num_labels)
-        init_weights(self)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:

@@ -33,8 +33,8 @@ from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, MaskedLMHead, check_inputs, init_weights,
-                      labels_from_hf, labels_to_hf, mlm_head_rules)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, labels_from_hf, labels_to_hf,
+                      mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaEmbeddings",
@@ -206,15 +206,17 @@ class DebertaEmbeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-class DebertaV2(nn.Module):
+class DebertaV2(Encoder):
     """The encoder every DeBERTa-v2 architecture is built on: ``encode(input_ids, attention_mask,
-    token_type_ids) -> (B, T, E)``; no forward of its own."""
+    token_type_ids) -> (B, T, E)`` (:class:`~attnlab.models.encoder.Encoder`; relative positions
+    are the tokens' own, so the optional absolute embeddings alone would see a ``position_ids``);
+    no forward of its own, and a pooler only in the classifier."""
 
     def __init__(self, config: DebertaV2Config):
-        super().__init__()
+        super().__init__(config)
         c, E = config, config.d_model
-        self.config = config
         self.embeddings = DebertaEmbeddings(c)
+        self.pooler = None
         self.relative = RelativeEmbeddings(c.span, E, c.layer_norm_eps, c.norm_rel_ebd, c.dropout) \
             if c.relative_attention else None
         # the position terms count in the scale even when relative_attention is off, as in the reference
@@ -228,21 +230,13 @@ class DebertaV2(nn.Module):
             self.layers.append(EncoderLayer(E, c.num_heads, c.d_ff, c.dropout, norm_first=False, eps=c.layer_norm_eps,
                                             self_attn=attn, ff=FeedForward(E, c.d_ff, 0.0, activation=c.activation)))
 
-    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-               token_type_ids: Tensor | None = None) -> Tensor:
-        mask, types, positions = check_inputs(self, input_ids, attention_mask, token_type_ids)
-        x = self.embeddings(input_ids, types, positions)
-        for layer in self.layers:
-            x = layer(x, key_padding_mask=mask)
-        return x
-
 
 class DebertaV2Model(DebertaV2):
     """The bare encoder: forward(input_ids (B, T), attention_mask=None, token_type_ids=None) -> (B, T, E)."""
 
     def __init__(self, config: DebertaV2Config):
         super().__init__(config)
-        init_weights(self)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -256,7 +250,7 @@ class DebertaV2ForMaskedLM(DebertaV2):
         super().__init__(config)
         self.predictions = MaskedLMHead(config.d_model, self.embeddings.token, config.activation,
                                         config.layer_norm_eps)
-        init_weights(self)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -275,12 +269,15 @@ class DebertaV2ForSequenceClassification(DebertaV2):
         self.pooler_act = make_activation(c.pooler_activation)
         self.dropout = nn.Dropout(c.dropout if c.classifier_dropout is None else c.classifier_dropout)
         self.classifier = nn.Linear(c.d_model, c.num_labels)
-        init_weights(self)
+        self.reset_parameters()
+
+    def pool(self, hidden: Tensor) -> Tensor:
+        """DeBERTa's sentence vector: act(W dropout(hidden[:, 0]) + b), (B, T, E) -> (B, E)."""
+        return self.pooler_act(self.pooler(self.pooler_dropout(hidden[:, 0])))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
-        first = self.encode(input_ids, attention_mask, token_type_ids)[:, 0]
-        return self.classifier(self.dropout(self.pooler_act(self.pooler(self.pooler_dropout(first)))))
+        return self.classifier(self.dropout(self.pool(self.encode(input_ids, attention_mask, token_type_ids))))
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -7,10 +7,10 @@ head, and the names these take in a Hugging Face checkpoint (weights, activation
         -> N x EncoderLayer, Post-Norm: x = LayerNorm(x + Attn(x)); x = LayerNorm(x + FFN(x))
         -> hidden (B, T, E)
 
-BERT and ELECTRA subclass :class:`BertEncoder`, add their heads and call ``reset_parameters()``
-once built; their forward is ``head(self.encode(input_ids, attention_mask, token_type_ids,
-position_ids))``. ALBERT (shared layers) and DeBERTa (its own embeddings and attention) wire their
-stacks themselves from the same pieces. ``attention_mask`` (B, T) is True/1 for real tokens; it
+Every model subclasses :class:`Encoder` (BERT and ELECTRA through :class:`BertEncoder`; ALBERT
+with its shared layers and DeBERTa with its own embeddings and attention directly), adds its
+heads and calls ``reset_parameters()`` once built; its forward is ``head(self.encode(input_ids,
+attention_mask, token_type_ids, position_ids))``. ``attention_mask`` (B, T) is True/1 for real tokens; it
 reaches attention as a (B, 1, 1, T) boolean key mask on the fused SDPA path (no mask at all when
 nothing is padded), so a real token's output never depends on padding.
 Shape letters: see :mod:`attnlab.nn.attention`.
@@ -30,7 +30,7 @@ from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
 
 __all__ = ["ACT_FROM_HF", "ACT_TO_HF", "EMBEDDING_RULES", "check_inputs", "init_weights", "BertEmbeddings",
-           "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules", "labels_from_hf", "labels_to_hf"]
+           "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules", "labels_from_hf", "labels_to_hf"]
 
 # Hugging Face's activation names <-> ours (make_activation's; "gelu_new" is GPT-2's tanh approximation)
 ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
@@ -132,30 +132,25 @@ EMBEDDING_RULES = [
 ]
 
 
-class BertEncoder(nn.Module):
-    """The embeddings and the Post-Norm stack BERT and ELECTRA share, and the pooler where
-    ``pooler`` is set; subclasses add heads and call :meth:`reset_parameters` once built.
+class Encoder(nn.Module):
+    """The base of every bidirectional encoder: a subclass builds ``embeddings`` (called as
+    ``embeddings(input_ids, token_type_ids, positions)``), the layers :meth:`stack` yields in
+    order (default ``self.layers``) and ``pooler`` (a :class:`Pooler` or None), then its heads.
 
     ``encode(input_ids (B, T), attention_mask=None (B, T) True/1 = real token, token_type_ids=None
     (B, T) (default all 0, segment A), position_ids=None (T,) or (B, T) (default arange(T)))
-    -> hidden (B, T, E)``, checked by :func:`check_inputs`. Q, K and V are one fused projection
-    (``qkv_proj``). ``pool(hidden) -> (B, E)`` = tanh(hidden[:, 0] W_p + b_p), the [CLS] summary,
-    where ``pooler`` is "trained" (a head reads it) or "kept" (see :class:`Pooler`). The config
-    needs BERT's fields (:class:`attnlab.models.bert.BertConfig`).
+    -> hidden (B, T, E)``, checked by :func:`check_inputs`; each layer's activations are
+    recomputed in backward when ``gradient_checkpointing`` is set. ``pool(hidden) -> (B, E)`` =
+    tanh(hidden[:, 0] W_p + b_p), the [CLS] summary.
     """
 
-    def __init__(self, config, embedding_size: int | None = None, pooler: str | None = None):
+    def __init__(self, config):
         super().__init__()
-        self.config, c = config, config
+        self.config = config
         self.gradient_checkpointing = False
-        self.embeddings = BertEmbeddings(c, embedding_size)
-        self.layers = nn.ModuleList(
-            EncoderLayer(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=False, norm="layernorm",
-                         eps=c.layer_norm_eps,
-                         self_attn=MultiHeadAttention(c.d_model, c.num_heads, c.attention_dropout, fused_qkv=True),
-                         ff=FeedForward(c.d_model, c.d_ff, 0.0, activation=c.activation))
-            for _ in range(c.num_layers))
-        self.pooler = Pooler.make(c.d_model, pooler, type(self).__name__)
+
+    def stack(self):
+        return self.layers
 
     def reset_parameters(self) -> None:
         """:func:`init_weights`: N(0, 0.02) matrices and embeddings, as BERT."""
@@ -171,7 +166,7 @@ class BertEncoder(nn.Module):
         mask, token_type_ids, position_ids = check_inputs(self, input_ids, attention_mask, token_type_ids,
                                                           position_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
-        for layer in self.layers:
+        for layer in self.stack():
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, None, mask)
             else:
@@ -183,6 +178,26 @@ class BertEncoder(nn.Module):
         attnlab.models.pretrained; attnlab.hub is its public face)."""
         from .pretrained import save_pretrained
         save_pretrained(self, path)
+
+
+class BertEncoder(Encoder):
+    """BERT's and ELECTRA's :class:`Encoder`: :class:`BertEmbeddings` (of width ``embedding_size``,
+    default d_model), ``num_layers`` Post-Norm layers whose Q, K and V are one fused projection
+    (``qkv_proj``), and the pooler where ``pooler`` is "trained" (a head reads it) or "kept" (see
+    :class:`Pooler`). The config needs BERT's fields (:class:`attnlab.models.bert.BertConfig`).
+    """
+
+    def __init__(self, config, embedding_size: int | None = None, pooler: str | None = None):
+        super().__init__(config)
+        c = config
+        self.embeddings = BertEmbeddings(c, embedding_size)
+        self.layers = nn.ModuleList(
+            EncoderLayer(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=False, norm="layernorm",
+                         eps=c.layer_norm_eps,
+                         self_attn=MultiHeadAttention(c.d_model, c.num_heads, c.attention_dropout, fused_qkv=True),
+                         ff=FeedForward(c.d_model, c.d_ff, 0.0, activation=c.activation))
+            for _ in range(c.num_layers))
+        self.pooler = Pooler.make(c.d_model, pooler, type(self).__name__)
 
 
 # ----------------------------------------------------------------------------- heads
