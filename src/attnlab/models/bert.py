@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .convert import Rule, Split
 from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEncoder, MaskedLMHead, labels_from_hf,
-                      labels_to_hf, mlm_head_rules)
+                      labels_to_hf, layer_rules, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
@@ -148,19 +148,11 @@ class BertForSequenceClassification(BertEncoder):
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-def bert_rules(layers: str = "encoder.layer") -> list[Rule]:
-    """The encoder's keys relative to transformers' BertModel (ELECTRA's are the same)."""
-    att = f"{layers}.{{i}}.attention"
-    return [
-        *EMBEDDING_RULES,
-        Rule("layers.{i}.self_attn.qkv_proj.{p}", tuple(f"{att}.self.{n}.{{p}}" for n in ("query", "key", "value")),
-             Split(0, 3)),
-        Rule("layers.{i}.self_attn.out_proj.{p}", f"{att}.output.dense.{{p}}"),
-        Rule("layers.{i}.self_attn_norm.{p}", f"{att}.output.LayerNorm.{{p}}"),
-        Rule("layers.{i}.ff.linear1.{p}", f"{layers}.{{i}}.intermediate.dense.{{p}}"),
-        Rule("layers.{i}.ff.linear2.{p}", f"{layers}.{{i}}.output.dense.{{p}}"),
-        Rule("layers.{i}.ff_norm.{p}", f"{layers}.{{i}}.output.LayerNorm.{{p}}"),
-    ]
+def bert_rules() -> list[Rule]:
+    """The encoder's keys relative to transformers' BertModel (ELECTRA's are the same): our fused
+    Q/K/V projection is split into their query, key and value."""
+    qkv = tuple(f"encoder.layer.{{i}}.attention.self.{n}.{{p}}" for n in ("query", "key", "value"))
+    return [*EMBEDDING_RULES, Rule("layers.{i}.self_attn.qkv_proj.{p}", qkv, Split(0, 3)), *layer_rules()]
 
 
 # our config field -> transformers' BertConfig / ElectraConfig field

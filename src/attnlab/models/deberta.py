@@ -34,7 +34,7 @@ from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
 from .convert import Rule
 from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, labels_from_hf, labels_to_hf,
-                      mlm_head_rules)
+                      layer_rules, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaEmbeddings",
@@ -281,21 +281,16 @@ class DebertaV2ForSequenceClassification(DebertaV2):
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-_LAYER, _HF_LAYER = "layers.{i}.", "encoder.layer.{i}."
 BASE_RULES = [
     *EMBEDDING_RULES,
     Rule("embeddings.project.weight", "embeddings.embed_proj.weight"),
     Rule("relative.weight", "encoder.rel_embeddings.weight"),
     Rule("relative.norm.{p}", "encoder.LayerNorm.{p}"),
-    *(Rule(_LAYER + ours + ".{p}", _HF_LAYER + theirs + ".{p}") for ours, theirs in [
-        ("self_attn.q_proj", "attention.self.query_proj"), ("self_attn.k_proj", "attention.self.key_proj"),
-        ("self_attn.v_proj", "attention.self.value_proj"),
-        ("self_attn.position.pos_key_proj", "attention.self.pos_key_proj"),
-        ("self_attn.position.pos_query_proj", "attention.self.pos_query_proj"),
-        ("self_attn.out_proj", "attention.output.dense"), ("self_attn_norm", "attention.output.LayerNorm"),
-        ("ff.linear1", "intermediate.dense"), ("ff.linear2", "output.dense"), ("ff_norm", "output.LayerNorm")]),
+    *layer_rules(("self_attn.q_proj", "attention.self.query_proj"), ("self_attn.k_proj", "attention.self.key_proj"),
+                 ("self_attn.v_proj", "attention.self.value_proj"),
+                 ("self_attn.position.pos_key_proj", "attention.self.pos_key_proj"),
+                 ("self_attn.position.pos_query_proj", "attention.self.pos_query_proj")),
 ]
-
 
 def config_from_hf(c: dict) -> DebertaV2Config:
     """An HF DebertaV2Config dict -> DebertaV2Config; absent fields take transformers' defaults."""

@@ -29,7 +29,7 @@ from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
 
-__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "EMBEDDING_RULES", "check_inputs", "init_weights", "BertEmbeddings",
+__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "EMBEDDING_RULES", "layer_rules", "check_inputs", "init_weights", "BertEmbeddings",
            "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules", "labels_from_hf", "labels_to_hf"]
 
 # Hugging Face's activation names <-> ours (make_activation's; "gelu_new" is GPT-2's tanh approximation)
@@ -130,6 +130,15 @@ EMBEDDING_RULES = [
     Rule("embeddings.position.weight", "embeddings.position_embeddings.weight"),
     Rule("embeddings.norm.{p}", "embeddings.LayerNorm.{p}"),
 ]
+
+
+def layer_rules(*pairs: tuple[str, str]) -> list[Rule]:
+    """The Post-Norm layers' weights <-> transformers' "encoder.layer.{i}." names (BERT, ELECTRA,
+    DeBERTa): the attention output, the feed-forward and both norms, and ``pairs`` (ours, theirs)
+    of the family's own, its Q/K/V projections."""
+    return [Rule(f"layers.{{i}}.{ours}.{{p}}", f"encoder.layer.{{i}}.{theirs}.{{p}}") for ours, theirs in [
+        *pairs, ("self_attn.out_proj", "attention.output.dense"), ("self_attn_norm", "attention.output.LayerNorm"),
+        ("ff.linear1", "intermediate.dense"), ("ff.linear2", "output.dense"), ("ff_norm", "output.LayerNorm")]]
 
 
 class Encoder(nn.Module):
