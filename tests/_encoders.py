@@ -77,7 +77,7 @@ def check_in_transformers(model, tmp_path, lengths: list[int], types: int = 0) -
 
 def check_padding_invariance(model, vocab_size: int, lengths: list[int], what: str, types: int = 0) -> None:
     """Each row of a right-padded batch equals that row alone, unpadded, at its real tokens.
-    Works on per-token outputs (B, T, ...) and per-sequence ones (B, C)."""
+    Works on per-token outputs (B, T, ...) or (B, T) and per-sequence ones (B, C)."""
     ids, mask, token_types = padded_batch(vocab_size, lengths, seed=3, types=types)
     with torch.no_grad():
         batch = contract.outputs(model(ids, mask, token_types))
@@ -85,7 +85,7 @@ def check_padding_invariance(model, vocab_size: int, lengths: list[int], what: s
             types_alone = None if token_types is None else token_types[b:b + 1, :n]
             alone = contract.outputs(model(ids[b:b + 1, :n], None, types_alone))
             for got, want in zip(batch, alone, strict=True):
-                got = got[b, :n] if got.dim() >= 3 else got[b]
+                got = got[b, :want.size(1)] if got.dim() >= 2 else got[b]      # per-token: the first n
                 assert_close_scaled(got, want[0], FP32, f"{what}: row {b} padded vs alone")
 
 

@@ -17,7 +17,7 @@ from attnlab.hub import Split  # noqa: E402
 from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel  # noqa: E402
 from attnlab.models.bert import BertForSequenceClassification  # noqa: E402
 from attnlab.nn import InferenceLinear, make_activation  # noqa: E402
-from _encoders import padded_two_segment_batch  # noqa: E402  (tests/ is on sys.path under pytest)
+from _encoders import check_padding_invariance, padded_two_segment_batch  # noqa: E402  (tests/ is on sys.path)
 from _tolerance import FP32, assert_close_scaled  # noqa: E402
 from contract import randomize_  # noqa: E402
 
@@ -140,16 +140,8 @@ def _tiny(cls=BertModel, **overrides):
 
 @pytest.mark.parametrize("train", [False, True])
 def test_padding_does_not_change_real_tokens(train):
-    """Pitfall 6: each row alone equals the row inside a right-padded batch (train mode too, no dropout)."""
-    model = _tiny(BertForPreTraining).train(train)
-    ids, mask, types = _batch(seed=5)
-    with torch.no_grad():
-        tokens, sentence = model(ids, attention_mask=mask, token_type_ids=types)
-        for b in range(ids.size(0)):
-            n = int(mask[b].sum())
-            alone_tokens, alone_sentence = model(ids[b:b + 1, :n], token_type_ids=types[b:b + 1, :n])
-            assert_close_scaled(tokens[b, :n], alone_tokens[0], FP32, f"row {b} tokens, padded vs alone")
-            assert_close_scaled(sentence[b], alone_sentence[0], FP32, f"row {b} sentence logits, padded vs alone")
+    """Each row alone equals the row inside a right-padded batch (train mode too, no dropout)."""
+    check_padding_invariance(_tiny(BertForPreTraining).train(train), V, [12, 7, 3], "BertForPreTraining", types=2)
 
 
 def test_padded_batches_run_the_fused_kernel_with_a_boolean_key_mask(monkeypatch):

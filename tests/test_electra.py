@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import attnlab  # noqa: E402
 from attnlab.models.electra import (ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining,  # noqa: E402
                                     ElectraForSequenceClassification, ElectraModel)
-from _encoders import padded_two_segment_batch  # noqa: E402  (tests/ is on sys.path under pytest)
+from _encoders import check_padding_invariance, padded_two_segment_batch  # noqa: E402  (tests/ is on sys.path)
 from _tolerance import FP32, assert_close_scaled  # noqa: E402
 from contract import randomize_  # noqa: E402
 
@@ -86,14 +86,7 @@ def test_padding_does_not_change_the_discriminator(train):
                                                 d_ff=48, max_position_embeddings=CTX, type_vocab_size=3, dropout=0.0,
                                                 attention_dropout=0.0))
     randomize_(model)
-    model.train(train)
-    ids, mask, types = _batch(seed=13)
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask, token_type_ids=types)
-        for b in range(ids.size(0)):
-            n = int(mask[b].sum())
-            alone = model(ids[b:b + 1, :n], token_type_ids=types[b:b + 1, :n])[0]
-            assert_close_scaled(padded[b, :n], alone, FP32, f"row {b}, padded vs alone")
+    check_padding_invariance(model.train(train), V, [12, 7, 3], "ElectraForPreTraining", types=2)
 
 
 def test_electra_checks_its_inputs_and_config():
