@@ -29,7 +29,7 @@ from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward
 from .convert import Rule
 from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, Encoder, MaskedLMHead, Pooler,
-                      labels_from_hf, labels_to_hf, mlm_head_rules)
+                      check_config, labels_from_hf, labels_to_hf, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["AlbertConfig", "Albert", "AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining",
@@ -59,23 +59,13 @@ class AlbertConfig:
     id2label: dict[int, str] | None = field(default=None)
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "embedding_size",
-                     "max_position_embeddings", "type_vocab_size", "num_hidden_groups", "inner_group_num",
-                     "num_labels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"AlbertConfig: {name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"AlbertConfig: d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads})")
+        check_config(self, positive=("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "embedding_size",
+                                     "max_position_embeddings", "type_vocab_size", "num_hidden_groups",
+                                     "inner_group_num", "num_labels"),
+                     fractions=("dropout", "classifier_dropout"))
         if self.num_hidden_groups > self.num_layers:
             raise ValueError(f"AlbertConfig: {self.num_hidden_groups} layer groups for {self.num_layers} layers: "
                              f"some groups would never run")
-        for name in ("dropout", "classifier_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"AlbertConfig: {name} must be in [0, 1), got {getattr(self, name)}")
-        if self.activation not in ACT_TO_HF:
-            raise ValueError(f"AlbertConfig: activation must be one of {tuple(ACT_TO_HF)}, got {self.activation!r}")
-        if self.id2label is not None and sorted(self.id2label) != list(range(self.num_labels)):
-            raise ValueError(f"AlbertConfig: id2label must name the classes 0 .. {self.num_labels - 1}")
 
 
 class Albert(Encoder):

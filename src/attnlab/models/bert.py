@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from .convert import Rule, Split
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEncoder, MaskedLMHead, labels_from_hf,
-                      labels_to_hf, layer_rules, mlm_head_rules)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEncoder, MaskedLMHead, check_config,
+                      labels_from_hf, labels_to_hf, layer_rules, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
@@ -58,28 +58,14 @@ class BertConfig:
     classifier_dropout: float | None = None  # default ``dropout``
 
     def __post_init__(self):
-        name = type(self).__name__
-        for f in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_position_embeddings",
-                  "type_vocab_size"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{name}: {f} must be positive, got {getattr(self, f)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"{name}: d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads})")
-        for f in ("dropout", "attention_dropout", "classifier_dropout"):
-            if getattr(self, f) is not None and not 0.0 <= getattr(self, f) < 1.0:
-                raise ValueError(f"{name}: {f} must be in [0, 1), got {getattr(self, f)}")
-        if self.activation not in ACT_TO_HF:
-            raise ValueError(f"{name}: activation must be one of {tuple(ACT_TO_HF)}, got {self.activation!r}")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"{name}: pad_token_id {self.pad_token_id} is outside [0, vocab_size={self.vocab_size})")
         if self.id2label is None:
             self.id2label = {i: f"LABEL_{i}" for i in range(2 if self.num_labels is None else self.num_labels)}
         self.id2label = {int(i): str(label) for i, label in self.id2label.items()}     # JSON keys are strings
         if self.num_labels is None:
             self.num_labels = len(self.id2label)
-        if self.num_labels <= 0 or sorted(self.id2label) != list(range(self.num_labels)):
-            raise ValueError(f"{name}: id2label must name classes 0 .. num_labels - 1 ({self.num_labels}), "
-                             f"got ids {sorted(self.id2label)}")
+        check_config(self, positive=("vocab_size", "d_model", "num_heads", "num_layers", "d_ff",
+                                     "max_position_embeddings", "type_vocab_size"),
+                     fractions=("dropout", "attention_dropout", "classifier_dropout"))
 
     @property
     def label2id(self) -> dict[str, int]:

@@ -33,8 +33,8 @@ from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, labels_from_hf, labels_to_hf,
-                      layer_rules, mlm_head_rules)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, check_config, labels_from_hf,
+                      labels_to_hf, layer_rules, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaEmbeddings",
@@ -72,25 +72,13 @@ class DebertaV2Config:
 
     def __post_init__(self):
         self.pos_att_type = tuple(self.pos_att_type)
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_position_embeddings",
-                     "num_labels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DebertaV2Config: {name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"DebertaV2Config: d_model ({self.d_model}) is not divisible by num_heads "
-                             f"({self.num_heads})")
+        check_config(self, positive=("vocab_size", "d_model", "num_heads", "num_layers", "d_ff",
+                                     "max_position_embeddings", "num_labels"),
+                     fractions=("dropout",), activations=("activation", "pooler_activation"))
         if not set(self.pos_att_type) <= set(TERMS):
             raise ValueError(f"DebertaV2Config: pos_att_type may hold {TERMS}, got {self.pos_att_type}")
         if self.relative_attention and not self.pos_att_type:
             raise ValueError("DebertaV2Config: relative_attention needs at least one of pos_att_type c2p, p2c")
-        for name in ("activation", "pooler_activation"):
-            if getattr(self, name) not in ACT_TO_HF:
-                raise ValueError(f"DebertaV2Config: {name} must be one of {tuple(ACT_TO_HF)}, "
-                                 f"got {getattr(self, name)!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"DebertaV2Config: dropout must be in [0, 1), got {self.dropout}")
-        if self.id2label is not None and sorted(self.id2label) != list(range(self.num_labels)):
-            raise ValueError(f"DebertaV2Config: id2label must name the classes 0 .. {self.num_labels - 1}")
 
     @property
     def max_relative(self) -> int:

@@ -29,7 +29,7 @@ from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
 
-__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "EMBEDDING_RULES", "layer_rules", "check_inputs", "init_weights", "BertEmbeddings",
+__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "check_config", "EMBEDDING_RULES", "layer_rules", "check_inputs", "init_weights", "BertEmbeddings",
            "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules", "labels_from_hf", "labels_to_hf"]
 
 # Hugging Face's activation names <-> ours (make_activation's; "gelu_new" is GPT-2's tanh approximation)
@@ -39,6 +39,31 @@ ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "s
 
 
 # ----------------------------------------------------------------------------- checks and init
+def check_config(cfg, positive: tuple[str, ...], fractions: tuple[str, ...],
+                 activations: tuple[str, ...] = ("activation",)) -> None:
+    """The checks every encoder config makes, each a ValueError naming the field: the sizes
+    ``positive``, d_model divisible by num_heads, the dropouts ``fractions`` (None: unset) in
+    [0, 1), ``activations`` ones config.json can name, the padding id a token, and id2label (when
+    set) naming the classes 0 .. num_labels - 1."""
+    who = type(cfg).__name__
+    for f in positive:
+        if getattr(cfg, f) <= 0:
+            raise ValueError(f"{who}: {f} must be positive, got {getattr(cfg, f)}")
+    if cfg.d_model % cfg.num_heads:
+        raise ValueError(f"{who}: d_model ({cfg.d_model}) is not divisible by num_heads ({cfg.num_heads})")
+    for f in fractions:
+        if getattr(cfg, f) is not None and not 0.0 <= getattr(cfg, f) < 1.0:
+            raise ValueError(f"{who}: {f} must be in [0, 1), got {getattr(cfg, f)}")
+    for f in activations:
+        if getattr(cfg, f) not in ACT_TO_HF:
+            raise ValueError(f"{who}: {f} must be one of {tuple(ACT_TO_HF)}, got {getattr(cfg, f)!r}")
+    if cfg.pad_token_id is not None and not 0 <= cfg.pad_token_id < cfg.vocab_size:
+        raise ValueError(f"{who}: pad_token_id {cfg.pad_token_id} is outside [0, vocab_size={cfg.vocab_size})")
+    if cfg.id2label is not None and (cfg.num_labels <= 0 or sorted(cfg.id2label) != list(range(cfg.num_labels))):
+        raise ValueError(f"{who}: id2label must name classes 0 .. num_labels - 1 ({cfg.num_labels}), "
+                         f"got ids {sorted(cfg.id2label)}")
+
+
 def _check_ids(who: str, what: str, ids, shape: tuple | None, high: int, limit: str) -> None:
     """``ids`` must be a non-empty integer tensor of ``shape`` (or any (B, T)) with values in [0, high)."""
     if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.numel() == 0 \
