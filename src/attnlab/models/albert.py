@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, Encoder, MaskedLMHead, Pooler,
-                      check_config, labels_from_hf, labels_to_hf, mlm_head_rules)
+from .encoder import (ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, Encoder, MaskedLMHead, Pooler,
+                      activation_from_hf, check_config, labels_from_hf, labels_to_hf, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["AlbertConfig", "Albert", "AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining",
@@ -170,14 +170,6 @@ MLM_RULES = mlm_head_rules("predictions", "predictions.dense", "predictions.Laye
 
 def config_from_hf(c: dict) -> AlbertConfig:
     """An HF AlbertConfig dict -> AlbertConfig; absent fields take transformers' defaults."""
-    if c.get("tie_word_embeddings") is False:
-        raise ValueError("ALBERT config: an output head untied from the token embedding is not supported")
-    if c.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"ALBERT config: position_embedding_type {c['position_embedding_type']!r} is not "
-                         f"supported (only 'absolute')")
-    act = c.get("hidden_act", "gelu_new")
-    if act not in ACT_FROM_HF:
-        raise ValueError(f"ALBERT config: hidden_act {act!r} is not supported ({', '.join(ACT_FROM_HF)})")
     return AlbertConfig(
         vocab_size=c.get("vocab_size", 30000), d_model=c.get("hidden_size", 4096),
         num_heads=c.get("num_attention_heads", 64), num_layers=c.get("num_hidden_layers", 12),
@@ -185,7 +177,8 @@ def config_from_hf(c: dict) -> AlbertConfig:
         embedding_size=c.get("embedding_size", 128), max_position_embeddings=c.get("max_position_embeddings", 512),
         type_vocab_size=c.get("type_vocab_size", 2), num_hidden_groups=c.get("num_hidden_groups", 1),
         inner_group_num=c.get("inner_group_num", 1), layer_norm_eps=c.get("layer_norm_eps", 1e-12),
-        activation=ACT_FROM_HF[act], classifier_dropout=c.get("classifier_dropout_prob", 0.1),
+        activation=activation_from_hf(c, "AlbertConfig", "gelu_new"),
+        classifier_dropout=c.get("classifier_dropout_prob", 0.1),
         pad_token_id=c.get("pad_token_id", 0), bos_token_id=c.get("bos_token_id", 2),
         eos_token_id=c.get("eos_token_id", 3), **labels_from_hf(c))
 

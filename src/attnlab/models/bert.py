@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from .convert import Rule, Split
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, BertEncoder, MaskedLMHead, check_config,
+from .encoder import (ACT_TO_HF, EMBEDDING_RULES, BertEncoder, MaskedLMHead, activation_from_hf, check_config,
                       labels_from_hf, labels_to_hf, layer_rules, mlm_head_rules)
 from .registry import register_family
 
@@ -155,16 +155,8 @@ def bert_config_from_hf(c: dict, cls: type = BertConfig, **extra):
     who = cls.__name__
     if c.get("is_decoder") or c.get("add_cross_attention"):
         raise ValueError(f"{who}: a decoder (is_decoder / add_cross_attention) is not supported; this is an encoder")
-    if c.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"{who}: position_embedding_type {c['position_embedding_type']!r} is not supported "
-                         f"(only 'absolute')")
-    if c.get("tie_word_embeddings") is False:
-        raise ValueError(f"{who}: a masked-LM decoder untied from the token embedding is not supported")
-    act = c.get("hidden_act", "gelu")
-    if act not in ACT_FROM_HF:
-        raise ValueError(f"{who}: hidden_act {act!r} is not supported ({', '.join(ACT_FROM_HF)})")
     kwargs = {ours: c[hf] for ours, hf in BERT_HF_NAMES.items() if hf in c}
-    return cls(**kwargs, **extra, activation=ACT_FROM_HF[act], **labels_from_hf(c))
+    return cls(**kwargs, **extra, activation=activation_from_hf(c, who), **labels_from_hf(c))
 
 
 def bert_config_to_hf(cfg: BertConfig) -> dict:

@@ -29,8 +29,9 @@ from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
 
-__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "check_config", "EMBEDDING_RULES", "layer_rules", "check_inputs", "init_weights", "BertEmbeddings",
-           "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules", "labels_from_hf", "labels_to_hf"]
+__all__ = ["ACT_FROM_HF", "ACT_TO_HF", "check_config", "check_inputs", "init_weights", "BertEmbeddings",
+           "EMBEDDING_RULES", "layer_rules", "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules",
+           "activation_from_hf", "labels_from_hf", "labels_to_hf"]
 
 # Hugging Face's activation names <-> ours (make_activation's; "gelu_new" is GPT-2's tanh approximation)
 ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
@@ -290,6 +291,21 @@ def mlm_head_rules(ours: str, dense: str, norm: str, decoder: str, bias: str) ->
 
 
 # ----------------------------------------------------------------------------- config.json
+def activation_from_hf(c: dict, who: str, default: str = "gelu") -> str:
+    """The checks a BERT-style config.json passes (absolute positions, the masked-LM decoder tied
+    to the token embedding, a hidden_act we have), each a ValueError naming it; returns our name of
+    its activation (``default``: transformers' for the family, when the file names none)."""
+    if c.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"{who}: position_embedding_type {c['position_embedding_type']!r} is not supported "
+                         f"(only 'absolute')")
+    if c.get("tie_word_embeddings") is False:
+        raise ValueError(f"{who}: a masked-LM decoder untied from the token embedding is not supported")
+    act = c.get("hidden_act", default)
+    if act not in ACT_FROM_HF:
+        raise ValueError(f"{who}: hidden_act {act!r} is not supported ({', '.join(ACT_FROM_HF)})")
+    return ACT_FROM_HF[act]
+
+
 def labels_to_hf(num_labels: int, id2label: dict[int, str] | None) -> dict:
     """config.json's label fields: num_labels, and the names when the config has them."""
     if id2label is None:
