@@ -250,6 +250,8 @@ class MultiHeadAttention(nn.Module):
         position: an :class:`~attnlab.nn.position.AttentionPosition` (RoPE rotates q/k;
             ALiBi and the T5 bias add a score bias), or None.
         causal: this is a causal self-attention (decoder); the mask is built from positions.
+        scale: the factor on q k^T (default 1 / sqrt(head_dim)); T5 uses 1.0, its initialisation
+            having folded the 1 / sqrt(D) into the query projection.
 
     ``forward(query, key, value, mask=None, ...)`` takes (B, T, E) / (B, S, kdim) / (B, S, vdim)
     and returns ``(output (B, T, E), weights (B, H, T, S) or None)``. While
@@ -261,7 +263,7 @@ class MultiHeadAttention(nn.Module):
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, out_bias: bool | None = None, fused_qkv: bool = False,
                  kdim: int | None = None, vdim: int | None = None,
-                 position: nn.Module | None = None, causal: bool = False):
+                 position: nn.Module | None = None, causal: bool = False, scale: float | None = None):
         super().__init__()
         if num_heads <= 0 or d_model <= 0:
             raise ValueError(f"MultiHeadAttention: d_model ({d_model}) and num_heads ({num_heads}) must be positive")
@@ -276,7 +278,7 @@ class MultiHeadAttention(nn.Module):
         if fused_qkv and not (kdim == vdim == d_model):
             raise ValueError("MultiHeadAttention: fused_qkv needs kdim == vdim == d_model")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
-        self.dropout, self.causal, self.position = dropout, causal, position
+        self.dropout, self.causal, self.position, self.scale = dropout, causal, position, scale
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if fused_qkv:
             self.qkv_proj = nn.Linear(d_model, q_out + 2 * kv_out, bias=bias)
@@ -394,21 +396,21 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         # one query attending a cache needs no causal mask: every cached key is in its past
         causal = is_causal and T > 1
-        out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights)
+        out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights, self.scale)
         if self.attention_record is not None and not recomputing():
-            self.attention_record.append(self._recorded(q, k, v, full, causal, weights))
+            self.attention_record.append(self._recorded(q, k, v, full, causal, weights, self.scale))
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.out_proj(out), weights
 
     @staticmethod
-    def _recorded(q, k, v, mask, causal, weights) -> Tensor:
+    def _recorded(q, k, v, mask, causal, weights, scale=None) -> Tensor:
         """Weights for ``attention_record``: detached, and computed apart from the output without
         autograd, so that recording changes neither the output nor what backward (or a
         checkpoint's recomputation) saves."""
         if weights is not None:
             return weights.detach()
         with torch.no_grad():
-            return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True)[1]
+            return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True, scale=scale)[1]
 
     @staticmethod
     def _positions(positions, key_positions, B, T, S, offset, device) -> tuple[Tensor, Tensor]:
