@@ -259,10 +259,20 @@ def _attention_rules(ours: str, theirs: str) -> list[Rule]:
             for a, b in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"))]
 
 
+def _gated(config: T5Config) -> bool:
+    return config.feed_forward_proj == "gated-gelu"
+
+
+def _relu(config: T5Config) -> bool:
+    return not _gated(config)
+
+
 def _ff_rules(ours: str, theirs: str) -> list[Rule]:
-    """Both feed-forwards' names: a checkpoint holds one kind, and a model has the other's no weights."""
-    pairs = (("linear1", "wi"), ("linear2", "wo"), ("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
-    return [Rule(f"{ours}.ff.{a}.weight", f"{theirs}.DenseReluDense.{b}.weight") for a, b in pairs]
+    """Both feed-forwards' names; ``wo`` is the output of either, so each rule says which it is for."""
+    relu = (("linear1", "wi"), ("linear2", "wo"))
+    gated = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
+    return [Rule(f"{ours}.ff.{a}.weight", f"{theirs}.DenseReluDense.{b}.weight", when=when)
+            for pairs, when in ((relu, _relu), (gated, _gated)) for a, b in pairs]
 
 
 def _stack_rules(stack: str) -> list[Rule]:
