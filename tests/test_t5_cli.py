@@ -1,5 +1,5 @@
 """`attnlab train translate --model t5` on the embedded corpus, then `attnlab translate` and
-`attnlab eval` on the run (tiny sizes: a few seconds)."""
+`attnlab eval` and `attnlab viz` on the run (tiny sizes: a few seconds)."""
 import json
 
 import torch
@@ -40,6 +40,10 @@ def test_train_translate_and_eval_a_t5(tmp_path):
                             pad_id=tgt_tok.pad_id)[0].tolist()
         ids = ids[:ids.index(tgt_tok.eos_id)] if tgt_tok.eos_id in ids else ids
         assert tgt_tok.decode([i for i in ids if i != tgt_tok.pad_id]) == line
+
+    png = tmp_path / "align.png"              # the cross-attention plot: T5 has no position limit to read
+    r = run_cli("viz", str(out), texts[0], "--out", str(png))
+    assert r.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", r.stderr
 
     data = tmp_path / "pairs.tsv"
     data.write_text("a man likes twenty-one men\tein Mann mag einundzwanzig Männer\nthe cat sees a dog\tdie Katze "
