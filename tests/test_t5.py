@@ -126,6 +126,29 @@ def test_transformers_checkpoint_loads(name, tmp_path):
                             FP32, f"{name} from transformers")
 
 
+def test_encoder_model_equals_transformers_with_padding(tmp_path):
+    model = T5.architecture("T5EncoderModel").build(T5.preset("tiny", d_kv=12))
+    contract.randomize_(model, 4)
+    attnlab.save_pretrained(model.eval(), tmp_path)
+    hf, info = transformers.T5EncoderModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), f"transformers reports {info}"
+    src, mask, _ = _padded_batch(9)
+    with torch.no_grad():
+        got, want = model(src, mask), hf.eval()(input_ids=src, attention_mask=mask).last_hidden_state
+    assert_close_scaled(got[mask], want[mask], FP32, "T5EncoderModel")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    src, mask, tgt = _padded_batch()
+    grads = []
+    for checkpointing in (False, True):
+        model = _ours("t5-v1.1").train()
+        model.gradient_checkpointing = checkpointing
+        model(src, tgt, mask).square().mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert_close_scaled(grads[1], grads[0], FP32, "checkpointed gradients")
+
+
 def test_config_from_both_generations_of_transformers():
     base = dict(vocab_size=50, d_model=16, num_heads=2, d_kv=8, num_layers=1, d_ff=32)
     assert config_from_hf(base).tie_word_embeddings                                   # T5's default
