@@ -169,8 +169,9 @@ def test_decoder_bias_follows_the_cache(tmp_path):
         memory = model.encode(src, mask)
         full = model.decode(tgt, memory, mask)
         cache = model.new_cache()
-        steps = torch.cat([model.decode(tgt[:, :2], memory, mask, cache=cache)]
-                          + [model.decode(tgt[:, t:t + 1], memory, mask, cache=cache) for t in range(2, tgt.size(1))], 1)
+        steps = [model.decode(tgt[:, :2], memory, mask, cache=cache)]          # a prefill of two, then one by one
+        steps += [model.decode(tgt[:, t:t + 1], memory, mask, cache=cache) for t in range(2, tgt.size(1))]
+        steps = torch.cat(steps, 1)
         assert_close_scaled(steps, full, FP32, "cached vs full decoding")
         model.decoder_bias.relative_attention_bias.weight.zero_()
         assert (model.decode(tgt, memory, mask) - full).abs().max() > 1e-2, "the decoder bias should matter"

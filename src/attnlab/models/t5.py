@@ -25,7 +25,7 @@ Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
@@ -77,7 +77,8 @@ class T5Config:
             if getattr(self, name) <= 0:
                 raise ValueError(f"T5Config: {name} must be positive, got {getattr(self, name)}")
         if self.feed_forward_proj not in FEED_FORWARD:
-            raise ValueError(f"T5Config: feed_forward_proj must be one of {FEED_FORWARD}, got {self.feed_forward_proj!r}")
+            raise ValueError(f"T5Config: feed_forward_proj must be one of {FEED_FORWARD}, "
+                             f"got {self.feed_forward_proj!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"T5Config: dropout must be in [0, 1), got {self.dropout}")
 
@@ -135,31 +136,24 @@ class _T5Encoder(nn.Module):
                 nn.init.normal_(p, 0.0, p.size(1) ** -0.5)
 
     def _run(self, layer: nn.Module, *args, **kwargs) -> Tensor:
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and kwargs.get("cache") is None:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and not kwargs.get("cache"):
             return checkpoint(layer, *args, **kwargs)
         return layer(*args, **kwargs)
 
-    def _ids(self, ids: Tensor, name: str) -> None:
+    def _check(self, ids: Tensor, mask: Tensor | None, name: str) -> Tensor | None:
+        """Check token ids (B, L); return their padding mask (True or 1 = real token) as bool, or
+        None (every token is real). Attention checks the mask's shape."""
         V = self.config.vocab_size
         if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(f"T5: {name} must be an integer (batch, seq) tensor, got "
                              f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise ValueError(f"T5: {name} holds an id out of range [0, vocab_size={V})")
-
-    @staticmethod
-    def _padding(mask: Tensor | None, ids: Tensor, name: str) -> Tensor | None:
-        """A (B, L) padding mask as bool (True or 1 = real token); None: every token is real."""
-        if mask is None:
-            return None
-        if mask.shape != ids.shape:
-            raise ValueError(f"T5: {name} must be (batch, seq) = {tuple(ids.shape)}, got {tuple(mask.shape)}")
-        return mask.bool()
+        return None if mask is None else mask.bool()
 
     def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """Source ids (B, S) -> memory (B, S, E); the mask (B, S) is True (or 1) for real tokens."""
-        self._ids(src, "src")
-        mask = self._padding(src_key_padding_mask, src, "src_key_padding_mask")
+        mask = self._check(src, src_key_padding_mask, "src")
         pos = torch.arange(src.size(1), device=src.device)
         bias = self.encoder_bias.position_bias(pos, pos)                      # (1, H, S, S), every layer's
         x = self.dropout(self.shared(src))
@@ -207,19 +201,14 @@ class T5ForConditionalGeneration(_T5Encoder):
         """Target ids (B, T) and memory (B, S, E) -> logits (B, T, V). With ``cache``
         (``new_cache()``) pass only the new tokens: the decoder bias takes its query positions
         from the cache length, and the causal mask aligns to them."""
-        self._ids(tgt, "tgt")
-        c, offset = self.config, 0 if cache is None else cache.length
+        c, offset, T = self.config, 0 if cache is None else cache.length, tgt.size(1)
+        tgt_mask = self._check(tgt, tgt_key_padding_mask, "tgt")          # (B, cached + new tokens)
         if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != c.d_model:
             raise ValueError(f"T5.decode: memory must be (batch={tgt.size(0)}, S, {c.d_model}), "
                              f"got {tuple(memory.shape)}")
-        memory_mask = self._padding(memory_key_padding_mask, memory[..., 0], "memory_key_padding_mask")
-        T = tgt.size(1)
-        if tgt_key_padding_mask is not None and tgt_key_padding_mask.shape != (tgt.size(0), offset + T):
-            raise ValueError(f"T5: tgt_key_padding_mask must be (batch, cached + new) = {(tgt.size(0), offset + T)}, "
-                             f"got {tuple(tgt_key_padding_mask.shape)}")
-        tgt_mask = None if tgt_key_padding_mask is None else tgt_key_padding_mask.bool()
+        memory_mask = None if memory_key_padding_mask is None else memory_key_padding_mask.bool()
         q_pos = torch.arange(offset, offset + T, device=tgt.device)
-        bias = self.decoder_bias.position_bias(q_pos, torch.arange(offset + T, device=tgt.device))   # (1, H, T, S)
+        bias = self.decoder_bias.position_bias(q_pos, torch.arange(offset + T, device=tgt.device))  # (1, H, T, S)
         x = self.dropout(self.shared(tgt))
         for i, layer in enumerate(self.decoder_layers):
             layer_cache = None if cache is None else (cache.self_attn[i], cache.cross_attn[i])
@@ -287,7 +276,8 @@ def _stack_rules(stack: str) -> list[Rule]:
     if stack == "decoder":
         rules += [*_attention_rules(f"{ours}.cross_attn", f"{theirs}.1.EncDecAttention"),
                   Rule(f"{ours}.cross_attn_norm.weight", f"{theirs}.1.layer_norm.weight")]
-    return rules + [*_ff_rules(ours, f"{theirs}.{ff}"), Rule(f"{ours}.ff_norm.weight", f"{theirs}.{ff}.layer_norm.weight"),
+    return rules + [*_ff_rules(ours, f"{theirs}.{ff}"),
+                    Rule(f"{ours}.ff_norm.weight", f"{theirs}.{ff}.layer_norm.weight"),
                     Rule(f"{stack}_norm.weight", f"{stack}.final_layer_norm.weight")]
 
 
@@ -295,33 +285,24 @@ T5_WEIGHT_MAP = [Rule("shared.weight", "shared.weight"), *_stack_rules("encoder"
 _HEAD_RULES = [Rule("lm_head.weight", "lm_head.weight")]     # tied: omitted on save, ignored if a checkpoint has it
 
 
+# T5Config's fields carry transformers' names, but for these
+_HF_NAMES = {"dropout": "dropout_rate"}
+_MAPPED = [f.name for f in fields(T5Config) if f.name != "tie_word_embeddings"]
+
+
 def config_from_hf(c: dict) -> T5Config:
-    proj = c.get("feed_forward_proj", "relu")
-    if proj not in FEED_FORWARD:
-        raise ValueError(f"T5 config: feed_forward_proj {proj!r} is not supported ({', '.join(FEED_FORWARD)})")
+    if c.get("feed_forward_proj", "relu") not in FEED_FORWARD:
+        raise ValueError(f"T5 config: feed_forward_proj {c['feed_forward_proj']!r} is not supported "
+                         f"({', '.join(FEED_FORWARD)})")
+    given = {name: c[_HF_NAMES.get(name, name)] for name in _MAPPED if c.get(_HF_NAMES.get(name, name)) is not None}
     # transformers >= 5 writes tie_word_embeddings true for every T5 and says in scale_decoder_outputs
     # whether the head is the original tied, scaled one; earlier versions said it in tie_word_embeddings
     tied = c.get("tie_word_embeddings", True) is not False and c.get("scale_decoder_outputs", True) is not False
-    return T5Config(vocab_size=c.get("vocab_size", 32128), d_model=c.get("d_model", 512),
-                    num_heads=c.get("num_heads", 8), num_layers=c.get("num_layers", 6),
-                    num_decoder_layers=c.get("num_decoder_layers"), d_ff=c.get("d_ff", 2048), d_kv=c.get("d_kv", 64),
-                    dropout=c.get("dropout_rate", 0.1),
-                    relative_attention_num_buckets=c.get("relative_attention_num_buckets", 32),
-                    relative_attention_max_distance=c.get("relative_attention_max_distance", 128),
-                    layer_norm_epsilon=c.get("layer_norm_epsilon", 1e-6), feed_forward_proj=proj,
-                    tie_word_embeddings=tied, pad_token_id=c.get("pad_token_id", 0), eos_token_id=c.get("eos_token_id", 1),
-                    decoder_start_token_id=c.get("decoder_start_token_id", 0))
+    return T5Config(**{"d_kv": 64, **given}, tie_word_embeddings=tied)     # transformers' d_kv default is 64
 
 
 def config_to_hf(cfg: T5Config) -> dict:
-    return {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "num_heads": cfg.num_heads,
-            "num_layers": cfg.num_layers, "num_decoder_layers": cfg.num_decoder_layers, "d_ff": cfg.d_ff,
-            "d_kv": cfg.d_kv, "dropout_rate": cfg.dropout,
-            "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
-            "relative_attention_max_distance": cfg.relative_attention_max_distance,
-            "layer_norm_epsilon": cfg.layer_norm_epsilon, "feed_forward_proj": cfg.feed_forward_proj,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "pad_token_id": cfg.pad_token_id,
-            "eos_token_id": cfg.eos_token_id, "decoder_start_token_id": cfg.decoder_start_token_id,
+    return {**{_HF_NAMES.get(f.name, f.name): getattr(cfg, f.name) for f in fields(T5Config)},
             "is_encoder_decoder": True}
 
 
@@ -360,6 +341,6 @@ T5 = register_family("t5", T5Config, base_rules=T5_WEIGHT_MAP, config_from_hf=co
                      # older checkpoints also store the shared embedding under each stack, and
                      # transformers ignores a cross-attention bias table some carry
                      ignore_on_load=(r"^(encoder|decoder)\.embed_tokens\.weight$",
-                                     r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"))
+                                     r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\."))
 T5.register("T5ForConditionalGeneration", T5ForConditionalGeneration, kind="seq2seq", head_rules=_HEAD_RULES)
 T5.register("T5EncoderModel", T5EncoderModel, kind="base")
