@@ -26,6 +26,7 @@ def test_train_translate_and_eval_a_t5(tmp_path):
     assert meta["tokenizers"]["source"] == meta["tokenizers"]["target"]
     assert (meta["config"]["pad_token_id"], meta["config"]["eos_token_id"], meta["config"]["decoder_start_token_id"]) \
         == (0, 2, 1)
+    assert (meta["config"]["feed_forward_proj"], meta["config"]["tie_word_embeddings"]) == ("gated-gelu", False)
 
     texts = ["a man likes twenty-one men", "the cat sees a dog"]
     r = run_cli("translate", str(out), *texts, "--beam", "1")

