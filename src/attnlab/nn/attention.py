@@ -256,8 +256,9 @@ class MultiHeadAttention(nn.Module):
         position: an :class:`~attnlab.nn.position.AttentionPosition` (RoPE rotates q/k;
             ALiBi and the T5 bias add a score bias), or None.
         causal: this is a causal self-attention (decoder); the mask is built from positions.
-        scale: the factor on q k^T (default 1/sqrt(D)); DeBERTa uses 1/sqrt(3D), as its two
-            position terms join the content term.
+        scale: the factor on q k^T (default 1 / sqrt(head_dim)); DeBERTa uses 1 / sqrt(3 D), as its
+            two position terms join the content term; T5 uses 1.0, its initialisation having folded
+            the 1 / sqrt(D) into the query projection.
 
     ``forward(query, key, value, mask=None, ...)`` takes (B, T, E) / (B, S, kdim) / (B, S, vdim)
     and returns ``(output (B, T, E), weights (B, H, T, S) or None)``. While
