@@ -270,8 +270,9 @@ class HFTokenizer(Tokenizer):
     come from ``special`` (token names per role, e.g. from ``tokenizer_config.json``) or, failing
     that, from the tokens the conventional names denote (``<pad>``, ``<s>``, ``</s>``,
     ``<|endoftext|>``, ``<unk>``, ``[PAD]``, ``[CLS]``, ``[SEP]``, ``[UNK]``).
-    ``encode`` adds the tokenizer's own special tokens (its post-processor), ``decode`` skips
-    every special token.
+    ``encode`` adds the tokenizer's own special tokens (its post-processor: BERT's [CLS] ... [SEP]),
+    neither pads nor truncates (the file's padding and truncation settings are switched off on
+    the given tokenizer), and ``decode`` skips every special token.
     """
     kind = "huggingface"
     ROLES = ("pad", "bos", "eos", "unk")
@@ -280,6 +281,11 @@ class HFTokenizer(Tokenizer):
                      "unk": ("<unk>", "[UNK]", "<|unk|>")}
 
     def __init__(self, hf_tokenizer, special: dict[str, str | None] | None = None):
+        # A tokenizer.json may keep the padding and truncation its writer used (all-MiniLM-L6-v2's
+        # pads every text to 128 ids with [PAD]); ``encode`` gives one text's own ids, as
+        # transformers' tokenizer does unless asked to pad or truncate: batching pads, with a mask.
+        hf_tokenizer.no_padding()
+        hf_tokenizer.no_truncation()
         self.hf = hf_tokenizer
         self.special = {}
         for role in self.ROLES:

@@ -1,7 +1,7 @@
 """Declarative two-way weight maps: the rule machinery every model file uses.
 
 A weight map is a list of :class:`Rule` (our key template, HF key template, :class:`Op`).
-Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), PermuteRope(heads_attr).
+Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), Split(dim, n), PermuteRope(heads_attr).
 :func:`to_hf_state_dict` / :func:`from_hf_state_dict` run a map over a model's tensors.
 This module is a leaf (torch and the standard library only): it knows no model, no registry
 and no file format, so every model file can import it without pulling anything else in.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
+__all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "Split", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
            "with_prefix", "split_prefix", "convert", "own_tensors", "to_hf_state_dict", "from_hf_state_dict"]
 
 
@@ -89,6 +89,21 @@ class Fuse(Op):
         if t.shape[self.dim] % self.parts:
             raise ValueError(f"{self.name}: dim {self.dim} of shape {tuple(t.shape)} is not divisible by {self.parts}")
         return list(t.chunk(self.parts, dim=self.dim))
+
+
+class Split(Fuse):
+    """One of our tensors <-> n HF tensors: :class:`Fuse` the other way round (our fused Q/K/V
+    projection, HF BERT's separate query, key and value)."""
+
+    def __init__(self, dim: int, parts: int):
+        super().__init__(dim, parts)
+        self.name = f"split(dim={dim}, parts={parts})"
+
+    def to_hf(self, tensors, config):
+        return super().from_hf(tensors, config)
+
+    def from_hf(self, tensors, config):
+        return super().to_hf(tensors, config)
 
 
 class PermuteRope(Op):
