@@ -23,6 +23,7 @@ or a "masked-lm" one for ``--objective none``, sized through the family's sizing
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,7 @@ class MaskedLMTask:
 
     def __init__(self, model: nn.Module, tokenizer, train_docs: list[list[list[int]]],
                  valid_docs: list[list[list[int]]], *, objective: str, context: int, batch_size: int,
-                 mask_prob: float = 0.15, eval_pairs: int = 512):
+                 mask_prob: float = 0.15, eval_pairs: int = 512, eval_seed: int = 12345):
         self.model, self.tokenizer, self.objective = model, tokenizer, objective
         self.train_docs, self.valid_docs = train_docs, valid_docs
         self.context, self.batch_size, self.mask_prob, self.eval_pairs = context, batch_size, mask_prob, eval_pairs
@@ -95,7 +96,7 @@ class MaskedLMTask:
         max_len = getattr(model.config, "max_position_embeddings", None)
         if max_len is not None and context > max_len:
             raise ValueError(f"--context {context} exceeds the model's {max_len} positions")
-        self._valid_batches = self._batches(valid_docs, random.Random(12345), torch.Generator().manual_seed(12345),
+        self._valid_batches = self._batches(valid_docs, random.Random(eval_seed), torch.Generator().manual_seed(eval_seed),
                                             limit=eval_pairs)
         if not self._valid_batches:
             raise ValueError("the validation documents give no sentence pair; give longer documents or more of them")
@@ -213,6 +214,11 @@ class MaskedLanguageModeling(TaskDefinition):
         Option("corpus_size", int, 3000, "documents of the embedded corpus", check=positive, group=_D),
         Option("eval_pairs", int, 512, "validation examples per evaluation", check=positive, group=_D,
                resumable=True),
+    ]
+
+    eval_options = [
+        Option("limit", int, 4096, "score at most this many examples", check=positive),
+        Option("seed", int, 0, "seed of the masks drawn over the file", group=_D),
     ]
 
     def check(self, s: dict) -> None:
@@ -340,6 +346,25 @@ class MaskedLanguageModeling(TaskDefinition):
         tok = load_tokenizers(run)["text"]
         model = load_model(run).to(resolve_device(device)).eval()
         return LoadedMLM(model, tok, run.task_options.get("objective", "none"), run.task_options["context"])
+
+
+    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+                      dtype: str = "fp32") -> None:
+        """Masked-LM loss and accuracy (and the sentence-pair accuracy) over a documents file,
+        with masks drawn from ``--seed``: the same figures for the same file and seed."""
+        from .run import open_run
+        loaded = self.load(open_run(path), device)
+        docs = [[loaded.tokenizer.encode(line, add_special_tokens=False) for line in d] for d in read_documents(data)]
+        task = MaskedLMTask(loaded.model, loaded.tokenizer, [], docs, objective=loaded.objective,
+                            context=loaded.context, batch_size=32, eval_pairs=settings["limit"],
+                            eval_seed=settings["seed"])
+        scores = task.evaluate(loaded.model)
+        n = sum(len(b["input_ids"]) for b in task._valid_batches)
+        print(f"{data}: {path}")
+        print(f"  masked-LM loss {scores['val_loss']:.4f}, perplexity {math.exp(min(scores['val_loss'], 50)):.2f}, "
+              f"accuracy {scores['val_mlm_acc'] * 100:.2f} % over the masked tokens of {n:,} examples")
+        if loaded.objective != "none":
+            print(f"  {loaded.objective.upper()} accuracy {scores[f'val_{loaded.objective}_acc'] * 100:.2f} %")
 
 
 MLM = register_task(MaskedLanguageModeling())
