@@ -1,4 +1,4 @@
-"""Helpers of the encoder parity tests (tests/test_albert.py, tests/test_deberta.py): a random
+"""Helpers of the encoder parity tests (BERT, ELECTRA, ALBERT, DeBERTa): a random
 transformers model saved and loaded through attnlab, right-padded batches, comparisons over the
 real tokens only, the padded-equals-alone check (padding must not change a real token) and the
 input errors every encoder reports."""
@@ -35,6 +35,14 @@ def padded_batch(vocab_size: int, lengths: list[int], seed: int = 0, types: int 
     return ids, mask, token_types
 
 
+def padded_two_segment_batch(vocab_size: int, B: int = 3, T: int = 12, seed: int = 1):
+    """:func:`padded_batch` with rows of T, 7 and 3 real tokens and two segments, plus type 2 on
+    the first row's last two tokens (for models with three token types)."""
+    ids, mask, types = padded_batch(vocab_size, [T, 7, 3][:B], seed, types=2)
+    types[0, -2:] = 2
+    return ids, mask, types
+
+
 def close_on_real(got, want, mask, what: str, rtol: float = FP32) -> None:
     """Compare (B, T, ...) outputs at the real tokens only (padding rows are free to differ)."""
     assert_close_scaled(got[mask], want[mask], rtol, what)
@@ -69,7 +77,7 @@ def check_in_transformers(model, tmp_path, lengths: list[int], types: int = 0) -
 
 def check_padding_invariance(model, vocab_size: int, lengths: list[int], what: str, types: int = 0) -> None:
     """Each row of a right-padded batch equals that row alone, unpadded, at its real tokens.
-    Works on per-token outputs (B, T, ...) and per-sequence ones (B, C)."""
+    Works on per-token outputs (B, T, ...) or (B, T) and per-sequence ones (B, C)."""
     ids, mask, token_types = padded_batch(vocab_size, lengths, seed=3, types=types)
     with torch.no_grad():
         batch = contract.outputs(model(ids, mask, token_types))
@@ -77,7 +85,7 @@ def check_padding_invariance(model, vocab_size: int, lengths: list[int], what: s
             types_alone = None if token_types is None else token_types[b:b + 1, :n]
             alone = contract.outputs(model(ids[b:b + 1, :n], None, types_alone))
             for got, want in zip(batch, alone, strict=True):
-                got = got[b, :n] if got.dim() >= 3 else got[b]
+                got = got[b, :want.size(1)] if got.dim() >= 2 else got[b]      # per-token: the first n
                 assert_close_scaled(got, want[0], FP32, f"{what}: row {b} padded vs alone")
 
 
@@ -86,11 +94,11 @@ def check_input_errors(model) -> None:
     mask of the wrong shape and float ids."""
     V, P = model.config.vocab_size, model.config.max_position_embeddings
     ids = torch.randint(0, V, (2, 5))
-    with pytest.raises(ValueError, match=rf"token id {V} is out of range \[0, vocab_size={V}\)"):
+    with pytest.raises(ValueError, match=rf"input_ids holds {V}, outside \[0, vocab_size={V}\)"):
         model(torch.full((2, 5), V))
-    with pytest.raises(ValueError, match=r"token id -1 is out of range"):
+    with pytest.raises(ValueError, match=r"input_ids holds -1, outside"):
         model(torch.full((2, 5), -1))
-    with pytest.raises(ValueError, match=rf"{P + 1} tokens is longer than the model's {P} positions"):
+    with pytest.raises(ValueError, match=rf"a sequence of {P + 1} tokens is longer than max_position_embeddings={P}"):
         model(torch.zeros(1, P + 1, dtype=torch.long))
     for shape in ((2, 4), (5, 2)):
         with pytest.raises(ValueError, match=r"attention_mask must be \(batch, seq\) = \(2, 5\)"):

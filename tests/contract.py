@@ -103,7 +103,7 @@ def inputs(arch: Architecture, model, seed: int = 1) -> tuple:
 
 # ----------------------------------------------------------------------------- checks
 def check_forward_and_gradients(arch: Architecture) -> None:
-    """Output shape, no NaN/inf, and a gradient (finite) for every parameter the forward uses."""
+    """Output shape, no NaN/inf, and a gradient (finite) for every parameter."""
     model = tiny(arch).train()
     outs = outputs(model(*inputs(arch, model)))
     shapes = kind_of(arch).shape(model.config)
@@ -113,12 +113,11 @@ def check_forward_and_gradients(arch: Architecture) -> None:
     assert all(torch.isfinite(o).all() for o in outs), f"{arch}: non-finite outputs"
     g = torch.Generator().manual_seed(2)
     sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
-    # a model may keep weights its checkpoint class holds but its forward does not use (ALBERT's
-    # bare AlbertModel keeps the pooler): it names their prefixes in ``kept_for_checkpoint``
-    unused = tuple(getattr(model, "kept_for_checkpoint", ()))
-    missing = [n for n, p in model.named_parameters() if p.grad is None and not n.startswith(unused)]
+    # weights a checkpoint holds but the forward does not use (the bare encoders' pooler) are
+    # buffers, not parameters: every parameter must get a gradient
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"{arch}: no gradient reaches {missing}"
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
     assert not bad, f"{arch}: non-finite gradients in {bad}"
 
 

@@ -154,7 +154,7 @@ def test_position_terms_change_the_output():
 def test_bad_inputs_get_one_clear_error():
     model = DebertaV2Model(DebertaV2Config(**attnlab.models.family("deberta-v2").presets["tiny"])).eval()
     check_input_errors(model)
-    with pytest.raises(ValueError, match=r"token type 0 is out of range \[0, type_vocab_size=0\)"):
+    with pytest.raises(ValueError, match=r"token_type_ids holds 0, outside \[0, type_vocab_size=0\)"):
         model(torch.zeros(2, 5, dtype=torch.long), None, torch.zeros(2, 5, dtype=torch.long))
 
 

@@ -14,15 +14,16 @@ into the checkpoint's and has the exact inverse:
 
     IDENTITY       same tensor                      TRANSPOSE   w.T (GPT-2's Conv1D is (in, out))
     Fuse(dim, n)   cat along dim / chunk into n     PermuteRope(heads_attr)  q/k rows between
-                                                    the interleaved and half-split RoPE layouts
+    Split(dim, n)  chunk into n / cat (Fuse's        the interleaved and half-split RoPE layouts
+                   inverse: BERT's query/key/value)
 """
 from __future__ import annotations
 
-from .models.convert import IDENTITY, TRANSPOSE, Fuse, Op, PermuteRope, Rule, permute_rope, unpermute_rope
+from .models.convert import IDENTITY, TRANSPOSE, Fuse, Op, PermuteRope, Rule, Split, permute_rope, unpermute_rope
 from .models.pretrained import from_hf_state_dict, from_pretrained, read_weights, save_pretrained, to_hf_state_dict
 from .models.registry import architecture_of, families, family
 from .tokenizer import load_tokenizer
 
-__all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
+__all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "Split", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
            "to_hf_state_dict", "from_hf_state_dict", "read_weights", "from_pretrained", "save_pretrained",
            "load_tokenizer", "family", "families", "architecture_of"]

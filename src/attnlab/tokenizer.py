@@ -270,8 +270,9 @@ class HFTokenizer(Tokenizer):
     come from ``special`` (token names per role, e.g. from ``tokenizer_config.json``) or, failing
     that, from the tokens the conventional names denote (``<pad>``, ``<s>``, ``</s>``,
     ``<|endoftext|>``, ``<unk>``, ``[PAD]``, ``[CLS]``, ``[SEP]``, ``[UNK]``).
-    ``encode`` adds the tokenizer's own special tokens (its post-processor), ``decode`` skips
-    every special token.
+    ``encode`` adds the tokenizer's own special tokens (its post-processor: BERT's [CLS] ... [SEP]),
+    neither pads nor truncates (the file's padding and truncation settings are switched off on
+    the given tokenizer), and ``decode`` skips every special token.
     """
     kind = "huggingface"
     ROLES = ("pad", "bos", "eos", "unk")
@@ -280,6 +281,11 @@ class HFTokenizer(Tokenizer):
                      "unk": ("<unk>", "[UNK]", "<|unk|>")}
 
     def __init__(self, hf_tokenizer, special: dict[str, str | None] | None = None):
+        # A tokenizer.json may keep the padding and truncation its writer used (all-MiniLM-L6-v2's
+        # pads every text to 128 ids with [PAD]); ``encode`` gives one text's own ids, as
+        # transformers' tokenizer does unless asked to pad or truncate: batching pads, with a mask.
+        hf_tokenizer.no_padding()
+        hf_tokenizer.no_truncation()
         self.hf = hf_tokenizer
         self.special = {}
         for role in self.ROLES:
@@ -303,8 +309,14 @@ class HFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``, with the model's own special tokens ([CLS] ... [SEP], a BOS)
+        unless ``add_special_tokens`` is False (pieces to be packed by the caller)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (e.g. "[MASK]"), None if the vocabulary has no such token."""
+        return self.hf.token_to_id(token)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
@@ -322,6 +334,31 @@ class HFTokenizer(Tokenizer):
     def _from_state(cls, state: dict) -> HFTokenizer:
         from tokenizers import Tokenizer as _HF
         return cls(_HF.from_str(json.dumps(state["tokenizer"])), state.get("special"))
+
+
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int = 8000, lowercase: bool = True) -> HFTokenizer:
+    """A BERT-style WordPiece tokenizer trained on ``texts`` with Hugging Face ``tokenizers``:
+    BERT's normaliser (lower-casing unless ``lowercase`` is False) and pre-tokeniser, "##"
+    continuation pieces, ids 0-4 = [PAD] [UNK] [CLS] [SEP] [MASK], and the post-processor that
+    makes ``encode`` give ``[CLS] text [SEP]`` (pairs: ``[CLS] a [SEP] b [SEP]``, token types 0/1).
+    Its ``tokenizer.json`` loads in transformers' BertTokenizerFast."""
+    from tokenizers import Tokenizer as _HF, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    if vocab_size <= len(BERT_SPECIAL_TOKENS):
+        raise ValueError(f"train_wordpiece: vocab_size must exceed the {len(BERT_SPECIAL_TOKENS)} special tokens, "
+                         f"got {vocab_size}")
+    hf = _HF(models.WordPiece(unk_token="[UNK]"))
+    hf.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece()
+    hf.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, show_progress=False,
+                                                            special_tokens=list(BERT_SPECIAL_TOKENS)))
+    cls, sep = hf.token_to_id("[CLS]"), hf.token_to_id("[SEP]")
+    hf.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                      special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return HFTokenizer(hf, {"pad": "[PAD]", "bos": "[CLS]", "eos": "[SEP]", "unk": "[UNK]"})
 
 
 def _special_from_config(path: Path) -> dict[str, str | None] | None:

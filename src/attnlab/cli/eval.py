@@ -30,11 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     seen: set[str] = set()
     for name, task in registered_tasks().items():
         group = p.add_argument_group(f"{name} runs")
-        for o in task.eval_options:
+        for o in task.eval_options or ():
             if o.name in seen:
                 continue
             seen.add(o.name)
-            users = ", ".join(n for n, t in registered_tasks().items() if o.name in {x.name for x in t.eval_options})
+            users = ", ".join(n for n, t in registered_tasks().items() if o.name in {x.name for x in t.eval_options or ()})
             default = "" if o.default is None else f" (default: {o.default})"
             if o.type is bool:
                 group.add_argument(o.flag, dest=o.name, action="store_true", default=None,
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     info, kind = open_model_path(args.checkpoint, "eval", kinds)
     task = tasks[info.run.task] if info.kind == "run" else next(t for t in tasks.values() if t.kind == kind)
     mine = {o.name for o in task.eval_options}
-    others = sorted({o.flag for t in tasks.values() for o in t.eval_options
+    others = sorted({o.flag for t in tasks.values() for o in t.eval_options or ()
                      if o.name not in mine and getattr(args, o.name) is not None})
     if others:
         raise UserError(f"{', '.join(others)}: not an option for {info.describe()}")

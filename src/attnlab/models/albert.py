@@ -23,16 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward
-from ..nn.norm import LayerNorm
-from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, MaskedLMHead, check_inputs, init_weights,
-                      labels_from_hf, labels_to_hf)
+from .encoder import (ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, Encoder, MaskedLMHead, Pooler,
+                      activation_from_hf, check_config, labels_from_hf, labels_to_hf, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["AlbertConfig", "Albert", "AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining",
@@ -62,70 +59,47 @@ class AlbertConfig:
     id2label: dict[int, str] | None = field(default=None)
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "embedding_size",
-                     "max_position_embeddings", "type_vocab_size", "num_hidden_groups", "inner_group_num",
-                     "num_labels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"AlbertConfig: {name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"AlbertConfig: d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads})")
+        check_config(self, positive=("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "embedding_size",
+                                     "max_position_embeddings", "type_vocab_size", "num_hidden_groups",
+                                     "inner_group_num", "num_labels"),
+                     fractions=("dropout", "classifier_dropout"))
         if self.num_hidden_groups > self.num_layers:
             raise ValueError(f"AlbertConfig: {self.num_hidden_groups} layer groups for {self.num_layers} layers: "
                              f"some groups would never run")
-        for name in ("dropout", "classifier_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"AlbertConfig: {name} must be in [0, 1), got {getattr(self, name)}")
-        if self.activation not in ACT_TO_HF:
-            raise ValueError(f"AlbertConfig: activation must be one of {tuple(ACT_TO_HF)}, got {self.activation!r}")
-        if self.id2label is not None and sorted(self.id2label) != list(range(self.num_labels)):
-            raise ValueError(f"AlbertConfig: id2label must name the classes 0 .. {self.num_labels - 1}")
 
 
-class Albert(nn.Module):
+class Albert(Encoder):
     """The encoder every ALBERT architecture is built on (no forward of its own):
-    ``encode(input_ids, attention_mask, token_type_ids) -> (B, T, E)`` and ``pool(h) -> (B, E)``."""
+    ``encode(input_ids, attention_mask, token_type_ids) -> (B, T, E)`` and ``pool(h) -> (B, E)``
+    (:class:`~attnlab.models.encoder.Encoder`), the layer groups run as :meth:`stack` says."""
 
-    def __init__(self, config: AlbertConfig, pooler: bool = True):
-        super().__init__()
-        c, E, X = config, config.d_model, config.embedding_size
-        self.config = config
-        self.token_embedding = nn.Embedding(c.vocab_size, X)
-        self.position_embedding = LearnedPositionalEmbedding(c.max_position_embeddings, X)
-        self.token_type_embedding = nn.Embedding(c.type_vocab_size, X)
-        self.embedding_norm = LayerNorm(X, c.layer_norm_eps)
-        self.embedding_dropout = nn.Dropout(c.dropout)
-        self.embedding_proj = nn.Linear(X, E)
+    def __init__(self, config: AlbertConfig, pooler: str | None = "trained"):
+        super().__init__(config)
+        c, E = config, config.d_model
+        self.embeddings = BertEmbeddings(c, c.embedding_size)        # E_emb wide, then projected to E
         self.groups = nn.ModuleList(
             nn.ModuleList(EncoderLayer(E, c.num_heads, c.d_ff, c.dropout, norm_first=False, eps=c.layer_norm_eps,
                                        ff=FeedForward(E, c.d_ff, 0.0, activation=c.activation))
                           for _ in range(c.inner_group_num))
             for _ in range(c.num_hidden_groups))
-        self.pooler = nn.Linear(E, E) if pooler else None
-        init_weights(self)
+        self.pooler = Pooler.make(E, pooler, type(self).__name__)
 
-    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-               token_type_ids: Tensor | None = None) -> Tensor:
+    def stack(self):
+        """Pass i runs group i * num_hidden_groups // num_layers: the same weights again and again."""
         c = self.config
-        mask = check_inputs(self, input_ids, attention_mask, token_type_ids)
-        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        x = self.position_embedding(self.token_embedding(input_ids) + self.token_type_embedding(types))
-        x = self.embedding_proj(self.embedding_dropout(self.embedding_norm(x)))       # (B, T, E_emb) -> (B, T, E)
         for i in range(c.num_layers):
-            for layer in self.groups[i * c.num_hidden_groups // c.num_layers]:      # shared weights
-                x = layer(x, key_padding_mask=mask)
-        return x
-
-    def pool(self, h: Tensor) -> Tensor:
-        """The sentence vector: tanh(W h_0 + b) of the first ([CLS]) token, (B, T, E) -> (B, E)."""
-        return torch.tanh(self.pooler(h[:, 0]))
+            yield from self.groups[i * c.num_hidden_groups // c.num_layers]
 
 
 class AlbertModel(Albert):
     """The bare encoder (transformers' AlbertModel): forward(input_ids (B, T), attention_mask=None,
     token_type_ids=None) -> the last hidden state (B, T, E). It keeps the pooler a checkpoint of
-    this class holds, so that loading and saving lose nothing, but forward does not use it."""
+    this class holds, so that loading and saving lose nothing, as buffers: forward does not use it,
+    so it is never trained (:class:`~attnlab.models.encoder.Pooler`)."""
 
-    kept_for_checkpoint = ("pooler.",)
+    def __init__(self, config: AlbertConfig):
+        super().__init__(config, pooler="kept")
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -136,14 +110,13 @@ class AlbertForMaskedLM(Albert):
     """forward(input_ids, attention_mask=None, token_type_ids=None) -> token logits (B, T, V)."""
 
     def __init__(self, config: AlbertConfig):
-        super().__init__(config, pooler=False)
-        c = config
-        self.predictions = MaskedLMHead(c.d_model, c.embedding_size, c.vocab_size, c.activation, c.layer_norm_eps)
-        init_weights(self.predictions)
+        super().__init__(config, pooler=None)
+        self.predictions = MaskedLMHead(config.d_model, self.embeddings.token, config.activation, config.layer_norm_eps)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
-        return self.predictions(self.encode(input_ids, attention_mask, token_type_ids), self.token_embedding.weight)
+        return self.predictions(self.encode(input_ids, attention_mask, token_type_ids))
 
 
 class AlbertForPreTraining(Albert):
@@ -151,18 +124,17 @@ class AlbertForPreTraining(Albert):
     sentence order: 0 = the two segments in their original order, 1 = swapped."""
 
     def __init__(self, config: AlbertConfig):
-        super().__init__(config, pooler=True)
+        super().__init__(config)
         c = config
-        self.predictions = MaskedLMHead(c.d_model, c.embedding_size, c.vocab_size, c.activation, c.layer_norm_eps)
+        self.predictions = MaskedLMHead(c.d_model, self.embeddings.token, c.activation, c.layer_norm_eps)
         self.sop_dropout = nn.Dropout(c.classifier_dropout)
         self.sop_classifier = nn.Linear(c.d_model, 2)
-        init_weights(self.predictions)
-        init_weights(self.sop_classifier)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         h = self.encode(input_ids, attention_mask, token_type_ids)
-        return (self.predictions(h, self.token_embedding.weight),
+        return (self.predictions(h),
                 self.sop_classifier(self.sop_dropout(self.pool(h))))
 
 
@@ -170,10 +142,10 @@ class AlbertForSequenceClassification(Albert):
     """forward(...) -> class logits (B, num_labels), from the pooled first token."""
 
     def __init__(self, config: AlbertConfig):
-        super().__init__(config, pooler=True)
+        super().__init__(config)
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.d_model, config.num_labels)
-        init_weights(self.classifier)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -184,7 +156,7 @@ class AlbertForSequenceClassification(Albert):
 _LAYER, _HF_LAYER = "groups.{g}.{j}.", "encoder.albert_layer_groups.{g}.albert_layers.{j}."
 BASE_RULES = [
     *EMBEDDING_RULES,
-    Rule("embedding_proj.{p}", "encoder.embedding_hidden_mapping_in.{p}"),
+    Rule("embeddings.project.{p}", "encoder.embedding_hidden_mapping_in.{p}"),
     *(Rule(_LAYER + ours + ".{p}", _HF_LAYER + theirs + ".{p}") for ours, theirs in [
         ("self_attn.q_proj", "attention.query"), ("self_attn.k_proj", "attention.key"),
         ("self_attn.v_proj", "attention.value"), ("self_attn.out_proj", "attention.dense"),
@@ -192,21 +164,12 @@ BASE_RULES = [
         ("ff_norm", "full_layer_layer_norm")]),
     Rule("pooler.{p}", "pooler.{p}"),
 ]
-MLM_RULES = [Rule("predictions.dense.{p}", "predictions.dense.{p}"),
-             Rule("predictions.norm.{p}", "predictions.LayerNorm.{p}"),
-             Rule("predictions.bias", "predictions.bias")]
+MLM_RULES = mlm_head_rules("predictions", "predictions.dense", "predictions.LayerNorm", "predictions.decoder",
+                           "predictions.bias")
 
 
 def config_from_hf(c: dict) -> AlbertConfig:
     """An HF AlbertConfig dict -> AlbertConfig; absent fields take transformers' defaults."""
-    if c.get("tie_word_embeddings") is False:
-        raise ValueError("ALBERT config: an output head untied from the token embedding is not supported")
-    if c.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"ALBERT config: position_embedding_type {c['position_embedding_type']!r} is not "
-                         f"supported (only 'absolute')")
-    act = c.get("hidden_act", "gelu_new")
-    if act not in ACT_FROM_HF:
-        raise ValueError(f"ALBERT config: hidden_act {act!r} is not supported ({', '.join(ACT_FROM_HF)})")
     return AlbertConfig(
         vocab_size=c.get("vocab_size", 30000), d_model=c.get("hidden_size", 4096),
         num_heads=c.get("num_attention_heads", 64), num_layers=c.get("num_hidden_layers", 12),
@@ -214,7 +177,8 @@ def config_from_hf(c: dict) -> AlbertConfig:
         embedding_size=c.get("embedding_size", 128), max_position_embeddings=c.get("max_position_embeddings", 512),
         type_vocab_size=c.get("type_vocab_size", 2), num_hidden_groups=c.get("num_hidden_groups", 1),
         inner_group_num=c.get("inner_group_num", 1), layer_norm_eps=c.get("layer_norm_eps", 1e-12),
-        activation=ACT_FROM_HF[act], classifier_dropout=c.get("classifier_dropout_prob", 0.1),
+        activation=activation_from_hf(c, "AlbertConfig", "gelu_new"),
+        classifier_dropout=c.get("classifier_dropout_prob", 0.1),
         pad_token_id=c.get("pad_token_id", 0), bos_token_id=c.get("bos_token_id", 2),
         eos_token_id=c.get("eos_token_id", 3), **labels_from_hf(c))
 
@@ -256,11 +220,11 @@ ALBERT = register_family("albert", AlbertConfig, base_rules=BASE_RULES, config_f
                          config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                          ignore_on_load=(r"embeddings\.position_ids$",))       # a buffer older writers stored
 ALBERT.register("AlbertModel", AlbertModel, kind="base")
-# the decoder is the token embedding (and its bias the head's bias): older checkpoints store copies
+# the decoder bias is transformers' predictions.bias: older checkpoints store a copy
 ALBERT.register("AlbertForMaskedLM", AlbertForMaskedLM, kind="masked-lm", prefix="albert.", head_rules=MLM_RULES,
-                ignore_on_load=(r"^predictions\.decoder\.",))
+                ignore_on_load=(r"^predictions\.decoder\.bias$",))
 ALBERT.register("AlbertForPreTraining", AlbertForPreTraining, kind="pretraining", prefix="albert.",
                 head_rules=MLM_RULES + [Rule("sop_classifier.{p}", "sop_classifier.classifier.{p}")],
-                ignore_on_load=(r"^predictions\.decoder\.",))
+                ignore_on_load=(r"^predictions\.decoder\.bias$",))
 ALBERT.register("AlbertForSequenceClassification", AlbertForSequenceClassification, kind="classifier",
                 prefix="albert.", head_rules=[Rule("classifier.{p}", "classifier.{p}")])

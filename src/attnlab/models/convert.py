@@ -1,7 +1,7 @@
 """Declarative two-way weight maps: the rule machinery every model file uses.
 
 A weight map is a list of :class:`Rule` (our key template, HF key template, :class:`Op`).
-Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), PermuteRope(heads_attr).
+Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), Split(dim, n), PermuteRope(heads_attr).
 :func:`to_hf_state_dict` / :func:`from_hf_state_dict` run a map over a model's tensors.
 This module is a leaf (torch and the standard library only): it knows no model, no registry
 and no file format, so every model file can import it without pulling anything else in.
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
+__all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "Split", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
            "with_prefix", "split_prefix", "convert", "own_tensors", "to_hf_state_dict", "from_hf_state_dict"]
 
 
@@ -91,6 +91,21 @@ class Fuse(Op):
         return list(t.chunk(self.parts, dim=self.dim))
 
 
+class Split(Fuse):
+    """One of our tensors <-> n HF tensors: :class:`Fuse` the other way round (our fused Q/K/V
+    projection, HF BERT's separate query, key and value)."""
+
+    def __init__(self, dim: int, parts: int):
+        super().__init__(dim, parts)
+        self.name = f"split(dim={dim}, parts={parts})"
+
+    def to_hf(self, tensors, config):
+        return super().from_hf(tensors, config)
+
+    def from_hf(self, tensors, config):
+        return super().to_hf(tensors, config)
+
+
 class PermuteRope(Op):
     """q/k rows between our RoPE layout and Hugging Face's half-split one.
 
@@ -137,11 +152,15 @@ class Rule:
     """Our key templates <-> HF key templates through ``op`` (see the module docstring).
 
     ``ours`` / ``theirs``: one template or a tuple of them (``op`` maps the tuple of our tensors
-    to the tuple of HF tensors). ``stack`` is the field only our side has, if any.
+    to the tuple of HF tensors). ``stack`` is the field only our side has, if any. ``when``: a
+    predicate on the model's config; the rule applies only where it holds (one checkpoint name
+    that means different modules in two variants of a family, such as T5's ``wo``, the output of
+    its ReLU or of its gated feed-forward).
     """
     ours: str | tuple[str, ...]
     theirs: str | tuple[str, ...]
     op: Op = IDENTITY
+    when: Callable[[Any], bool] | None = None
 
     def __post_init__(self):
         ours = (self.ours,) if isinstance(self.ours, str) else tuple(self.ours)
@@ -162,7 +181,7 @@ class Rule:
 def with_prefix(rules, prefix: str) -> list[Rule]:
     """The rules with ``prefix`` put before every HF template (a base model's keys as they sit
     inside a model with a head, e.g. "transformer." in GPT2LMHeadModel)."""
-    return [Rule(r.ours, tuple(prefix + t for t in r.theirs), r.op) for r in rules]
+    return [replace(r, theirs=tuple(prefix + t for t in r.theirs)) for r in rules]
 
 
 def split_prefix(rules, prefix: str) -> tuple[list[Rule], list[Rule]]:
@@ -170,12 +189,13 @@ def split_prefix(rules, prefix: str) -> tuple[list[Rule], list[Rule]]:
     rules; the other rules: the head's). The inverse of :func:`with_prefix` on a whole map."""
     base = [r for r in rules if all(t.startswith(prefix) for t in r.theirs)]
     head = [r for r in rules if not all(t.startswith(prefix) for t in r.theirs)]
-    return [Rule(r.ours, tuple(t.removeprefix(prefix) for t in r.theirs), r.op) for r in base], head
+    return [replace(r, theirs=tuple(t.removeprefix(prefix) for t in r.theirs)) for r in base], head
 
 
 def convert(tensors: dict[str, Tensor], rules: list[Rule], config, to_hf: bool):
     """Run the rules one way. Returns (converted, sources: out key -> source keys, unmatched
     source keys, missing source keys of incomplete groups)."""
+    rules = [r for r in rules if r.when is None or r.when(config)]
     groups: dict[tuple, dict[tuple, str]] = {}
     unmatched = []
     for key in tensors:

@@ -29,16 +29,16 @@ from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import EncoderLayer
-from ..nn.mlp import FeedForward
+from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
 from .convert import Rule
-from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, MaskedLMHead, activation_module, check_inputs,
-                      init_weights, labels_from_hf, labels_to_hf)
+from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, check_config, labels_from_hf,
+                      labels_to_hf, layer_rules, mlm_head_rules)
 from .registry import register_family
 
-__all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaV2",
-           "DebertaV2Model", "DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification", "DEBERTA_V2"]
+__all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaEmbeddings",
+           "DebertaV2", "DebertaV2Model", "DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification", "DEBERTA_V2"]
 
 TERMS = ("c2p", "p2c")
 
@@ -72,25 +72,13 @@ class DebertaV2Config:
 
     def __post_init__(self):
         self.pos_att_type = tuple(self.pos_att_type)
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_position_embeddings",
-                     "num_labels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DebertaV2Config: {name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"DebertaV2Config: d_model ({self.d_model}) is not divisible by num_heads "
-                             f"({self.num_heads})")
+        check_config(self, positive=("vocab_size", "d_model", "num_heads", "num_layers", "d_ff",
+                                     "max_position_embeddings", "num_labels"),
+                     fractions=("dropout",), activations=("activation", "pooler_activation"))
         if not set(self.pos_att_type) <= set(TERMS):
             raise ValueError(f"DebertaV2Config: pos_att_type may hold {TERMS}, got {self.pos_att_type}")
         if self.relative_attention and not self.pos_att_type:
             raise ValueError("DebertaV2Config: relative_attention needs at least one of pos_att_type c2p, p2c")
-        for name in ("activation", "pooler_activation"):
-            if getattr(self, name) not in ACT_TO_HF:
-                raise ValueError(f"DebertaV2Config: {name} must be one of {tuple(ACT_TO_HF)}, "
-                                 f"got {getattr(self, name)!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"DebertaV2Config: dropout must be in [0, 1), got {self.dropout}")
-        if self.id2label is not None and sorted(self.id2label) != list(range(self.num_labels)):
-            raise ValueError(f"DebertaV2Config: id2label must name the classes 0 .. {self.num_labels - 1}")
 
     @property
     def max_relative(self) -> int:
@@ -177,22 +165,46 @@ class DisentangledPosition(AttentionPosition):
         return score * self.scale
 
 
-class DebertaV2(nn.Module):
+class DebertaEmbeddings(nn.Module):
+    """token (+ position if position_biased_input) (+ token type if type_vocab_size > 0) embeddings
+    of width E_emb, [``project`` E_emb -> E, no bias], then LayerNorm and dropout at width E: the
+    projection comes before the norm, where BERT's embeddings put it after. Attribute names are
+    BertEmbeddings', so both follow one weight map (:data:`attnlab.models.encoder.EMBEDDING_RULES`).
+
+    ``forward(input_ids (B, T), token_type_ids (B, T), positions (T,) or (B, T)) -> (B, T, E)``."""
+
+    def __init__(self, c: DebertaV2Config):
+        super().__init__()
+        E, X = c.d_model, c.embedding_size or c.d_model
+        self.token = nn.Embedding(c.vocab_size, X)
+        self.position = LearnedPositionalEmbedding(c.max_position_embeddings, X) if c.position_biased_input else None
+        self.token_type = nn.Embedding(c.type_vocab_size, X) if c.type_vocab_size > 0 else None
+        self.project = nn.Linear(X, E, bias=False) if X != E else None
+        self.norm = LayerNorm(E, c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.token(input_ids)
+        if self.position is not None:
+            x = self.position(x, positions=positions)
+        if self.token_type is not None:
+            x = x + self.token_type(token_type_ids)
+        if self.project is not None:
+            x = self.project(x)
+        return self.dropout(self.norm(x))
+
+
+class DebertaV2(Encoder):
     """The encoder every DeBERTa-v2 architecture is built on: ``encode(input_ids, attention_mask,
-    token_type_ids) -> (B, T, E)``; no forward of its own."""
+    token_type_ids) -> (B, T, E)`` (:class:`~attnlab.models.encoder.Encoder`; relative positions
+    are the tokens' own, so the optional absolute embeddings alone would see a ``position_ids``);
+    no forward of its own, and a pooler only in the classifier."""
 
     def __init__(self, config: DebertaV2Config):
-        super().__init__()
+        super().__init__(config)
         c, E = config, config.d_model
-        X = c.embedding_size or E
-        self.config = config
-        self.token_embedding = nn.Embedding(c.vocab_size, X)
-        self.position_embedding = LearnedPositionalEmbedding(c.max_position_embeddings, X) \
-            if c.position_biased_input else None
-        self.token_type_embedding = nn.Embedding(c.type_vocab_size, X) if c.type_vocab_size > 0 else None
-        self.embedding_proj = nn.Linear(X, E, bias=False) if X != E else None
-        self.embedding_norm = LayerNorm(E, c.layer_norm_eps)
-        self.embedding_dropout = nn.Dropout(c.dropout)
+        self.embeddings = DebertaEmbeddings(c)
+        self.pooler = None
         self.relative = RelativeEmbeddings(c.span, E, c.layer_norm_eps, c.norm_rel_ebd, c.dropout) \
             if c.relative_attention else None
         # the position terms count in the scale even when relative_attention is off, as in the reference
@@ -205,26 +217,14 @@ class DebertaV2(nn.Module):
                                                      c.max_relative, c.share_att_key)
             self.layers.append(EncoderLayer(E, c.num_heads, c.d_ff, c.dropout, norm_first=False, eps=c.layer_norm_eps,
                                             self_attn=attn, ff=FeedForward(E, c.d_ff, 0.0, activation=c.activation)))
-        init_weights(self)
-
-    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-               token_type_ids: Tensor | None = None) -> Tensor:
-        mask = check_inputs(self, input_ids, attention_mask, token_type_ids)
-        x = self.token_embedding(input_ids)
-        if self.position_embedding is not None:
-            x = self.position_embedding(x)
-        if self.token_type_embedding is not None:
-            x = x + self.token_type_embedding(torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids)
-        if self.embedding_proj is not None:
-            x = self.embedding_proj(x)
-        x = self.embedding_dropout(self.embedding_norm(x))
-        for layer in self.layers:
-            x = layer(x, key_padding_mask=mask)
-        return x
 
 
 class DebertaV2Model(DebertaV2):
     """The bare encoder: forward(input_ids (B, T), attention_mask=None, token_type_ids=None) -> (B, T, E)."""
+
+    def __init__(self, config: DebertaV2Config):
+        super().__init__(config)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -236,14 +236,13 @@ class DebertaV2ForMaskedLM(DebertaV2):
 
     def __init__(self, config: DebertaV2Config):
         super().__init__(config)
-        c = config
-        self.predictions = MaskedLMHead(c.d_model, c.embedding_size or c.d_model, c.vocab_size, c.activation,
-                                        c.layer_norm_eps)
-        init_weights(self.predictions)
+        self.predictions = MaskedLMHead(config.d_model, self.embeddings.token, config.activation,
+                                        config.layer_norm_eps)
+        self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
-        return self.predictions(self.encode(input_ids, attention_mask, token_type_ids), self.token_embedding.weight)
+        return self.predictions(self.encode(input_ids, attention_mask, token_type_ids))
 
 
 class DebertaV2ForSequenceClassification(DebertaV2):
@@ -255,34 +254,31 @@ class DebertaV2ForSequenceClassification(DebertaV2):
         c = config
         self.pooler_dropout = nn.Dropout(c.pooler_dropout)
         self.pooler = nn.Linear(c.d_model, c.d_model)
-        self.pooler_act = activation_module(c.pooler_activation)
+        self.pooler_act = make_activation(c.pooler_activation)
         self.dropout = nn.Dropout(c.dropout if c.classifier_dropout is None else c.classifier_dropout)
         self.classifier = nn.Linear(c.d_model, c.num_labels)
-        init_weights(self.pooler)
-        init_weights(self.classifier)
+        self.reset_parameters()
+
+    def pool(self, hidden: Tensor) -> Tensor:
+        """DeBERTa's sentence vector: act(W dropout(hidden[:, 0]) + b), (B, T, E) -> (B, E)."""
+        return self.pooler_act(self.pooler(self.pooler_dropout(hidden[:, 0])))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
-        first = self.encode(input_ids, attention_mask, token_type_ids)[:, 0]
-        return self.classifier(self.dropout(self.pooler_act(self.pooler(self.pooler_dropout(first)))))
+        return self.classifier(self.dropout(self.pool(self.encode(input_ids, attention_mask, token_type_ids))))
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-_LAYER, _HF_LAYER = "layers.{i}.", "encoder.layer.{i}."
 BASE_RULES = [
     *EMBEDDING_RULES,
-    Rule("embedding_proj.weight", "embeddings.embed_proj.weight"),
+    Rule("embeddings.project.weight", "embeddings.embed_proj.weight"),
     Rule("relative.weight", "encoder.rel_embeddings.weight"),
     Rule("relative.norm.{p}", "encoder.LayerNorm.{p}"),
-    *(Rule(_LAYER + ours + ".{p}", _HF_LAYER + theirs + ".{p}") for ours, theirs in [
-        ("self_attn.q_proj", "attention.self.query_proj"), ("self_attn.k_proj", "attention.self.key_proj"),
-        ("self_attn.v_proj", "attention.self.value_proj"),
-        ("self_attn.position.pos_key_proj", "attention.self.pos_key_proj"),
-        ("self_attn.position.pos_query_proj", "attention.self.pos_query_proj"),
-        ("self_attn.out_proj", "attention.output.dense"), ("self_attn_norm", "attention.output.LayerNorm"),
-        ("ff.linear1", "intermediate.dense"), ("ff.linear2", "output.dense"), ("ff_norm", "output.LayerNorm")]),
+    *layer_rules(("self_attn.q_proj", "attention.self.query_proj"), ("self_attn.k_proj", "attention.self.key_proj"),
+                 ("self_attn.v_proj", "attention.self.value_proj"),
+                 ("self_attn.position.pos_key_proj", "attention.self.pos_key_proj"),
+                 ("self_attn.position.pos_query_proj", "attention.self.pos_query_proj")),
 ]
-
 
 def config_from_hf(c: dict) -> DebertaV2Config:
     """An HF DebertaV2Config dict -> DebertaV2Config; absent fields take transformers' defaults."""
@@ -358,10 +354,10 @@ DEBERTA_V2 = register_family("deberta-v2", DebertaV2Config, base_rules=BASE_RULE
                              ignore_on_load=(r"embeddings\.position_ids$",))    # a buffer older writers stored
 DEBERTA_V2.register("DebertaV2Model", DebertaV2Model, kind="base")
 DEBERTA_V2.register("DebertaV2ForMaskedLM", DebertaV2ForMaskedLM, kind="masked-lm", prefix="deberta.",
-                    head_rules=[Rule("predictions.dense.{p}", "cls.predictions.transform.dense.{p}"),
-                                Rule("predictions.norm.{p}", "cls.predictions.transform.LayerNorm.{p}"),
-                                Rule("predictions.bias", "cls.predictions.bias")],
-                    ignore_on_load=(r"^cls\.predictions\.decoder\.",))    # copies of the tied embedding and bias
+                    head_rules=mlm_head_rules("predictions", "cls.predictions.transform.dense",
+                                              "cls.predictions.transform.LayerNorm", "cls.predictions.decoder",
+                                              "cls.predictions.bias"),
+                    ignore_on_load=(r"^cls\.predictions\.decoder\.bias$",))    # a copy of cls.predictions.bias
 DEBERTA_V2.register("DebertaV2ForSequenceClassification", DebertaV2ForSequenceClassification, kind="classifier",
                     prefix="deberta.", head_rules=[Rule("pooler.{p}", "pooler.dense.{p}"),
                                                    Rule("classifier.{p}", "classifier.{p}")])

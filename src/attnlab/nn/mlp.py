@@ -14,7 +14,10 @@ from torch import Tensor, nn
 
 from .checkpoint import recomputing
 
-__all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts"]
+__all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts", "make_activation",
+           "ACTIVATIONS"]
+
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 
 
 def _activation(owner: str, name: str, valid: tuple[str, ...]) -> nn.Module:
@@ -22,6 +25,12 @@ def _activation(owner: str, name: str, valid: tuple[str, ...]) -> nn.Module:
         raise ValueError(f"{owner}: unknown activation {name!r}; valid activations are {', '.join(valid)}")
     return {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU,
             "gelu_tanh": partial(nn.GELU, approximate="tanh")}[name]()
+
+
+def make_activation(name: str) -> nn.Module:
+    """An activation module by name: "relu", "silu", "gelu" (exact, with erf) or "gelu_tanh"
+    (GPT-2's tanh approximation); for heads that apply one outside a feed-forward block."""
+    return _activation("make_activation", name, ACTIVATIONS)
 
 
 def _check_sizes(owner: str, d_model: int, d_ff: int, dropout: float) -> None:

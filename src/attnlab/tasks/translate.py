@@ -221,9 +221,11 @@ class Translate(TaskDefinition):
         else:
             vocab = (f"{d['tokenizer']} vocabulary {src_tok.vocab_size}/{tgt_tok.vocab_size}"
                      f"{' (shared)' if src_tok is tgt_tok else ''}")
+            from ..models.registry import family
+            norm = f"{'Pre' if d['pre_norm'] else 'Post'}-Norm " if "norm_first" in family(s["model"]).options else ""
             model = (f"model (for {n_pairs:,} pairs): {vocab}, d_model {d['d_model']}, {d['heads']} heads, "
-                     f"{d['layers']}+{d['layers']} {'Pre' if d['pre_norm'] else 'Post'}-Norm layers, d_ff {d['d_ff']}, "
-                     f"dropout {d['dropout']}")
+                     f"{d['layers']}+{d['layers']} {norm}layers, d_ff {d['d_ff']}, dropout {d['dropout']}, "
+                     f"family {s['model']}")
         return [model, f"batches: at most {d['max_tokens']:,} padded tokens",
                 describe_training(s, t)]
 
@@ -238,10 +240,15 @@ class Translate(TaskDefinition):
         from ..models.registry import family
         self.check(s)
         fam = family(s["model"])
+        # what the task knows beyond the shared sizes; a family takes the options it has (T5 has no
+        # Norm choice, ties by its own rule, and needs the tokenizer's special ids to start decoding)
+        known = dict(tgt_vocab_size=tgt_tok.vocab_size, norm_first=s["pre_norm"], tie_output=True,
+                     share_embeddings=src_tok is tgt_tok, pad_token_id=tgt_tok.pad_id, eos_token_id=tgt_tok.eos_id,
+                     decoder_start_token_id=tgt_tok.bos_id)
         config = fam.build_config(
-            vocab_size=src_tok.vocab_size, tgt_vocab_size=tgt_tok.vocab_size, context=max(s["max_len"] + 2, 64),
-            d_model=d["d_model"], num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"],
-            dropout=d["dropout"], norm_first=s["pre_norm"], tie_output=True, share_embeddings=src_tok is tgt_tok)
+            vocab_size=src_tok.vocab_size, context=max(s["max_len"] + 2, 64), d_model=d["d_model"],
+            num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"], dropout=d["dropout"],
+            **{k: v for k, v in known.items() if k in fam.options})
         torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
         return fam.for_kind(self.kind).build(config)
 

@@ -22,7 +22,9 @@ def cross_attention(model, src_tok, tgt_tok, text: str, max_len: int | None = No
     src = torch.tensor([src_tok.encode(text)], device=device)
     if src.size(1) == 0:
         raise ValueError("viz: the source text is empty")
-    limit = max_len or min(2 * src.size(1) + 10, model.config.max_seq_len)
+    limit = 2 * src.size(1) + 10
+    longest = getattr(model.config, "max_seq_len", None)     # None: relative positions (T5) set no limit
+    limit = max_len or (limit if longest is None else min(limit, longest))
     out = greedy_decode(model, src, max_len=limit, bos_id=tgt_tok.bos_id, eos_id=tgt_tok.eos_id,
                         pad_id=tgt_tok.pad_id)[0].tolist()
     while out and out[-1] == tgt_tok.pad_id:
