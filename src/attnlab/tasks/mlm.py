@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from ..data.files import DataFormatError
 from ..data.masking import IGNORE_INDEX, SentencePair, collate_pairs, mask_tokens, pack_pair, sentence_pairs
 from ..tokenizer import BERT_SPECIAL_TOKENS, train_wordpiece
-from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task
+from .base import (Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task,
+                   training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, resume_point, write_run
 
 __all__ = ["MaskedLMTask", "MaskedLanguageModeling", "read_documents"]
@@ -307,14 +308,9 @@ class MaskedLanguageModeling(TaskDefinition):
         return Setup(task, lines, {"sizes": d})
 
     def _schedule(self, s: dict, d: dict) -> dict:
-        from .base import BUDGET_MEASURE
-        budget = s["time_budget"] is not None and s["steps"] is None
-        steps = s["steps"] if s["steps"] is not None else (1_000_000 if budget else d["steps"])
-        warmup = s["warmup"] if s["warmup"] is not None else min(d["warmup"], max(1, steps // 10))
-        eval_every = s["eval_every"] if s["eval_every"] is not None else max(steps // 5 if not budget else 250, 50)
-        return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"], warmup_steps=warmup,
-                    eval_every=eval_every, budget_schedule=budget, budget_measure=BUDGET_MEASURE,
-                    budget_evals=0 if (s["eval_every"] is not None or not budget) else 4)
+        """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
+        return training_schedule(s, d, lambda steps, budget: min(d["warmup"], max(1, steps // 10)),
+                                 lambda steps, budget: max(250 if budget else steps // 5, 50), 4)
 
     def train_config(self, s: dict, setup: Setup) -> dict:
         d = setup.extra.get("sizes") or self._sizes(s, 0)
