@@ -154,6 +154,14 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         return cli("eval", "tr", "--data", "bad.tsv")
     if name.startswith(("classify-", "init-", "embed-")):
         return _classify_probe(name, cli)
+    if name == "mlm-no-sentences":
+        Path("blank.txt").write_text("\n  \n")
+        return cli("train", "mlm", "--data", "blank.txt", "--out", "m")
+    if name == "mlm-one-document":
+        Path("one.txt").write_text("the dog runs\nthe dog sleeps\n")
+        return cli("train", "mlm", "--data", "one.txt", "--out", "m")
+    if name == "mlm-no-head":
+        return cli("train", "mlm", "--model", "gpt2", "--out", "m")
     if name == "device-unknown":
         return cli("generate", "lm", "--device", "foo")
     if name == "device-no-cuda":
