@@ -44,10 +44,12 @@ __all__ = ["MaskedLMTask", "MaskedLanguageModeling", "read_documents"]
 
 _M, _D = "model", "data and evaluation"
 VALID_FRACTION = 0.05
-# The embedded documents' small vocabulary (~250 words) and short sentences; files get sizes by
+# The embedded documents' small vocabulary (~250 words) and short sentences: 4,000 steps (1 min 45 s
+# on a 2-core AMX Xeon) reach masked-LM accuracy 44 % and NSP accuracy 71 % on the held-out pairs,
+# where 1,500 steps left NSP at 54 % (near chance: the pair head learns after the words); files get sizes by
 # their number of training tokens (at most this many, sizes), BERT-small-like and up.
 EMBEDDED_SIZES = dict(vocab_size=1000, d_model=128, heads=4, layers=2, d_ff=512, context=64, batch_size=32,
-                      dropout=0.1, lr=1e-3, warmup=100, steps=1500)
+                      dropout=0.1, lr=1e-3, warmup=100, steps=4000)
 FILE_SIZES: list[tuple[float, dict]] = [
     (2_000_000, dict(vocab_size=8000, d_model=256, heads=4, layers=4, d_ff=1024, context=128, batch_size=32,
                      dropout=0.1, lr=5e-4, warmup=200, steps=5000)),
@@ -193,7 +195,7 @@ class MaskedLanguageModeling(TaskDefinition):
     name = "mlm"
     kind = "pretraining"
     help = "masked-language-model pre-training of an encoder (BERT with NSP, ALBERT with SOP, ...)"
-    example = ('attnlab train mlm --steps 1500 --out runs/mlm\n'
+    example = ('attnlab train mlm --out runs/mlm\n'
                '  attnlab train mlm --model albert --data documents.txt --time-budget 30')
     options = [
         Option("model", str, "bert", "architecture: a registered encoder family with a pre-training head", group=_M),
