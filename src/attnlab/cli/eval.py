@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 HELP = ("score a model on your data: BLEU, chrF and exact match of a translation run on a TSV, the "
-        "perplexity of a language model on a text file, or a classifier's accuracy, macro-F1 and confusion matrix")
+        "perplexity of a language model on a text file, a classifier's accuracy, macro-F1 and confusion matrix, "
+        "or a masked-LM run's masked-token accuracy on a documents file")
 EXAMPLE = ("attnlab eval runs/multi30k --data valid.de-en.tsv\n"
            "  attnlab eval runs/lm --data held_out.txt --quantize int8\n"
            "  attnlab eval runs/classify --data test.tsv --plot confusion.png")
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run directory or checkpoint, or a Hugging Face model directory")
     p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
                    "source<TAB>reference; language model: a UTF-8 text file; classifier: a TSV, CSV or JSON-lines file "
-                   "with the run's text and label columns)")
+                   "with the run's text and label columns; masked LM: documents separated by blank lines)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default=None,
                    help="precision of the large Linear layers' products (bf16 weight copies, fp32 activations); "
