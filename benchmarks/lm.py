@@ -236,16 +236,21 @@ def load() -> str:
 
 
 # --------------------------------------------------------------------------- train
+def train_setup(args, s: Shape, cfg: int):
+    """(timed steps, attnlab model, transformers model with the same weights, inputs, targets) for config ``cfg``."""
+    steps = args.steps if cfg == 1 else max(3, args.steps // 2)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        al, hf = build_pair(s, s.context, args.dropout, tmp)
+    g = torch.Generator().manual_seed(cfg)
+    w = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=g)
+    return steps, al, hf, w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
 def run_train(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
     for cfg in args.configs:
         s = shapes[cfg]
-        steps = args.steps if cfg == 1 else max(3, args.steps // 2)
-        torch.manual_seed(0)
-        with tempfile.TemporaryDirectory() as tmp:
-            al, hf = build_pair(s, s.context, args.dropout, tmp)
-        g = torch.Generator().manual_seed(cfg)
-        w = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=g)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        steps, al, hf, x, y = train_setup(args, s, cfg)
         n_params = sum(p.numel() for p in al.parameters())
         print(f"## train, config {cfg}: {s.layers} layers, {s.heads} heads, d_model {s.d_model}, context {s.context}, "
               f"vocabulary {s.vocab}, batch {s.batch}, dropout {args.dropout}; {n_params:,} parameters (head tied)")
@@ -298,13 +303,7 @@ def run_train_amp(args, shapes: dict[int, Shape], verdicts: list[str]) -> None:
     """Training under bf16 autocast, attnlab against transformers under the same autocast."""
     for cfg in args.configs:
         s = shapes[cfg]
-        steps = args.steps if cfg == 1 else max(3, args.steps // 2)
-        torch.manual_seed(0)
-        with tempfile.TemporaryDirectory() as tmp:
-            al, hf = build_pair(s, s.context, args.dropout, tmp)
-        g = torch.Generator().manual_seed(cfg)
-        w = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=g)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        steps, al, hf, x, y = train_setup(args, s, cfg)
         print(f"## train under bf16 autocast (torch.autocast('cpu', bfloat16) around forward and loss, fp32 weights "
               f"and AdamW on both sides), config {cfg}: {s.layers} layers, {s.heads} heads, d_model {s.d_model}, "
               f"context {s.context}, vocabulary {s.vocab}, batch {s.batch}; {native_bf16('cpu')[1]}")
