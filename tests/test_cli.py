@@ -61,6 +61,8 @@ def test_train_translate_eval_viz_on_a_user_tsv(tmp_path):
     r = run_cli("translate", str(out), "one cat", "two dog", "--beam", "2")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2          # one line per input, even an empty translation
+    after = run_cli("translate", str(out), "--beam", "2", "one cat", "two dog")   # texts after the options
+    assert after.returncode == 0 and after.stdout == r.stdout, after.stderr
 
     r = run_cli("eval", str(out), "--data", str(data), "--beam", "1", "--limit", "5")
     assert r.returncode == 0 and "BLEU" in r.stdout and "5 pairs" in r.stdout, r.stderr

@@ -39,13 +39,28 @@ from pathlib import Path
 
 from .. import __version__
 
-__all__ = ["main", "build_parser", "UserError", "COMMANDS"]
+__all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere"]
 
 COMMANDS = ("train", "translate", "generate", "classify", "embed", "eval", "viz")
 
 
 class UserError(Exception):
     """An error in the user's input, shown as one clear line."""
+
+
+def texts_anywhere(p: argparse.ArgumentParser) -> None:
+    """Let the ``texts`` positional take texts after options too (``RUN --top 2 "text"``): argparse
+    binds an empty ``nargs="*"`` positional with the first one and would reject the later texts as
+    unrecognized arguments, so those are moved back into ``texts``."""
+    plain = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, extras = plain(args, namespace)
+        texts = [a for a in extras if not a.startswith("-")]
+        namespace.texts = list(namespace.texts or []) + texts
+        return namespace, [a for a in extras if a.startswith("-")]
+
+    p.parse_known_args = parse_known_args
 
 
 def _module(name: str):

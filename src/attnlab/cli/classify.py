@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import texts_anywhere
+
 HELP = "label texts with a trained text classifier (a classify run)"
 EXAMPLE = ('attnlab classify runs/classify "what a wonderful film" "the plot was dull"\n'
            "  attnlab classify runs/sst2 --top 2 < reviews.txt")
@@ -21,21 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     texts_anywhere(p)
-
-
-def texts_anywhere(p: argparse.ArgumentParser) -> None:
-    """Let the ``texts`` positional take texts after options too (``RUN --top 2 "text"``): argparse
-    binds an empty ``nargs="*"`` positional with the first one and would reject the later texts as
-    unrecognized arguments, so those are moved back into ``texts``."""
-    plain = p.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        namespace, extras = plain(args, namespace)
-        texts = [a for a in extras if not a.startswith("-")]
-        namespace.texts = list(namespace.texts or []) + texts
-        return namespace, [a for a in extras if a.startswith("-")]
-
-    p.parse_known_args = parse_known_args
 
 
 def run(args: argparse.Namespace) -> int:

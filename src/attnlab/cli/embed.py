@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE.npy", help="write the (N, E) float32 array here instead of printing it")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    from .classify import texts_anywhere
+    from . import texts_anywhere
     texts_anywhere(p)
 
 

@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4)")
     p.add_argument("--length-penalty", type=float, default=1.0, help="beam search's length penalty (default 1.0)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    from . import texts_anywhere
+    texts_anywhere(p)
 
 
 def run(args: argparse.Namespace) -> int:
