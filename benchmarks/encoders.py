@@ -67,7 +67,18 @@ def _models(cls_name: str, shape: dict, directory: Path, dtype: torch.dtype):
     return ours, ref
 
 
-def forward_table(shape: dict, batch: int, seq: int, dtype: torch.dtype, args) -> tuple[list, float, float]:
+def _timed_rows(fns: dict, tokens: int, args) -> tuple[list, float]:
+    """Time ``fns`` (attnlab first, the reference second, its A/A repeat third) round-robin: the
+    table's rows (ratios against the reference) and attnlab's median speed ratio."""
+    names = list(fns)
+    t = time_calls(fns, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget)
+    ref = t[names[1]]
+    rows = [[n, fmt_ms(t[n].median), fmt_ms(min(t[n].times)), t[n].n, f"{tokens / t[n].median:.0f}",
+             f"{ref.median / t[n].median:.2f}", f"{min(ref.times) / min(t[n].times):.2f}"] for n in names]
+    return rows, ref.median / t[names[0]].median
+
+
+def forward_table(shape: dict, batch: int, seq: int, dtype: torch.dtype, args) -> tuple[tuple[list, float], float]:
     with tempfile.TemporaryDirectory() as d:
         ours, ref = _models("BertModel", shape, Path(d), dtype)
     ours.eval(), ref.eval()
@@ -87,14 +98,10 @@ def forward_table(shape: dict, batch: int, seq: int, dtype: torch.dtype, args) -
         return call
 
     fns = {AL: run(ours, False), REF: run(ref, True), AA: run(ref, True)}
-    t = time_calls(fns, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget)
-    tokens = batch * seq
-    rows = [[n, fmt_ms(t[n].median), fmt_ms(min(t[n].times)), t[n].n, f"{tokens / t[n].median:.0f}",
-             f"{t[REF].median / t[n].median:.2f}", f"{min(t[REF].times) / min(t[n].times):.2f}"] for n in fns]
-    return rows, t[REF].median / t[AL].median, diff
+    return _timed_rows(fns, batch * seq, args), diff
 
 
-def finetune_table(shape: dict, batch: int, seq: int, autocast: bool, args) -> tuple[list, float, float]:
+def finetune_table(shape: dict, batch: int, seq: int, autocast: bool, args) -> tuple[tuple[list, float], float]:
     with tempfile.TemporaryDirectory() as d:
         ours, ref = _models("BertForSequenceClassification", shape, Path(d), torch.float32)
     ours.train(), ref.train()
@@ -125,13 +132,7 @@ def finetune_table(shape: dict, batch: int, seq: int, autocast: bool, args) -> t
     fns = {AL.replace("BertModel", "BertForSequenceClassification"): step(ours, ours_opt, False),
            REF.replace("BertModel", "BertForSequenceClassification"): step(ref, ref_opt, True),
            AA: step(ref, ref_opt2, True)}
-    names = list(fns)
-    t = time_calls(fns, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget)
-    tokens = batch * seq
-    rows = [[n, fmt_ms(t[n].median), fmt_ms(min(t[n].times)), t[n].n, f"{tokens / t[n].median:.0f}",
-             f"{t[names[1]].median / t[n].median:.2f}", f"{min(t[names[1]].times) / min(t[n].times):.2f}"]
-            for n in names]
-    return rows, t[names[1]].median / t[names[0]].median, diff
+    return _timed_rows(fns, batch * seq, args), diff
 
 
 def main(argv=None) -> int:
@@ -171,10 +172,10 @@ def main(argv=None) -> int:
                 continue
             if section == "forward":
                 dtype = torch.float32 if dt == "fp32" else torch.bfloat16
-                rows, ratio, diff = forward_table(shape, batch, seq, dtype, args)
+                (rows, ratio), diff = forward_table(shape, batch, seq, dtype, args)
                 title = f"Forward (inference), {dt} weights"
             elif section == "finetune":
-                rows, ratio, diff = finetune_table(shape, batch, seq, dt == "bf16", args)
+                (rows, ratio), diff = finetune_table(shape, batch, seq, dt == "bf16", args)
                 title = f"Fine-tuning step, {'fp32' if dt == 'fp32' else 'bf16 autocast (fp32 weights)'}"
             else:
                 raise SystemExit(f"--sections: unknown section {section!r}")
