@@ -137,7 +137,9 @@ class MaskedLMTask:
                     token_type_ids=batch["token_type_ids"])
         return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
-    def _scores(self, model, batch) -> tuple[Tensor, int, dict]:
+    def _scores(self, model, batch) -> tuple[Tensor, Tensor | None, int, dict]:
+        """(masked-LM cross-entropy SUM, sentence-pair cross-entropy MEAN or None, masked tokens,
+        {"mlm_correct", "pair_correct"} counts) of one batch, from one forward pass."""
         token_logits, sentence_logits = self._forward(model, batch)
         labels = batch["labels"]
         picked = labels != IGNORE_INDEX
@@ -146,14 +148,14 @@ class MaskedLMTask:
         mlm = F.cross_entropy(logits, labels[picked], reduction="sum")
         extra = {"mlm_correct": (logits.argmax(-1) == labels[picked]).sum().float()}
         if sentence_logits is None:
-            return mlm, n, extra
+            return mlm, None, n, extra
         pair = F.cross_entropy(sentence_logits.float(), batch["sentence_label"])
-        extra["pairs"] = torch.tensor(float(len(labels)))
         extra["pair_correct"] = (sentence_logits.argmax(-1) == batch["sentence_label"]).sum().float()
-        return mlm + pair * max(n, 1), n, extra
+        return mlm, pair, n, extra
 
     def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
-        loss, n, extra = self._scores(model, batch)
+        mlm, pair, n, extra = self._scores(model, batch)
+        loss = mlm if pair is None else mlm + pair * max(n, 1)
         return loss, n, {"mlm_correct": extra["mlm_correct"]}
 
     @torch.no_grad()
@@ -161,15 +163,12 @@ class MaskedLMTask:
         """Masked-LM loss and accuracy over the masked tokens of a fixed validation sample (the
         same masks every time), and the sentence-pair accuracy."""
         device = next(model.parameters()).device
-        total = {"loss": 0.0, "n": 0, "mlm_correct": 0.0, "pairs": 0.0, "pair_correct": 0.0}
+        total = {"loss": 0.0, "n": 0, "mlm_correct": 0.0, "pairs": 0, "pair_correct": 0.0}
         for batch in self._valid_batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            token_logits, _ = self._forward(model, batch)
-            picked = batch["labels"] != IGNORE_INDEX
-            total["loss"] += float(F.cross_entropy(token_logits[picked].float(), batch["labels"][picked],
-                                                   reduction="sum"))
-            _, n, extra = self._scores(model, batch)
+            mlm, _, n, extra = self._scores(model, {k: v.to(device) for k, v in batch.items()})
+            total["loss"] += float(mlm)
             total["n"] += n
+            total["pairs"] += len(batch["labels"])
             for k, v in extra.items():
                 total[k] += float(v)
         out = {"val_loss": total["loss"] / max(total["n"], 1),
