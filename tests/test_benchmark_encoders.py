@@ -13,5 +13,6 @@ def test_encoder_benchmark_quick_runs():
     out = proc.stdout
     for title in ("Forward (inference), fp32 weights", "Forward (inference), bf16 weights", "Fine-tuning step, fp32",
                   "Fine-tuning step, bf16 autocast"):
-        assert out.count(title) == 2, f"{title!r}: a table and a target line expected"
+        for kind in ("full batch (100% real tokens)", "padded batch ("):
+            assert out.count(f"{title}{' (fp32 weights)' if 'autocast' in title else ''}, {kind}") == 2, f"{title!r}, {kind}: a table and a target line expected"
     assert "transformers BertModel (sdpa)" in out and "A/A: again" in out and "Writing model shards" not in out

@@ -38,7 +38,7 @@ def spy(monkeypatch):
 
 
 @needs_onednn
-@pytest.mark.parametrize("shape", [(1, 768), (8, 96), (2, 5, 40), (128, 64)])
+@pytest.mark.parametrize("shape", [(1, 768), (8, 96), (2, 5, 40), (64, 64)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_inference_linear_equals_nn_linear_without_grad(shape, bias, spy):
     lin, fast = _pair(shape[-1], 72, bias)
@@ -48,6 +48,19 @@ def test_inference_linear_equals_nn_linear_without_grad(shape, bias, spy):
     assert spy == [shape]                                  # the oneDNN path ran
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert_close_scaled(out, ref, FP32)
+
+
+@needs_onednn
+def test_many_rows_stay_on_the_gemm(spy):
+    """Compute-bound products (more than MAX_FP32_ONEDNN_ROWS rows, e.g. an encoder's batch) run
+    F.linear, which is as fast there; the result is the same either way."""
+    lin, fast = _pair(64, 72)
+    rows = linear_mod.MAX_FP32_ONEDNN_ROWS
+    with torch.no_grad():
+        few, many = torch.randn(rows, 64), torch.randn(2, rows, 64)
+        assert_close_scaled(fast(few), lin(few), FP32)
+        assert_close_scaled(fast(many), lin(many), FP32)
+    assert spy == [(rows, 64)], "only the product of at most MAX_FP32_ONEDNN_ROWS rows takes oneDNN"
 
 
 def test_shares_parameters_and_falls_back_when_a_gradient_is_needed(spy):

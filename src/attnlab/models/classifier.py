@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.block import EncoderLayer
+from ..nn.packing import Packing
 from ..nn.norm import make_norm
 from ..nn.pooling import POOLINGS, Pooling
 from ..nn.position import LearnedPositionalEmbedding, PositionalEncoding
@@ -132,7 +133,8 @@ class TextClassifier(nn.Module):
 
     def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """(token vectors (B, T, E) after the last layer's norm, their padding mask (B, T));
-        with cls pooling T includes the prepended [CLS] vector."""
+        with cls pooling T includes the prepended [CLS] vector. A padded batch runs its real tokens
+        alone (:class:`~attnlab.nn.packing.Packing`): the vectors are zero at padded positions."""
         mask = _padding(input_ids, attention_mask, self.config.pad_id, "TextClassifier")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"TextClassifier: token id out of range [0, {self.config.vocab_size})")
@@ -142,9 +144,15 @@ class TextClassifier(nn.Module):
             if mask is not None:
                 mask = torch.cat([mask.new_ones(mask.size(0), 1), mask], 1)
         x = self.pos_encoding(x)
+        if mask is None or bool(mask.all()):
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x), mask
+        packing = Packing(mask)                # the layers and the norm run on the real tokens alone
+        x = packing.pack(x)
         for layer in self.layers:
-            x = layer(x, key_padding_mask=mask)
-        return self.norm(x), mask
+            x = layer(x, packing=packing)
+        return packing.unpack(self.norm(x)), mask
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         x, mask = self.hidden_states(input_ids, attention_mask)

@@ -12,7 +12,10 @@ with its shared layers and DeBERTa with its own embeddings and attention directl
 heads and calls ``reset_parameters()`` once built; its forward is ``head(self.encode(input_ids,
 attention_mask, token_type_ids, position_ids))``. ``attention_mask`` (B, T) is True/1 for real tokens; it
 reaches attention as a (B, 1, 1, T) boolean key mask on the fused SDPA path (no mask at all when
-nothing is padded), so a real token's output never depends on padding.
+nothing is padded), so a real token's output never depends on padding. A padded batch runs the
+layers on its real tokens alone (:class:`~attnlab.nn.packing.Packing`): every projection and
+feed-forward skips the padding, and the hidden state is zero at padded positions (transformers
+computes values there that nothing should read; torch's TransformerEncoder fast path gives zeros).
 Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..nn.block import EncoderLayer
 from ..nn.checkpoint import checkpoint
 from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
+from ..nn.packing import Packing
 from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
 
@@ -201,12 +205,16 @@ class Encoder(nn.Module):
         mask, token_type_ids, position_ids = check_inputs(self, input_ids, attention_mask, token_type_ids,
                                                           position_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
+        # a padded batch runs the layers on its real tokens alone (attnlab.nn.packing)
+        packing = None if mask is None else Packing(mask)
+        if packing is not None:
+            x = packing.pack(x)
         for layer in self.stack():
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, None, mask)
+                x = checkpoint(layer, x, None, None, packing=packing)
             else:
-                x = layer(x, None, mask)
-        return x
+                x = layer(x, None, None, packing=packing)
+        return x if packing is None else packing.unpack(x)
 
     def save_pretrained(self, path) -> None:
         """Write a Hugging Face directory for the model's registered architecture (see

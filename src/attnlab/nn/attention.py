@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .cache import KVCache
 from .checkpoint import recomputing
+from .packing import Packing
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -342,6 +343,26 @@ class MultiHeadAttention(nn.Module):
             return F.linear(query, self.qkv_proj.weight[:q_out], None if b is None else b[:q_out])
         return self.q_proj(query)
 
+    def _project_packed(self, x: Tensor, packing: Packing) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's Q, K, V in heads from packed rows x (N, E): projected on the N real
+        tokens, then scattered to the (B, T) layout (zeros at padding, which the key mask hides)."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.fused_qkv:
+            q, k, v = packing.unpack(self.qkv_proj(x)).split([q_out, kv_out, kv_out], dim=-1)
+        else:
+            q, k, v = (packing.unpack(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return self._split(q, self.num_heads), self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads)
+
+    def _check_packed(self, query, key, value, cache, packing) -> None:
+        if not isinstance(packing, Packing):
+            raise ValueError(f"MultiHeadAttention: packing must be an attnlab.nn.Packing, got {type(packing).__name__}")
+        if key is not None or value is not None or cache is not None:
+            raise ValueError("MultiHeadAttention: packing is for self-attention without a cache "
+                             "(key, value and cache must be None)")
+        if query.dim() != 2 or query.shape != (packing.count, self.d_model):
+            raise ValueError(f"MultiHeadAttention: packed query must be (real tokens, d_model) = "
+                             f"{(packing.count, self.d_model)}, got {tuple(query.shape)}")
+
     def _check(self, query, key, value, key_padding_mask):
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
             raise ValueError("MultiHeadAttention: query, key and value must be batch-first (B, L, E), got "
@@ -360,7 +381,7 @@ class MultiHeadAttention(nn.Module):
                 mask: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
                 is_causal: bool | None = None, return_weights: bool = False,
                 cache: KVCache | None = None, positions: Tensor | None = None,
-                key_positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                key_positions: Tensor | None = None, packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` (B, T, E) to ``key``/``value`` (B, S, ·); self-attention if they are None.
 
         mask: broadcastable to (B, H, T, S), boolean True = attend or float additive.
@@ -375,15 +396,26 @@ class MultiHeadAttention(nn.Module):
         key_positions: (S,) or (B, S) positions of all keys, cached and new (default:
             arange(S)). A left-padded batch passes both counted over real tokens, so that
             relative schemes (ALiBi, T5) see true distances.
+        packing: a :class:`~attnlab.nn.packing.Packing` of a padded (B, T) batch: ``query`` holds
+            its N real tokens, (N, E), and so does the output, (N, E). Self-attention only (no
+            key, value or cache); the key mask defaults to the packing's. The projections run on
+            the N rows alone; attention itself on the (B, T) layout.
         """
-        key = query if key is None else key
-        value = key if value is None else value
-        self._check(query, key, value, key_padding_mask)
+        if packing is not None:
+            self._check_packed(query, key, value, cache, packing)
+            (B, T), offset = packing.shape, 0
+            key_padding_mask = packing.mask if key_padding_mask is None else key_padding_mask
+            if key_padding_mask.dtype != torch.bool:
+                raise ValueError("MultiHeadAttention: key_padding_mask must be a (B, S) bool tensor, True for real tokens")
+            q, k, v = self._project_packed(query, packing)
+        else:
+            key = query if key is None else key
+            value = key if value is None else value
+            self._check(query, key, value, key_padding_mask)
+            B, T, _ = query.shape
+            offset = 0 if cache is None or cache.static else cache.length
+            q, k, v = self._project(query, key, value, cache)
         is_causal = self.causal if is_causal is None else is_causal
-        B, T, _ = query.shape
-        offset = 0 if cache is None or cache.static else cache.length
-
-        q, k, v = self._project(query, key, value, cache)
         S = cache.length if k is None else offset + k.size(-2)
         if self.position is not None:
             positions, key_positions = self._positions(positions, key_positions, B, T, S, offset, query.device)
@@ -407,6 +439,8 @@ class MultiHeadAttention(nn.Module):
         if self.attention_record is not None and not recomputing():
             self.attention_record.append(self._recorded(q, k, v, full, causal, weights, self.scale))
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        if packing is not None:
+            out = packing.pack(out)
         return self.out_proj(out), weights
 
     @staticmethod

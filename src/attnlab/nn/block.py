@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .attention import MultiHeadAttention
 from .cache import KVCache
 from .mlp import FeedForward, SparseMoE
+from .packing import Packing
 from .norm import make_norm
 
 __all__ = ["EncoderLayer", "DecoderLayer", "CausalLayer"]
@@ -59,7 +60,9 @@ class EncoderLayer(_Layer):
     (B, H, T, T): bool True = may attend, or float added to the scores (torch's boolean masks
     mean the opposite: pass ``~mask``); ``key_padding_mask`` (B, T) bool, True = real token
     (torch's ``src_key_padding_mask`` is True = ignore: pass ``~mask``). Attention weights:
-    ``attnlab.viz.record_attention``.
+    ``attnlab.viz.record_attention``. ``packing`` (an :class:`~attnlab.nn.packing.Packing`): x is
+    the (N, E) real tokens of a padded batch, and so is the output; every position-wise step runs
+    on those rows alone (the key mask defaults to the packing's).
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
@@ -73,9 +76,13 @@ class EncoderLayer(_Layer):
         self.self_attn_norm = make_norm(norm, d_model, eps)
         self.ff_norm = make_norm(norm, d_model, eps)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, key_padding_mask: Tensor | None = None, *,
+                packing: Packing | None = None) -> Tensor:
         h = self._norm_in(self.self_attn_norm, x)
-        a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
+        if packing is not None:                      # x: the (N, E) real tokens of a padded batch
+            a, _ = self.self_attn(h, None, None, mask, key_padding_mask=key_padding_mask, packing=packing)
+        else:
+            a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
         x = self._add_norm(self.self_attn_norm, x, a)
         return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)))
 

@@ -4,9 +4,10 @@ A decoding step multiplies one row per sequence by every weight matrix of the mo
 by how fast the weights stream from memory, not by arithmetic. On a 2-core AMD EPYC, PyTorch's
 fp32 ``F.linear`` (an MKL GEMM) streams a weight at 13-16 GB/s for one row, while oneDNN's matmul
 primitive (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's own CPU inference paths use
-under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is also ahead for 8-128
-rows (prefill, batched decoding) -- for weights of a few MB and up; small ones stay on
-``F.linear`` (see :data:`MIN_WEIGHT_ELEMENTS`). On Intel CPUs MKL is as fast, so fp32 stays on
+under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is level or ahead up to
+64 rows (batched decoding) -- for weights of a few MB and up; small ones stay on ``F.linear`` (see
+:data:`MIN_WEIGHT_ELEMENTS`), and so do products of many rows (prefill, an encoder's batch), where
+the arithmetic, not the weight's streaming, sets the pace (:data:`MAX_FP32_ONEDNN_ROWS`). On Intel CPUs MKL is as fast, so fp32 stays on
 ``F.linear`` there (:func:`fp32_onednn` decides by the CPU's vendor). :class:`InferenceLinear` is an
 ``nn.Linear`` that takes that path when nothing needs a gradient, and :func:`optimize_for_inference`
 swaps every ``nn.Linear`` of a model for one (same ``Parameter`` objects: tied weights stay tied,
@@ -37,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
-           "prepare_for_inference", "onednn_available", "fp32_onednn", "MIN_WEIGHT_ELEMENTS"]
+           "prepare_for_inference", "onednn_available", "fp32_onednn", "MIN_WEIGHT_ELEMENTS",
+           "MAX_FP32_ONEDNN_ROWS"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
@@ -46,6 +48,12 @@ _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: deci
 # for its faster streaming to matter. Measured (one row, 2 threads): 256 x 256 takes 27 us instead
 # of 9 (0.33x), 1024 x 256 is level, 8000 x 256 is 2.1x faster, 2304 x 768 1.7x, 50257 x 768 2.3x.
 MIN_WEIGHT_ELEMENTS = 1 << 19          # 2 MB of fp32: smaller weights stay on F.linear
+# ... and it pays off only while the product streams the weight (few rows): from ~128 rows on, the
+# product is compute-bound and MKL's GEMM is as fast or faster (AVX2 AMD EPYC, 2 threads, ms for
+# 2304x768 / 3072x768 / 768x3072: 64 rows 1.00x / 1.10x / 1.00x oneDNN's speedup, 128 rows
+# 1.6x / 0.97x / 0.85x, 1024 rows 0.87x / 1.01x / 0.78x; a BERT-base forward of 1024 tokens ran
+# 0.95x transformers with oneDNN for every product). So fp32 calls of more rows stay on F.linear.
+MAX_FP32_ONEDNN_ROWS = 64
 
 
 def _dnn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -130,7 +138,8 @@ class InferenceLinear(nn.Linear):
     ``nn.Linear``. The oneDNN path is taken when autograd is off or nothing involved requires a
     gradient, input and weight are fp32 on the CPU and the weight is contiguous; otherwise forward is
     exactly ``nn.Linear.forward``. Weights under :data:`MIN_WEIGHT_ELEMENTS` elements also stay on
-    ``F.linear``: oneDNN's fixed cost per call outweighs its faster streaming there.
+    ``F.linear`` (oneDNN's fixed cost per call outweighs its faster streaming there), and so do
+    products of more than :data:`MAX_FP32_ONEDNN_ROWS` rows (compute-bound: MKL's GEMM is as fast).
     """
 
     @classmethod
@@ -156,7 +165,7 @@ class InferenceLinear(nn.Linear):
     def _fast(self, x: Tensor) -> bool:
         w = self.weight
         if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not w.is_contiguous() \
-                or w.numel() < MIN_WEIGHT_ELEMENTS:
+                or w.numel() < MIN_WEIGHT_ELEMENTS or x.numel() > MAX_FP32_ONEDNN_ROWS * x.size(-1):
             return False
         return self._no_grad(x) and fp32_onednn()
 
