@@ -102,10 +102,31 @@ def test_greedy_and_repetition_penalty_equal_transformers(family, tmp_path):
         assert torch.equal(got, want), f"{family} penalty {penalty}:\nattnlab {got.tolist()}\nHF      {want.tolist()}"
 
 
+def test_beam_search_equals_transformers_with_eos(tmp_path):
+    """With EOS ids that end hypotheses early, the best hypothesis equals transformers' under
+    ``early_stopping="never"`` (K live beams each step, a stop that cannot lose the best): each
+    row compared up to and including its first EOS (after it both sides only pad)."""
+    hf, ours = _hf_pair("gpt2", tmp_path)
+    ids, mask = _left_padded([_ids(1, 6, 80)[0], _ids(1, 3, 81)[0], _ids(1, 5, 82)[0]])
+    free = generate(ours, ids, 10, attention_mask=mask)[:, -10:]
+    ended = 0
+    for eos in sorted(set(free[:, 2:].flatten().tolist()))[:4]:
+        for beams, length_penalty in ((3, 1.0), (4, 0.0)):
+            with torch.no_grad():
+                want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, num_beams=beams, do_sample=False,
+                                   length_penalty=length_penalty, early_stopping="never", eos_token_id=eos,
+                                   pad_token_id=0)[:, ids.size(1):].tolist()
+            got = generate(ours, ids, 10, attention_mask=mask, num_beams=beams, length_penalty=length_penalty,
+                           eos_token_id=eos)[:, ids.size(1):].tolist()
+            cut = [[r[:r.index(eos) + 1] if eos in r else r for r in rows] for rows in (got, want)]
+            assert cut[0] == cut[1], f"eos {eos}, {beams} beams, length penalty {length_penalty}"
+            ended += sum(len(r) < 10 for r in cut[0])
+    assert ended >= 3, "some best hypotheses should end at EOS"
+
+
 def test_beam_search_equals_transformers_without_eos(tmp_path):
-    """Without an EOS every hypothesis ends at max_new_tokens, where attnlab's search (K best
-    extensions, exact stop) and transformers' (K live beams, heuristic stop) coincide; with an
-    EOS they differ by design (see generate's docstring), and the exhaustive test covers it."""
+    """Without an EOS every hypothesis ends at max_new_tokens, where attnlab's search (exact stop)
+    and transformers' default (heuristic stop) coincide."""
     hf, ours = _hf_pair("gpt2", tmp_path)
     ids, mask = _left_padded([_ids(1, 6, 80)[0], _ids(1, 3, 81)[0]])
     for beams, length_penalty in ((2, 1.0), (4, 0.0), (5, 2.0)):

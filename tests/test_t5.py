@@ -213,9 +213,7 @@ def test_greedy_equals_transformers_generate(name, tmp_path):
 def test_beam_search_equals_transformers_generate(name, tmp_path):
     """Beam 3. Without an EOS every hypothesis runs to max_len, where attnlab's search and
     transformers' coincide. With an EOS, transformers' ``early_stopping="never"`` is attnlab's
-    exact stopping rule (no live beam can beat the best finished one, bounded at max_len);
-    the two still differ by design in one point (attnlab keeps the K best extensions, finished
-    ones included; transformers keeps K unfinished ones), which these sources do not reach."""
+    exact stopping rule (no live beam can beat the best finished one, bounded at max_len)."""
     model = _generator(name)
     hf = _to_hf(model, tmp_path)
     src, mask, _ = _padded_batch()
@@ -238,6 +236,37 @@ def test_beam_search_equals_transformers_generate(name, tmp_path):
     assert ended, "some best hypothesis should end at EOS"
     greedy = greedy_decode(model, src, mask, max_len=10, eos_id=V, **ids).tolist()
     assert beam_search(model, src, mask, beam_size=1, max_len=10, eos_id=V, **ids) == greedy
+
+
+def test_beam_search_keeps_k_live_beams_as_transformers_does(tmp_path):
+    """Many sources, frequent EOS ids, beams of 3 and 4, three length penalties: the best
+    hypothesis equals transformers' (``early_stopping="never"``) every time. Hypotheses that end
+    while others go on are common here, and each step keeps K live beams besides them (a search
+    that let a finished hypothesis take a beam's place, as attnlab's did, gave 3 of these 36 best
+    hypotheses otherwise)."""
+    model = _generator("t5", seed=7)
+    with torch.no_grad():
+        model.decoder_norm.weight.fill_(2.0)              # flatter logits: more hypotheses compete
+    hf = _to_hf(model, tmp_path)
+    c = model.config
+    ids = dict(bos_id=c.decoder_start_token_id, pad_id=c.pad_token_id)
+    g = torch.Generator().manual_seed(11)
+    src = torch.randint(2, V, (6, 9), generator=g)
+    mask = torch.ones_like(src, dtype=torch.bool)
+    free = greedy_decode(model, src, mask, max_len=8, eos_id=V, **ids)
+    eos_ids = sorted(set(free[:, 1:].flatten().tolist()) - {c.pad_token_id})
+    compared = ended_early = 0
+    for eos in eos_ids:
+        for K, lp in ((3, 1.0), (4, 0.0), (4, 2.0)):
+            ours = beam_search(model, src, mask, beam_size=K, max_len=8, eos_id=eos, length_penalty=lp, **ids)
+            with torch.no_grad():
+                want = hf.generate(input_ids=src, attention_mask=mask.long(), max_new_tokens=8, num_beams=K,
+                                   do_sample=False, length_penalty=lp, early_stopping="never", eos_token_id=eos,
+                                   pad_token_id=c.pad_token_id, use_cache=False)
+            assert ours == _hf_tokens(want, eos), f"eos {eos}, beam {K}, length penalty {lp}"
+            compared += len(ours)
+            ended_early += sum(0 < len(r) < 8 for r in ours)
+    assert len(eos_ids) >= 2 and compared == 6 * 3 * len(eos_ids) and ended_early >= 5, (eos_ids, ended_early)
 
 
 # ----------------------------------------------------------------------------- sizes and configs

@@ -106,12 +106,11 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
     ``num_beams`` > 1 is beam search (:func:`attnlab.generate.run_beam_search`): each row becomes
     its best hypothesis by log-prob sum / length ** ``length_penalty`` (length counting the new
     tokens, EOS included), padded with ``pad_token_id``; the search stops only when no live beam
-    can still win, so it never returns a shorter-but-worse hypothesis. transformers'
-    ``generate(num_beams=K, length_penalty=...)`` gives the same tokens when no EOS can end a
-    hypothesis; with one, it keeps K unfinished beams each step (here the K best extensions,
-    finished ones included) and its default ``early_stopping=False`` stops on a heuristic bound
-    that can return a shorter, worse hypothesis. Beam search is deterministic: no sampling,
-    penalty, draft model or streamer.
+    can still win, so it never returns a shorter-but-worse hypothesis. Each step keeps K
+    unfinished beams besides the hypotheses that end, as transformers' ``generate(num_beams=K,
+    length_penalty=..., early_stopping="never")`` does, which gives the same tokens; its default
+    ``early_stopping=False`` stops on a heuristic bound that can return a shorter, worse
+    hypothesis. Beam search is deterministic: no sampling, penalty, draft model or streamer.
 
     ``draft_model`` (same vocabulary) turns on speculative decoding: it proposes
     ``num_draft_tokens`` tokens per round, the model scores them in one pass, and the accept /

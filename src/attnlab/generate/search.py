@@ -187,42 +187,47 @@ def _best_possible(score: float, length: int, limit: int, alpha: float) -> float
     return max(_normalize(score, length + 1, alpha), _normalize(score, limit, alpha))
 
 
-def _beam_step(logits: Tensor, scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The K best extensions of A groups of K beams: logits (A*K, V), scores (A, K) ->
-    new scores (A, K), tokens (A, K) and the parent row (A*K,) of each.
+def _beam_step(logits: Tensor, scores: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``width`` best extensions of A groups of K beams, best first: logits (A*K, V), scores
+    (A, K) -> new scores (A, W), tokens (A, W) and the parent row (A*W,) of each.
 
-    The best K extensions of all beams lie within each beam's K best tokens, so only A*K*K
-    candidates are ranked. Dead beams carry -inf and are never preferred to a live one. One
-    beam takes the argmax, as greedy decoding does, so that ties break the same way.
+    The best W extensions of all beams lie within each beam's W best tokens, so only A*K*W
+    candidates are ranked. Dead beams carry -inf and are never preferred to a live one. A width
+    of one takes the argmax, as greedy decoding does, so that ties break the same way.
     """
     A, K = scores.shape
-    k = min(K, logits.size(-1))
-    top_tokens = logits.argmax(-1, keepdim=True) if K == 1 else logits.topk(k, dim=-1).indices  # (A*K, k)
+    k = min(width, logits.size(-1))
+    top_tokens = logits.argmax(-1, keepdim=True) if width == 1 else logits.topk(k, dim=-1).indices  # (A*K, k)
     logp = logits.float().log_softmax(dim=-1).gather(-1, top_tokens)
     candidates = (scores.view(-1, 1) + logp).view(A, K * k)
-    new_scores, flat = candidates.topk(K, dim=-1)                              # (A, K)
+    new_scores, flat = candidates.topk(min(width, K * k), dim=-1)            # (A, W)
     tokens = top_tokens.view(A, K * k).gather(1, flat)
     parents = torch.arange(A, device=scores.device).view(A, 1) * K + flat // k
     return new_scores, tokens, parents.view(-1)
 
 
 def _settle(prefixes: list[list[int]], scores: list[float], tokens: list[int], finished: list[Hypothesis],
-            limit: int, eos: set[int], alpha: float) -> tuple[list[float], bool]:
-    """Move one source's EOS beams to ``finished``; return the live scores and whether it is done.
+            limit: int, eos: set[int], alpha: float, K: int) -> tuple[list[int], bool]:
+    """One source's candidates, best first -> (the ones that go on, whether the source is done).
 
-    A source is done when no beam is live, at its limit (live beams then compete as they
-    are), or when no live beam can beat the best finished one (:func:`_best_possible`).
+    Of the K best candidates, those ending in EOS (all of them at the source's limit) move to
+    ``finished``; an EOS ranked below K is dropped. The K best candidates that do not end go on
+    (there are K: at most one EOS per beam). The source is done when none goes on, at its limit,
+    or when no live beam can beat the best finished one (:func:`_best_possible`).
     """
-    length = len(prefixes[0])
+    length, live = len(prefixes[0]), []
     for j, (prefix, s, tok) in enumerate(zip(prefixes, scores, tokens)):
-        if s != float("-inf") and (tok in eos or length >= limit):
-            finished.append(Hypothesis(prefix, s, _normalize(s, length, alpha)))
-            scores[j] = float("-inf")
-    live = [s for s in scores if s != float("-inf")]
+        if s == float("-inf"):
+            continue
+        if tok in eos or length >= limit:
+            if j < K:
+                finished.append(Hypothesis(prefix, s, _normalize(s, length, alpha)))
+        elif len(live) < K:
+            live.append(j)
     if not live or length >= limit:
-        return scores, True
+        return live, True
     best = max((h.normalized_score for h in finished), default=float("-inf"))
-    return scores, max(_best_possible(s, length, limit, alpha) for s in live) <= best
+    return live, max(_best_possible(scores[j], length, limit, alpha) for j in live) <= best
 
 
 def check_beam_options(who: str, beam_size, length_penalty, name: str = "beam_size") -> None:
@@ -240,14 +245,17 @@ def run_beam_search(state, limits: list[int], eos: list[int], *, beam_size: int 
     Row b gets at most ``limits[b]`` tokens; ``eos`` ids end a hypothesis. The first logits come
     from the B rows (one prefill each), then the state is expanded to B*K rows that decode
     together; ``state.select`` follows the surviving beams and rows that are done leave. Each
-    step the K best extensions are kept; those ending in EOS move to the row's finished list
-    (the beam is refilled next step). Ranking is score / len**length_penalty with len counting
+    step ranks the 2K best extensions: those of the K best that end in EOS move to the row's
+    finished list, and the K best that do not end go on, so K beams stay live (transformers'
+    beam search, and the canonical one). Ranking is score / len**length_penalty with len counting
     EOS (0: plain log-prob sum; 1: mean log-prob). No early stop can return a shorter-but-worse
     hypothesis: a row stops only when no live beam can still beat its best finished one, or at
-    its limit. ``beam_size=1`` is exactly greedy decoding: its only beam ends at the first EOS.
+    its limit, so the best hypothesis is transformers' with ``early_stopping="never"``.
+    ``beam_size=1`` is exactly greedy decoding: its only beam ends at the first EOS.
     """
     check_beam_options("beam_search", beam_size, length_penalty)
     B, K, eos_set = state.rows, beam_size, set(eos)
+    W = 1 if K == 1 else 2 * K               # candidates ranked per source: K can end and K still go on
     if len(limits) != B or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
         raise ValueError(f"run_beam_search: limits must be one int >= 1 per row ({B}), got {limits!r}")
     stats = GenerationStats() if stats is None else stats
@@ -263,23 +271,27 @@ def run_beam_search(state, limits: list[int], eos: list[int], *, beam_size: int 
     alive = list(range(B))
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     while True:
-        scores, tokens, parents = _beam_step(logits, scores)
-        state.select(parents)
-        state.append(tokens.view(-1, 1))
-        history = torch.cat([history.index_select(0, parents), tokens.view(-1, 1)], dim=1)
-        prefixes, new_scores, keep = history.tolist(), scores.tolist(), []
+        cand_scores, cand_tokens, cand_parents = _beam_step(logits, scores, W)
+        w = cand_scores.size(1)
+        cand_history = torch.cat([history.index_select(0, cand_parents), cand_tokens.view(-1, 1)], dim=1)
+        prefixes, cand_s, cand_t = cand_history.tolist(), cand_scores.tolist(), cand_tokens.tolist()
+        chosen, new_scores, kept = [], [], []
         for a, b in enumerate(alive):
-            new_scores[a], done = _settle(prefixes[a * K:(a + 1) * K], new_scores[a], tokens[a].tolist(),
-                                          finished[b], limits[b], eos_set, length_penalty)
-            if not done:
-                keep.append(a)
-        alive = [alive[a] for a in keep]
+            live, done = _settle(prefixes[a * w:(a + 1) * w], cand_s[a], cand_t[a], finished[b], limits[b],
+                                 eos_set, length_penalty, K)
+            if done:
+                continue
+            kept.append(b)
+            # fewer than K go on only with a vocabulary under 2K tokens: fill with dead copies
+            new_scores.append([cand_s[a][j] for j in live] + [float("-inf")] * (K - len(live)))
+            chosen += [a * w + j for j in live + [live[0]] * (K - len(live))]
+        alive = kept
         if not alive:
             return [sorted(hyps, key=lambda h: h.normalized_score, reverse=True) for hyps in finished]
-        scores = torch.tensor([new_scores[a] for a in keep], device=device).view(len(keep), K)
-        if len(keep) < len(new_scores):
-            index = (torch.tensor(keep, device=device).view(-1, 1) * K + torch.arange(K, device=device)).view(-1)
-            state.select(index)
-            history = history.index_select(0, index)
+        index = torch.tensor(chosen, device=device)
+        state.select(cand_parents.index_select(0, index))
+        state.append(cand_tokens.view(-1).index_select(0, index).view(-1, 1))
+        history = cand_history.index_select(0, index)
+        scores = torch.tensor(new_scores, device=device)
         logits = state.logits()[:, -1]
         stats.target_passes += 1
