@@ -71,6 +71,27 @@ def test_bert_model_equals_transformers_on_a_padded_two_segment_batch(saved, att
     assert torch.isfinite(got).all()
 
 
+def test_a_pretraining_checkpoint_naming_no_architecture_loads_as_the_bare_encoder(saved, tmp_path):
+    """A config.json without "architectures" is the bare BertModel; given a pre-training
+    checkpoint ("bert." keys and the "cls." heads) it takes the encoder and the pooler and leaves
+    the heads out with a warning, as transformers' BertModel.from_pretrained does."""
+    import shutil
+    hf, path = saved("BertForPreTraining")
+    shutil.copytree(path, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="left out the tensors under cls"):
+        ours = attnlab.from_pretrained(tmp_path / "ckpt")
+    assert type(ours) is BertModel
+    ids, mask, types = _batch()
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask, token_type_ids=types)
+        want = hf.bert(ids, attention_mask=mask.long(), token_type_ids=types)
+    _close(got[mask], want.last_hidden_state[mask], "last hidden state (real tokens)")
+    _close(ours.pool(got), want.pooler_output, "pooled [CLS]")
+
+
 def test_pretraining_heads_equal_transformers(saved):
     hf, path = saved("BertForPreTraining")
     ours = attnlab.from_pretrained(path)

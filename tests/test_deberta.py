@@ -122,6 +122,37 @@ def test_saved_directory_loads_in_transformers_without_key_problems(cls, name, t
     check_in_transformers(cls(config), tmp_path, CONFIGS[name][1], types=config.type_vocab_size)
 
 
+def test_non_legacy_head_and_a_config_naming_no_architecture_load(tmp_path):
+    """Microsoft's DeBERTa-v3 checkpoints: config.json names no architecture, the weights sit under
+    "deberta." beside the non-legacy masked-LM head ("lm_predictions.lm_head.*", transformers'
+    legacy=False) and a replaced-token head ("mask_predictions.*"). The masked-LM model reads that
+    head under its other names (logits equal transformers'), saves the legacy names that
+    transformers loads by default, and a config without architectures gives the bare encoder
+    with the heads left out, as transformers' DebertaV2Model.from_pretrained does."""
+    import json
+    from safetensors.torch import load_file, save_file
+    hf, ours = hf_pair(transformers.DebertaV2ForMaskedLM, _hf_config("v3-8-buckets", legacy=False), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert any(k.startswith("lm_predictions.lm_head.") for k in tensors)
+    ids, mask, types = padded_batch(V, CONFIGS["v3-8-buckets"][1])
+    want = _run_hf(hf, ids, mask, types)
+    with torch.no_grad():
+        compare(ours(ids, mask, types), want.logits, mask, "non-legacy DebertaV2ForMaskedLM")
+    check_in_transformers(ours, tmp_path / "saved", CONFIGS["v3-8-buckets"][1])    # legacy names, no key problem
+
+    tensors["mask_predictions.classifier.weight"] = torch.randn(1, 32)              # the v3 discriminator's head
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="left out the tensors under lm_predictions, mask_predictions"):
+        base = attnlab.from_pretrained(tmp_path)
+    assert type(base) is DebertaV2Model
+    with torch.no_grad():
+        close_on_real(base(ids, mask, types), hf.deberta(input_ids=ids, attention_mask=mask.long()).last_hidden_state,
+                      mask, "DebertaV2Model from a checkpoint with heads")
+
+
 # ----------------------------------------------------------------------------- padding, errors
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("name", ["v3-8-buckets", "v2-absolute-c2p"])
@@ -161,8 +192,6 @@ def test_bad_inputs_get_one_clear_error():
 def test_unsupported_configs_are_refused_by_name():
     with pytest.raises(ValueError, match="convolution layer"):
         config_from_hf({"conv_kernel_size": 3})
-    with pytest.raises(ValueError, match="non-legacy masked-LM head"):
-        config_from_hf({"legacy": False})
     with pytest.raises(ValueError, match="attention_head_size"):
         config_from_hf({"hidden_size": 32, "num_attention_heads": 4, "attention_head_size": 16})
     with pytest.raises(ValueError, match="pos_att_type may hold"):

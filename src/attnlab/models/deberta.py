@@ -283,7 +283,6 @@ BASE_RULES = [
 def config_from_hf(c: dict) -> DebertaV2Config:
     """An HF DebertaV2Config dict -> DebertaV2Config; absent fields take transformers' defaults."""
     unsupported = [(c.get("conv_kernel_size", 0) > 0, "the convolution layer (conv_kernel_size > 0)"),
-                   (c.get("legacy", True) is False, "the non-legacy masked-LM head (legacy False)"),
                    (c.get("tie_word_embeddings") is False, "an output head untied from the token embedding"),
                    (c.get("attention_head_size", c.get("hidden_size", 1536) // c.get("num_attention_heads", 24))
                     != c.get("hidden_size", 1536) // c.get("num_attention_heads", 24), "a custom attention_head_size"),
@@ -357,7 +356,13 @@ DEBERTA_V2.register("DebertaV2ForMaskedLM", DebertaV2ForMaskedLM, kind="masked-l
                     head_rules=mlm_head_rules("predictions", "cls.predictions.transform.dense",
                                               "cls.predictions.transform.LayerNorm", "cls.predictions.decoder",
                                               "cls.predictions.bias"),
-                    ignore_on_load=(r"^cls\.predictions\.decoder\.bias$",))    # a copy of cls.predictions.bias
+                    # the decoder bias is a copy of cls.predictions.bias; transformers ignores the
+                    # replaced-token head that Microsoft's v3 checkpoints also carry
+                    ignore_on_load=(r"^cls\.predictions\.decoder\.bias$", r"^mask_predictions\."),
+                    # the non-legacy head's names (config "legacy": false, and Microsoft's checkpoints):
+                    # the same dense, LayerNorm and bias; saving writes the legacy names, legacy true
+                    aliases=((r"^lm_predictions\.lm_head\.(dense|LayerNorm)\.", r"cls.predictions.transform.\1."),
+                             (r"^lm_predictions\.lm_head\.bias$", "cls.predictions.bias")))
 DEBERTA_V2.register("DebertaV2ForSequenceClassification", DebertaV2ForSequenceClassification, kind="classifier",
                     prefix="deberta.", head_rules=[Rule("pooler.{p}", "pooler.dense.{p}"),
                                                    Rule("classifier.{p}", "classifier.{p}")])

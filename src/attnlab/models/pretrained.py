@@ -51,6 +51,8 @@ def from_hf_state_dict(model: nn.Module, tensors: dict[str, Tensor], rules=None,
     skipped keys; explicit rules skip nothing unless told."""
     arch = architecture_of(model) if rules is None else None
     rules = arch.load_rules if arch is not None else rules
+    if arch is not None:
+        tensors = arch.checkpoint_keys(tensors)
     if ignore is None:
         ignore = arch.skip_on_load if arch is not None else ()
     if rules is None:
@@ -184,7 +186,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None) ->
     arch, config, raw = read_config(path)
     tensors = read_weights(path)
     model = arch.build(config)
-    state = from_hf_state_dict(model, tensors, arch.load_rules, arch.skip_on_load)
+    state = from_hf_state_dict(model, arch.checkpoint_keys(tensors), arch.load_rules, arch.skip_on_load)
     model.load_state_dict(state, strict=False)       # completeness was checked above; tied aliases excluded
     target = _dtype(dtype, raw)
     if target is not None:

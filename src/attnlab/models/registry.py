@@ -27,6 +27,8 @@ config.json with our own field names and our own state-dict keys.
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
@@ -64,6 +66,9 @@ class Architecture:
     head_rules: tuple[Rule, ...] = ()
     ignore_on_load: tuple[str, ...] = ()
     factory: Callable[[Any], nn.Module] | None = None    # default model_cls(config)
+    # (regex, replacement) renames of checkpoint keys before the weight map: another writer's
+    # names for the same tensors (loading only; saving writes the weight map's names)
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def model_type(self) -> str:
@@ -96,6 +101,27 @@ class Architecture:
     def skip_on_load(self) -> tuple[str, ...]:
         return self.family.ignore_on_load + self.ignore_on_load
 
+    def checkpoint_keys(self, tensors: dict) -> dict:
+        """A checkpoint's tensors under the names this architecture's weight map reads:
+        :attr:`aliases` applied and, for a bare base model (kind "base") given a checkpoint saved
+        with a head (its keys under another architecture's prefix, such as "deberta." in
+        Microsoft's DeBERTa-v3 checkpoints, whose config.json names no architecture), the prefix
+        removed and the head's tensors left out with a warning naming them, as transformers'
+        loader does."""
+        if self.aliases:
+            for pattern, replacement in self.aliases:
+                tensors = {re.sub(pattern, replacement, k): v for k, v in tensors.items()}
+        if self.kind != "base" or self.prefix:
+            return tensors
+        for prefix in dict.fromkeys(a.prefix for a in self.family.architectures.values() if a.prefix):
+            if any(k.startswith(prefix) for k in tensors):
+                left = sorted({k.split(".")[0] for k in tensors if not k.startswith(prefix)})
+                if left:
+                    warnings.warn(f"{self.name}: loading the base model from a checkpoint with a head: "
+                                  f"left out the tensors under {', '.join(left)}", stacklevel=3)
+                return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        return tensors
+
     def build(self, config) -> nn.Module:
         if not isinstance(config, self.config_cls):
             raise TypeError(f"{self.name} is built from a {self.config_cls.__name__}, got {type(config).__name__}")
@@ -125,7 +151,8 @@ class Family:
 
     # ------------------------------------------------------------------ architectures
     def register(self, name: str, model_cls: type, *, kind: str, prefix: str = "", head_rules=(),
-                 ignore_on_load: tuple[str, ...] = (), factory: Callable | None = None) -> Architecture:
+                 ignore_on_load: tuple[str, ...] = (), factory: Callable | None = None,
+                 aliases: tuple[tuple[str, str], ...] = ()) -> Architecture:
         """Add an architecture; the first one registered is the family's default (what a
         config.json without "architectures" loads as)."""
         where = f"{self.model_type}/{name}"
@@ -137,7 +164,8 @@ class Family:
             raise ValueError(f"{where}: a native family (no base rules) takes no prefix or head rules")
         if name in self.architectures or model_cls in _BY_CLASS:
             raise ValueError(f"{where}: {name} or {model_cls.__name__} is already registered")
-        arch = Architecture(self, name, model_cls, kind, prefix, tuple(head_rules), tuple(ignore_on_load), factory)
+        arch = Architecture(self, name, model_cls, kind, prefix, tuple(head_rules), tuple(ignore_on_load), factory,
+                            tuple(aliases))
         self.architectures[name] = arch
         _BY_CLASS[model_cls] = arch
         return arch
