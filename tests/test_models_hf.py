@@ -408,7 +408,8 @@ def test_registry_lists_the_causal_lm_families():
 
 def test_architecture_comes_from_config_json(saved, tmp_path):
     """config.json's "architectures" picks the model class; absent, the family's default; unknown,
-    an error naming the supported ones. Never a guess from the checkpoint's keys."""
+    an error naming the supported ones. Never a guess from the checkpoint's keys; the bare model
+    takes a checkpoint saved with a head, as transformers does."""
     hf, path = saved("gpt2-eager")
     config = json.loads((path / "config.json").read_text())
     save_file(load_file(path / "model.safetensors"), tmp_path / "model.safetensors")
@@ -420,8 +421,11 @@ def test_architecture_comes_from_config_json(saved, tmp_path):
     with pytest.raises(ValueError, match=r"architecture 'GPT2ForSequenceClassification' of model_type 'gpt2' is "
                                          r"not supported; supported: GPT2LMHeadModel, GPT2Model"):
         load_with(architectures=["GPT2ForSequenceClassification"])
-    with pytest.raises(ValueError, match=r"unexpected keys .*transformer\.wte\.weight"):
-        load_with(architectures=["GPT2Model"])        # an LM checkpoint's keys are not a GPT2Model's
+    # the bare model from an LM checkpoint: its keys under "transformer.", as transformers' GPT2Model loads them
+    base = load_with(architectures=["GPT2Model"])
+    assert type(base) is GPTModel
+    with torch.no_grad():
+        _close(base(_ids(seed=3)), hf.transformer(_ids(seed=3)).last_hidden_state, "GPT2Model from an LM checkpoint")
 
 
 def test_gpt2_base_model_both_ways(saved, tmp_path):
