@@ -128,3 +128,55 @@ def test_packing_with_gradient_checkpointing_gives_the_same_gradients():
     assert len(grads[0]) == len(grads[1]) > 0
     assert_close_scaled(torch.cat([g.flatten() for g in grads[1]]), torch.cat([g.flatten() for g in grads[0]]),
                         FP32, "checkpointed packed gradients")
+
+
+# ----------------------------------------------------------------------------- first position only
+def _deberta():
+    from attnlab.models.deberta import DebertaV2Config, DebertaV2Model
+    torch.manual_seed(3)
+    return DebertaV2Model(DebertaV2Config(vocab_size=50, d_model=32, num_heads=4, num_layers=2, d_ff=48, dropout=0.0,
+                                          max_position_embeddings=16, relative_attention=True, position_buckets=8,
+                                          pos_att_type=("p2c", "c2p"))).eval()
+
+
+@pytest.mark.parametrize("make", [_bert, _deberta], ids=["bert", "deberta-relative"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_first_only_equals_the_first_row_of_the_full_encoding(make, padded):
+    """encode(first_only=True) is encode()[:, :1]: the last layer's [CLS] row, its keys and values
+    from every token (DeBERTa: at its true relative distances), gradients included."""
+    model = make()
+    mask = _mask([9, 4, 6], T=10) if padded else None
+    ids = torch.randint(1, 50, (3, 10)) * (mask if padded else 1)
+    full = model.encode(ids, mask)
+    first = model.encode(ids, mask, first_only=True)
+    assert first.shape == (3, 1, 32)
+    assert_close_scaled(first, full[:, :1], FP32, "first-only vs full encoding")
+    g_full = torch.autograd.grad(full[:, 0].square().sum(), list(model.parameters()), allow_unused=True)
+    g_first = torch.autograd.grad(first[:, 0].square().sum(), list(model.parameters()), allow_unused=True)
+    pairs = [(a, b) for a, b in zip(g_first, g_full) if b is not None]
+    assert_close_scaled(torch.cat([a.flatten() for a, _ in pairs]), torch.cat([b.flatten() for _, b in pairs]),
+                        FP32, "first-only gradients")
+
+
+def test_a_classifier_runs_its_last_layer_on_the_first_rows_only():
+    model = _bert(BertForSequenceClassification)
+    rows = {}
+    for i, layer in enumerate(model.layers):
+        layer.ff.linear1.register_forward_hook(lambda m, args, out, i=i: rows.__setitem__(i, args[0].shape[:-1]))
+    mask = _mask([9, 4, 6], T=10)
+    with torch.no_grad():
+        model(torch.randint(1, 50, (3, 10)) * mask, attention_mask=mask)
+    assert rows == {0: (19,), 1: (3, 1)}, "layer 0 packed (19 real tokens), the last one the 3 [CLS] rows alone"
+    from attnlab.viz import record_attention
+    with torch.no_grad(), record_attention(model) as record:   # recording wants every query: the full layer
+        model(torch.randint(1, 50, (3, 10)) * mask, attention_mask=mask)
+    assert rows[1] == (19,) and record.stack().shape == (2, 3, 4, 10, 10), rows
+
+
+def test_first_only_refuses_what_it_cannot_combine():
+    layer = EncoderLayer(16, 2, 32, 0.0)
+    p = Packing(_mask([2, 1]))
+    with pytest.raises(ValueError, match="first_only takes the padded"):
+        layer(torch.randn(3, 16), packing=p, first_only=True)
+    with pytest.raises(ValueError, match="not an attention mask"):
+        layer(torch.randn(2, 2, 16), torch.ones(2, 2, dtype=torch.bool), first_only=True)

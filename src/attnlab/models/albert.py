@@ -149,7 +149,8 @@ class AlbertForSequenceClassification(Albert):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
-        return self.classifier(self.dropout(self.pool(self.encode(input_ids, attention_mask, token_type_ids))))
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, first_only=True)
+        return self.classifier(self.dropout(self.pool(hidden)))
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -129,7 +129,7 @@ class BertForSequenceClassification(BertEncoder):
         self.reset_parameters()
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> Tensor:
-        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids, first_only=True)
         return self.classifier(self.classifier_dropout(self.pool(hidden)))
 
 

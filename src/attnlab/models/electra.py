@@ -111,7 +111,7 @@ class ElectraForSequenceClassification(BertEncoder):
         self.reset_parameters()
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> Tensor:
-        first = self.encode(input_ids, attention_mask, token_type_ids, position_ids)[:, 0]
+        first = self.encode(input_ids, attention_mask, token_type_ids, position_ids, first_only=True)[:, 0]
         h = self.classifier_act(self.classifier_dense(self.classifier_dropout(first)))
         return self.classifier(self.classifier_dropout(h))
 

@@ -177,9 +177,12 @@ class Encoder(nn.Module):
     order (default ``self.layers``) and ``pooler`` (a :class:`Pooler` or None), then its heads.
 
     ``encode(input_ids (B, T), attention_mask=None (B, T) True/1 = real token, token_type_ids=None
-    (B, T) (default all 0, segment A), position_ids=None (T,) or (B, T) (default arange(T)))
-    -> hidden (B, T, E)``, checked by :func:`check_inputs`; each layer's activations are
-    recomputed in backward when ``gradient_checkpointing`` is set. ``pool(hidden) -> (B, E)`` =
+    (B, T) (default all 0, segment A), position_ids=None (T,) or (B, T) (default arange(T)),
+    first_only=False) -> hidden (B, T, E)``, checked by :func:`check_inputs`; each layer's
+    activations are recomputed in backward when ``gradient_checkpointing`` is set. ``first_only``
+    (the classifiers, whose heads read [CLS] alone): the last layer computes the first position
+    only, its keys and values over every token, and the result is (B, 1, E) -- ~1/N of the
+    encoder's work saved, N the number of layers. ``pool(hidden) -> (B, E)`` =
     tanh(hidden[:, 0] W_p + b_p), the [CLS] summary.
     """
 
@@ -201,7 +204,7 @@ class Encoder(nn.Module):
         return self.pooler(hidden)
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-               position_ids: Tensor | None = None) -> Tensor:
+               position_ids: Tensor | None = None, first_only: bool = False) -> Tensor:
         mask, token_type_ids, position_ids = check_inputs(self, input_ids, attention_mask, token_type_ids,
                                                           position_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
@@ -209,11 +212,18 @@ class Encoder(nn.Module):
         packing = None if mask is None else Packing(mask)
         if packing is not None:
             x = packing.pack(x)
-        for layer in self.stack():
+        layers = list(self.stack())
+        for i, layer in enumerate(layers):
+            # a head that reads the first position alone needs only its row of the last layer
+            # (unless its attention weights are being recorded, which want every query)
+            first = first_only and i == len(layers) - 1 and layer.self_attn.attention_record is None
+            if first and packing is not None:
+                x, packing = packing.unpack(x), None
+            key_mask = mask if packing is None else None
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, None, None, packing=packing)
+                x = checkpoint(layer, x, None, key_mask, packing=packing, first_only=first)
             else:
-                x = layer(x, None, None, packing=packing)
+                x = layer(x, None, key_mask, packing=packing, first_only=first)
         return x if packing is None else packing.unpack(x)
 
     def save_pretrained(self, path) -> None:

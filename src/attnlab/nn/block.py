@@ -62,7 +62,9 @@ class EncoderLayer(_Layer):
     (torch's ``src_key_padding_mask`` is True = ignore: pass ``~mask``). Attention weights:
     ``attnlab.viz.record_attention``. ``packing`` (an :class:`~attnlab.nn.packing.Packing`): x is
     the (N, E) real tokens of a padded batch, and so is the output; every position-wise step runs
-    on those rows alone (the key mask defaults to the packing's).
+    on those rows alone (the key mask defaults to the packing's). ``first_only``: the output of
+    the first position alone, (B, 1, E), its keys and values still from every token (what the
+    last layer owes a head that reads [CLS] only).
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
@@ -77,10 +79,17 @@ class EncoderLayer(_Layer):
         self.ff_norm = make_norm(norm, d_model, eps)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, key_padding_mask: Tensor | None = None, *,
-                packing: Packing | None = None) -> Tensor:
+                packing: Packing | None = None, first_only: bool = False) -> Tensor:
         h = self._norm_in(self.self_attn_norm, x)
         if packing is not None:                      # x: the (N, E) real tokens of a padded batch
+            if first_only:
+                raise ValueError("EncoderLayer: first_only takes the padded (B, T, E) layout, not packing")
             a, _ = self.self_attn(h, None, None, mask, key_padding_mask=key_padding_mask, packing=packing)
+        elif first_only:                             # queries: the first position; keys and values: all
+            if mask is not None:
+                raise ValueError("EncoderLayer: first_only takes a key_padding_mask, not an attention mask")
+            a, _ = self.self_attn(h[:, :1], h, h, key_padding_mask=key_padding_mask)
+            x = x[:, :1]
         else:
             a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
         x = self._add_norm(self.self_attn_norm, x, a)
