@@ -29,7 +29,8 @@ from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward
 from .convert import Rule
 from .encoder import (ACT_TO_HF, EMBEDDING_RULES, BertEmbeddings, Encoder, MaskedLMHead, Pooler,
-                      activation_from_hf, check_config, labels_from_hf, labels_to_hf, mlm_head_rules)
+                      activation_from_hf, check_config, labels_from_hf, labels_to_hf, masked_rows,
+                      mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["AlbertConfig", "Albert", "AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining",
@@ -107,7 +108,8 @@ class AlbertModel(Albert):
 
 
 class AlbertForMaskedLM(Albert):
-    """forward(input_ids, attention_mask=None, token_type_ids=None) -> token logits (B, T, V)."""
+    """forward(input_ids, attention_mask=None, token_type_ids=None, masked_positions=None) -> token
+    logits (B, T, V), or (M, V) at the ``masked_positions`` (B, T) bool alone."""
 
     def __init__(self, config: AlbertConfig):
         super().__init__(config, pooler=None)
@@ -115,13 +117,15 @@ class AlbertForMaskedLM(Albert):
         self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> Tensor:
-        return self.predictions(self.encode(input_ids, attention_mask, token_type_ids))
+                token_type_ids: Tensor | None = None, masked_positions: Tensor | None = None) -> Tensor:
+        return self.predictions(masked_rows(self, self.encode(input_ids, attention_mask, token_type_ids),
+                                            masked_positions))
 
 
 class AlbertForPreTraining(Albert):
     """The pretraining heads: forward(...) -> (token logits (B, T, V), sentence-order logits (B, 2));
-    sentence order: 0 = the two segments in their original order, 1 = swapped."""
+    sentence order: 0 = the two segments in their original order, 1 = swapped. ``masked_positions``
+    (B, T) bool: token logits (M, V) at those positions alone."""
 
     def __init__(self, config: AlbertConfig):
         super().__init__(config)
@@ -132,9 +136,9 @@ class AlbertForPreTraining(Albert):
         self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                token_type_ids: Tensor | None = None, masked_positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         h = self.encode(input_ids, attention_mask, token_type_ids)
-        return (self.predictions(h),
+        return (self.predictions(masked_rows(self, h, masked_positions)),
                 self.sop_classifier(self.sop_dropout(self.pool(h))))
 
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .convert import Rule, Split
 from .encoder import (ACT_TO_HF, EMBEDDING_RULES, BertEncoder, MaskedLMHead, activation_from_hf, check_config,
-                      labels_from_hf, labels_to_hf, layer_rules, mlm_head_rules)
+                      labels_from_hf, labels_to_hf, layer_rules, masked_rows, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
@@ -92,20 +92,24 @@ class BertModel(BertEncoder):
 
 
 class BertForMaskedLM(BertEncoder):
-    """Encoder + masked-LM head (kind "masked-lm"): ``forward(...) -> logits (B, T, V)`` at every position."""
+    """Encoder + masked-LM head (kind "masked-lm"): ``forward(...) -> logits (B, T, V)`` at every
+    position, or (M, V) at the ``masked_positions`` (B, T) bool alone (:func:`masked_rows`)."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.mlm_head = MaskedLMHead(config.d_model, self.embeddings.token, config.activation, config.layer_norm_eps)
         self.reset_parameters()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> Tensor:
-        return self.mlm_head(self.encode(input_ids, attention_mask, token_type_ids, position_ids))
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                masked_positions=None) -> Tensor:
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        return self.mlm_head(masked_rows(self, hidden, masked_positions))
 
 
 class BertForPreTraining(BertEncoder):
     """Both pre-training heads (kind "pretraining"): ``forward(...) -> (masked-LM logits (B, T, V),
-    next-sentence logits (B, 2))``; the second reads the pooled [CLS] of the pair "[CLS] A [SEP] B [SEP]"."""
+    next-sentence logits (B, 2))``; the second reads the pooled [CLS] of the pair "[CLS] A [SEP] B [SEP]".
+    ``masked_positions`` (B, T) bool: masked-LM logits (M, V) at those positions alone."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config, pooler="trained")
@@ -113,9 +117,9 @@ class BertForPreTraining(BertEncoder):
         self.nsp_head = nn.Linear(config.d_model, 2)
         self.reset_parameters()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, masked_positions=None):
         hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        return self.mlm_head(hidden), self.nsp_head(self.pool(hidden))
+        return self.mlm_head(masked_rows(self, hidden, masked_positions)), self.nsp_head(self.pool(hidden))
 
 
 class BertForSequenceClassification(BertEncoder):

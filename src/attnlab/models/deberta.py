@@ -34,7 +34,7 @@ from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
 from .convert import Rule
 from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, check_config, labels_from_hf,
-                      labels_to_hf, layer_rules, mlm_head_rules)
+                      labels_to_hf, layer_rules, masked_rows, mlm_head_rules)
 from .registry import register_family
 
 __all__ = ["DebertaV2Config", "log_bucket_position", "RelativeEmbeddings", "DisentangledPosition", "DebertaEmbeddings",
@@ -232,7 +232,8 @@ class DebertaV2Model(DebertaV2):
 
 
 class DebertaV2ForMaskedLM(DebertaV2):
-    """forward(...) -> token logits (B, T, V), the head tied to the token embedding."""
+    """forward(...) -> token logits (B, T, V), the head tied to the token embedding; (M, V) at the
+    ``masked_positions`` (B, T) bool alone."""
 
     def __init__(self, config: DebertaV2Config):
         super().__init__(config)
@@ -241,8 +242,9 @@ class DebertaV2ForMaskedLM(DebertaV2):
         self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> Tensor:
-        return self.predictions(self.encode(input_ids, attention_mask, token_type_ids))
+                token_type_ids: Tensor | None = None, masked_positions: Tensor | None = None) -> Tensor:
+        return self.predictions(masked_rows(self, self.encode(input_ids, attention_mask, token_type_ids),
+                                            masked_positions))
 
 
 class DebertaV2ForSequenceClassification(DebertaV2):

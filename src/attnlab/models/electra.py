@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..nn.mlp import make_activation
 from .bert import BertConfig, bert_config_from_hf, bert_config_to_hf, bert_rules, sized_fields
 from .convert import Rule
-from .encoder import BertEncoder, MaskedLMHead, mlm_head_rules
+from .encoder import BertEncoder, MaskedLMHead, masked_rows, mlm_head_rules
 from .registry import register_family
 
 __all__ = ["ElectraConfig", "ElectraModel", "ElectraForMaskedLM", "ElectraForPreTraining",
@@ -59,16 +59,19 @@ class ElectraModel(BertEncoder):
 
 
 class ElectraForMaskedLM(BertEncoder):
-    """The generator (kind "masked-lm"): ``forward(...) -> logits (B, T, V)``; its head's GELU is
-    fixed whatever ``activation`` the encoder uses, as in the reference."""
+    """The generator (kind "masked-lm"): ``forward(...) -> logits (B, T, V)`` (or (M, V) at the
+    ``masked_positions`` alone); its head's GELU is fixed whatever ``activation`` the encoder uses,
+    as in the reference."""
 
     def __init__(self, config: ElectraConfig):
         super().__init__(config, config.embedding_size)
         self.mlm_head = MaskedLMHead(config.d_model, self.embeddings.token, "gelu", config.layer_norm_eps)
         self.reset_parameters()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> Tensor:
-        return self.mlm_head(self.encode(input_ids, attention_mask, token_type_ids, position_ids))
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                masked_positions=None) -> Tensor:
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        return self.mlm_head(masked_rows(self, hidden, masked_positions))
 
 
 class ReplacedTokenHead(nn.Module):

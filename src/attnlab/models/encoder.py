@@ -35,6 +35,7 @@ from .convert import Rule
 
 __all__ = ["ACT_FROM_HF", "ACT_TO_HF", "check_config", "check_inputs", "init_weights", "BertEmbeddings",
            "EMBEDDING_RULES", "layer_rules", "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules",
+           "masked_rows",
            "activation_from_hf", "labels_from_hf", "labels_to_hf"]
 
 # Hugging Face's activation names <-> ours (make_activation's; "gelu_new" is GPT-2's tanh approximation)
@@ -254,6 +255,21 @@ class BertEncoder(Encoder):
 
 
 # ----------------------------------------------------------------------------- heads
+def masked_rows(model: nn.Module, hidden: Tensor, masked_positions: Tensor | None) -> Tensor:
+    """What a masked-LM head scores: every position of ``hidden`` (B, T, E), or, given
+    ``masked_positions`` (B, T) bool, only those rows, (M, E) in row-major order. Pre-training
+    reads the loss at the ~15 % of positions it masked, and the head's vocabulary-wide product is
+    the largest in the model: scoring the masked rows alone saves it on the other ~85 %."""
+    if masked_positions is None:
+        return hidden
+    if not isinstance(masked_positions, Tensor) or masked_positions.dtype != torch.bool \
+            or masked_positions.shape != hidden.shape[:2]:
+        raise ValueError(f"{type(model).__name__}: masked_positions must be a (batch, seq) = {tuple(hidden.shape[:2])} "
+                         f"bool tensor, got {getattr(masked_positions, 'dtype', type(masked_positions).__name__)} "
+                         f"{tuple(getattr(masked_positions, 'shape', ()))}")
+    return hidden[masked_positions]
+
+
 class Pooler(nn.Module):
     """pool(hidden) = tanh(hidden[:, 0] W + b): hidden (B, T, E) -> the [CLS] token's summary (B, E).
 

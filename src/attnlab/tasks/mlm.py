@@ -132,19 +132,22 @@ class MaskedLMTask:
         g = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
         return self._batches(self.train_docs, random.Random(int(state[0])), g)
 
-    def _forward(self, model, batch) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, model, batch, masked_positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """(token logits: (B, T, V), or (M, V) at ``masked_positions`` alone; sentence logits or None)."""
+        extra = {} if masked_positions is None else {"masked_positions": masked_positions}
         out = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                    token_type_ids=batch["token_type_ids"])
+                    token_type_ids=batch["token_type_ids"], **extra)
         return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
     def _scores(self, model, batch) -> tuple[Tensor, Tensor | None, int, dict]:
         """(masked-LM cross-entropy SUM, sentence-pair cross-entropy MEAN or None, masked tokens,
-        {"mlm_correct", "pair_correct"} counts) of one batch, from one forward pass."""
-        token_logits, sentence_logits = self._forward(model, batch)
+        {"mlm_correct", "pair_correct"} counts) of one batch, from one forward pass; the head
+        scores the masked positions alone (the vocabulary-wide product skips the other ~85 %)."""
         labels = batch["labels"]
         picked = labels != IGNORE_INDEX
+        token_logits, sentence_logits = self._forward(model, batch, picked)
         n = int(picked.sum())
-        logits = token_logits[picked].float()
+        logits = token_logits.float()
         mlm = F.cross_entropy(logits, labels[picked], reduction="sum")
         extra = {"mlm_correct": (logits.argmax(-1) == labels[picked]).sum().float()}
         if sentence_logits is None:
