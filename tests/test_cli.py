@@ -90,3 +90,25 @@ def test_malformed_tsv_gives_one_line_with_file_and_line(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     r = run_cli("translate", str(tmp_path / "nothing"), "hello")
     assert r.returncode == 2 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_command_keeps_freed_memory_unless_told_not_to(monkeypatch):
+    """attnlab's command raises glibc's mmap and trim thresholds for its own process (large tensors
+    reuse freed pages instead of page-faulting fresh ones); ATTNLAB_MALLOC=default or the user's own
+    MALLOC_* variables leave the allocator alone, and main() calls it before running a command."""
+    import sys as _sys
+    import attnlab.cli as cli
+    monkeypatch.setenv("ATTNLAB_MALLOC", "default")
+    assert cli.keep_freed_memory() is False
+    monkeypatch.delenv("ATTNLAB_MALLOC")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert cli.keep_freed_memory() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    import ctypes.util
+    glibc = _sys.platform == "linux" and "libc.so.6" in (ctypes.util.find_library("c") or "")
+    assert cli.keep_freed_memory() is glibc
+    calls = []
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: calls.append(1) or True)
+    assert cli.main([]) == 0 and calls == [], "no command: the help alone, the allocator untouched"
+    assert cli.main(["classify", "/nonexistent/run", "text"]) == 2 and calls == [1], "a command tunes it first"

@@ -28,6 +28,9 @@ lists them. Anything else is a bug and keeps its traceback. Which is which:
 
 ``attnlab --debug COMMAND ...`` (or ``ATTNLAB_DEBUG=1``) shows the traceback of every error.
 Ctrl-C exits 130; during training the Trainer first saves a checkpoint (cli/train.py).
+
+The process. The command owns its process, so it tunes glibc's allocator for tensor work
+(:func:`keep_freed_memory`); the library never touches a user's process.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from pathlib import Path
 
 from .. import __version__
 
-__all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere"]
+__all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere", "keep_freed_memory"]
 
 COMMANDS = ("train", "translate", "generate", "classify", "embed", "eval", "viz")
 
@@ -111,12 +114,42 @@ def is_user_error(e: BaseException) -> bool:
     return isinstance(e, (ValueError, FileNotFoundError)) and _raised_by_attnlab(e)
 
 
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS; True if done.
+
+    By default glibc serves each allocation of 128 KiB and more (every sizeable tensor) from
+    fresh pages of its own mmap, and unmaps them when freed, so every intermediate tensor of a
+    forward pass page-faults its memory in again. Measured on a 2-core AMD EPYC: a BERT-base
+    forward of 1,024 tokens ran 8-10 % faster after this call (13 % with the equivalent
+    environment variables set before start-up), transformers' alike; small models' steps showed
+    no difference beyond noise.
+    Raising the mmap threshold to glibc's maximum (32 MiB) and the trim threshold to 1 GiB keeps
+    those pages for the next tensor; the cost is that the process's resident memory stays at its
+    peak. Nothing is done off Linux/glibc, when the user set ``MALLOC_MMAP_THRESHOLD_`` or
+    ``MALLOC_TRIM_THRESHOLD_`` themselves, or with ``ATTNLAB_MALLOC=default``."""
+    if sys.platform != "linux" or os.environ.get("ATTNLAB_MALLOC", "").strip().lower() == "default" \
+            or any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):                  # not glibc (musl, ...)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
+    keep_freed_memory()
     debug = args.debug or os.environ.get("ATTNLAB_DEBUG", "") not in ("", "0")
     try:
         return int(args._run(args) or 0)
