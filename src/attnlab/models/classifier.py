@@ -144,15 +144,13 @@ class TextClassifier(nn.Module):
             if mask is not None:
                 mask = torch.cat([mask.new_ones(mask.size(0), 1), mask], 1)
         x = self.pos_encoding(x)
-        if mask is None or bool(mask.all()):
-            for layer in self.layers:
-                x = layer(x)
-            return self.norm(x), mask
-        packing = Packing(mask)                # the layers and the norm run on the real tokens alone
-        x = packing.pack(x)
+        packing = Packing.of(mask)             # the layers and the norm run on the real tokens alone
+        if packing is not None:
+            x = packing.pack(x)
         for layer in self.layers:
             x = layer(x, packing=packing)
-        return packing.unpack(self.norm(x)), mask
+        x = self.norm(x)
+        return (x if packing is None else packing.unpack(x)), mask
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         x, mask = self.hidden_states(input_ids, attention_mask)

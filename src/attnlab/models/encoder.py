@@ -210,7 +210,7 @@ class Encoder(nn.Module):
                                                           position_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         # a padded batch runs the layers on its real tokens alone (attnlab.nn.packing)
-        packing = None if mask is None else Packing(mask)
+        packing = Packing.of(mask)
         if packing is not None:
             x = packing.pack(x)
         layers = list(self.stack())

@@ -47,8 +47,9 @@ def to_hf_state_dict(model: nn.Module, rules=None) -> dict[str, Tensor]:
 def from_hf_state_dict(model: nn.Module, tensors: dict[str, Tensor], rules=None,
                        ignore: tuple[str, ...] | None = None) -> dict[str, Tensor]:
     """Checkpoint tensors -> our state dict, strictly (see the module docstring). ``rules``
-    default to the model's registered architecture's loading rules, and then ``ignore`` to its
-    skipped keys; explicit rules skip nothing unless told."""
+    default to the model's registered architecture's loading rules, its key names
+    (:meth:`~attnlab.models.registry.Architecture.checkpoint_keys`) and then ``ignore`` to its
+    skipped keys; explicit rules take the keys as they are and skip nothing unless told."""
     arch = architecture_of(model) if rules is None else None
     rules = arch.load_rules if arch is not None else rules
     if arch is not None:
@@ -186,7 +187,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None) ->
     arch, config, raw = read_config(path)
     tensors = read_weights(path)
     model = arch.build(config)
-    state = from_hf_state_dict(model, arch.checkpoint_keys(tensors), arch.load_rules, arch.skip_on_load)
+    state = from_hf_state_dict(model, tensors)       # the architecture's rules, skips and key names
     model.load_state_dict(state, strict=False)       # completeness was checked above; tied aliases excluded
     target = _dtype(dtype, raw)
     if target is not None:

@@ -108,9 +108,8 @@ class Architecture:
         Microsoft's DeBERTa-v3 checkpoints, whose config.json names no architecture), the prefix
         removed and the head's tensors left out with a warning naming them, as transformers'
         loader does."""
-        if self.aliases:
-            for pattern, replacement in self.aliases:
-                tensors = {re.sub(pattern, replacement, k): v for k, v in tensors.items()}
+        for pattern, replacement in self.aliases:
+            tensors = {re.sub(pattern, replacement, k): v for k, v in tensors.items()}
         if self.kind != "base" or self.prefix:
             return tensors
         for prefix in dict.fromkeys(a.prefix for a in self.family.architectures.values() if a.prefix):

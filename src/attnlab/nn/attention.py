@@ -353,7 +353,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v = (packing.unpack(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         return self._split(q, self.num_heads), self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads)
 
-    def _check_packed(self, query, key, value, cache, packing) -> None:
+    def _check_packed(self, query, key, value, cache, packing, key_padding_mask) -> None:
         if not isinstance(packing, Packing):
             raise ValueError(f"MultiHeadAttention: packing must be an attnlab.nn.Packing, got {type(packing).__name__}")
         if key is not None or value is not None or cache is not None:
@@ -362,6 +362,8 @@ class MultiHeadAttention(nn.Module):
         if query.dim() != 2 or query.shape != (packing.count, self.d_model):
             raise ValueError(f"MultiHeadAttention: packed query must be (real tokens, d_model) = "
                              f"{(packing.count, self.d_model)}, got {tuple(query.shape)}")
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise ValueError("MultiHeadAttention: key_padding_mask must be a (B, S) bool tensor, True for real tokens")
 
     def _check(self, query, key, value, key_padding_mask):
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
@@ -402,11 +404,9 @@ class MultiHeadAttention(nn.Module):
             the N rows alone; attention itself on the (B, T) layout.
         """
         if packing is not None:
-            self._check_packed(query, key, value, cache, packing)
+            self._check_packed(query, key, value, cache, packing, key_padding_mask)
             (B, T), offset = packing.shape, 0
             key_padding_mask = packing.mask if key_padding_mask is None else key_padding_mask
-            if key_padding_mask.dtype != torch.bool:
-                raise ValueError("MultiHeadAttention: key_padding_mask must be a (B, S) bool tensor, True for real tokens")
             q, k, v = self._project_packed(query, packing)
         else:
             key = query if key is None else key

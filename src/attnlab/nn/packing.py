@@ -43,6 +43,12 @@ class Packing:
         self.index = mask.reshape(-1).nonzero().squeeze(1)
         self.count = self.index.numel()
 
+    @classmethod
+    def of(cls, mask: Tensor | None) -> Packing | None:
+        """The packing of a (B, T) padding mask, or None when there is nothing to pack (no mask,
+        or every position real): the layers then run on the padded layout as it is."""
+        return None if mask is None or bool(mask.all()) else cls(mask)
+
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, ...) -> (N, ...): the real tokens' rows."""
         if tuple(x.shape[:2]) != self.shape:
