@@ -11,3 +11,4 @@ from .block import CausalLayer, DecoderLayer, EncoderLayer
 from .linear import InferenceLinear, optimize_for_inference, prepare_for_inference, set_inference_dtype
 from .pooling import POOLINGS, Pooling, attention_pool, cls_pool, mean_pool
 from .packing import Packing
+from . import inplace

@@ -267,6 +267,8 @@ class MultiHeadAttention(nn.Module):
     computed as without it).
     """
 
+    returns_new_tensor = True           # forward's output (attnlab.nn.inplace)
+
     def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, *,
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, out_bias: bool | None = None, fused_qkv: bool = False,

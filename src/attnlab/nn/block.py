@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
 from .cache import KVCache
+from .inplace import may_overwrite
 from .mlp import FeedForward, SparseMoE
 from .packing import Packing
 from .norm import make_norm
@@ -35,9 +36,14 @@ class _Layer(nn.Module):
         """The sublayer's input: normalised first in Pre-Norm, as is in Post-Norm."""
         return norm(x) if self.norm_first else x
 
-    def _add_norm(self, norm: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        """The paper's "Add & Norm": the residual sum, normalised after it in Post-Norm."""
-        x = x + self.dropout(y)
+    def _add_norm(self, norm: nn.Module, x: Tensor, y: Tensor, sublayer: nn.Module) -> Tensor:
+        """The paper's "Add & Norm": the residual sum, normalised after it in Post-Norm. ``y`` is
+        ``sublayer``'s output; in inference the sum is written into it (attnlab.nn.inplace)."""
+        y = self.dropout(y)
+        if y.shape == x.shape and y.dtype == x.dtype and may_overwrite(self, y, sublayer):
+            x = y.add_(x)                # y + x: the same bits as x + y
+        else:
+            x = x + y
         return x if self.norm_first else norm(x)
 
 
@@ -92,8 +98,8 @@ class EncoderLayer(_Layer):
             x = x[:, :1]
         else:
             a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
-        x = self._add_norm(self.self_attn_norm, x, a)
-        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)))
+        x = self._add_norm(self.self_attn_norm, x, a, self.self_attn)
+        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)), self.ff)
 
 
 class DecoderLayer(_Layer):
@@ -134,12 +140,12 @@ class DecoderLayer(_Layer):
         self_cache, cross_cache = cache if cache is not None else (None, None)
         h = self._norm_in(self.self_attn_norm, x)
         a, _ = self.self_attn(h, h, h, tgt_mask, key_padding_mask=tgt_key_padding_mask, cache=self_cache)
-        x = self._add_norm(self.self_attn_norm, x, a)
+        x = self._add_norm(self.self_attn_norm, x, a, self.self_attn)
         h = self._norm_in(self.cross_attn_norm, x)
         a, _ = self.cross_attn(h, memory, memory, memory_mask, key_padding_mask=memory_key_padding_mask,
                                cache=cross_cache)
-        x = self._add_norm(self.cross_attn_norm, x, a)
-        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)))
+        x = self._add_norm(self.cross_attn_norm, x, a, self.cross_attn)
+        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)), self.ff)
 
 
 class CausalLayer(_Layer):
@@ -170,10 +176,10 @@ class CausalLayer(_Layer):
         h = self._norm_in(self.self_attn_norm, x)
         a, _ = self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, cache=cache,
                               positions=positions, key_positions=key_positions)
-        x = self._add_norm(self.self_attn_norm, x, a)
+        x = self._add_norm(self.self_attn_norm, x, a, self.self_attn)
         h = self._norm_in(self.ff_norm, x)
         if isinstance(self.ff, SparseMoE):
             y = self.ff(h, None if key_padding_mask is None else key_padding_mask[:, -x.size(1):])
         else:
             y = self.ff(h)
-        return self._add_norm(self.ff_norm, x, y)
+        return self._add_norm(self.ff_norm, x, y, self.ff)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import recomputing
+from .inplace import activate_in_place, may_overwrite
 
 __all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts", "make_activation",
            "ACTIVATIONS"]
@@ -58,6 +59,7 @@ class FeedForward(nn.Module):
     """
 
     ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+    returns_new_tensor = True           # the caller may overwrite the output (attnlab.nn.inplace)
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu",
                  bias: bool = True):
@@ -71,7 +73,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input("FeedForward", x, self.d_model)
-        return self.linear2(self.dropout(self.act(self.linear1(x))))
+        h = self.linear1(x)
+        # in inference the activation overwrites the hidden tensor (attnlab.nn.inplace): same values
+        act = activate_in_place(self.act, h) if may_overwrite(self, h, self.linear1) else None
+        return self.linear2(self.dropout(self.act(h) if act is None else act))
 
 
 class GatedMLP(nn.Module):
@@ -85,6 +90,7 @@ class GatedMLP(nn.Module):
     """
 
     ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+    returns_new_tensor = True
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False,
                  dropout: float = 0.0):
@@ -99,7 +105,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input("GatedMLP", x, self.d_model)
-        return self.down_proj(self.dropout(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        act = activate_in_place(self.act, gate) if may_overwrite(self, gate, self.gate_proj) else None
+        return self.down_proj(self.dropout(self.act(gate) * up if act is None else act.mul_(up)))
 
 
 # --------------------------------------------------------------------------- mixture of experts
@@ -142,6 +150,8 @@ class SparseMoE(nn.Module):
     and copies of the module do not carry them. Weights: ``gate`` (X, E) router,
     ``experts[e].{gate,up,down}_proj``.
     """
+
+    returns_new_tensor = True
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
                  activation: str = "silu", router_jitter: float = 0.0):
