@@ -152,7 +152,7 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
     if name == "tsv-malformed":
         Path("bad.tsv").write_text("one cat\tcat one\nno tab here\n")
         return cli("eval", "tr", "--data", "bad.tsv")
-    if name.startswith(("classify-", "init-", "embed-")):
+    if name.startswith(("classify-", "init-", "embed-", "head-", "export-")):
         return _classify_probe(name, cli)
     if name == "mlm-no-sentences":
         Path("blank.txt").write_text("\n  \n")
@@ -258,6 +258,21 @@ def _classify_probe(name: str, cli) -> tuple[int, str, str]:
         return cli("train", "classify", "--init", "tr", "--data", "reviews.tsv", "--out", "r")
     if name == "init-with-sizes":
         return cli("train", "classify", "--init", "enc", "--data", "reviews.tsv", "--d-model", "64", "--out", "r")
+    if name == "head-native-scratch":
+        return cli("train", "classify", "--head", "native", "--data", "reviews.tsv", "--out", "r")
+    if name == "head-native-gpt":
+        from _toy_encoder import pretrained_dir
+        pretrained_dir(Path("gpt"), "gpt2", "GPT2Model")
+        return cli("train", "classify", "--init", "gpt", "--head", "native", "--data", "reviews.tsv", "--out", "r")
+    if name == "export-pooling-head":
+        return cli("export", "cls", "out")
+    if name == "export-not-a-run":
+        _gpt2_dir(Path("hfdir"))
+        return cli("export", "hfdir", "out")
+    if name == "export-busy":
+        Path("out").mkdir()
+        Path("out/notes.txt").write_text("mine")
+        return cli("export", "lm", "out")
     if name == "embed-out-not-npy":
         return cli("embed", "cls", "a text", "--out", "vectors.txt")
     if name == "embed-translation":

@@ -43,7 +43,8 @@ from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_trai
                    register_task, training_schedule)
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
 
-__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "encode_texts",
+__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "native_classifier",
+           "encode_texts",
            "pad_batch", "classification_scores", "format_scores"]
 
 _M, _D = "model", "data and evaluation"
@@ -243,8 +244,12 @@ class Classify(TaskDefinition):
         Option("d_ff", int, None, "from scratch: feed-forward width (default 4 d_model)", check=positive, group=_M),
         Option("dropout", float, None, "dropout (default: 0.2 from scratch for ~60k texts, 0.1 fine-tuning)",
                check=fraction, group=_M),
-        Option("pooling", str, "mean", "how token vectors become one per text (padding excluded)",
+        Option("pooling", str, None, "how token vectors become one per text (padding excluded; default mean)",
                choices=("mean", "cls", "attention"), group=_M),
+        Option("head", str, "pooling", "with --init: 'pooling' (the --pooling above and a linear layer) or "
+               "'native', the encoder family's own classifier as transformers has it (BertForSequenceClassification: "
+               "[CLS], the pooler, a linear layer), which 'attnlab export' writes as a Hugging Face directory",
+               choices=("pooling", "native"), group=_M),
         Option("text_column", str, None, "the text column or field (default: 'text', else 'sentence')",
                metavar="NAME", group=_D),
         Option("label_column", str, None, "the label column or field (default: 'label')", metavar="NAME", group=_D),
@@ -261,6 +266,15 @@ class Classify(TaskDefinition):
 
     # ------------------------------------------------------------------ defaults
     def check(self, s: dict) -> None:
+        if s["head"] == "native":
+            if s["init"] is None:
+                raise ValueError("--head native: the family's own classifier is for fine-tuning a pretrained encoder "
+                                 "(--init DIR); from scratch the chapter's classifier pools with --pooling")
+            if s["pooling"] is not None:
+                raise ValueError("--pooling: the native head reads its family's own summary ([CLS] and the pooler); "
+                                 "give --pooling with --head pooling")
+        if s["head"] == "pooling":
+            s["pooling"] = s["pooling"] or "mean"
         if s["init"] is not None:
             scratch = [f"--{n.replace('_', '-')}" for n in _SCRATCH_ONLY if s[n] is not None]
             if scratch:
@@ -311,6 +325,8 @@ class Classify(TaskDefinition):
         from ..models.classifier import EncoderClassifier
         base, tok = load_base(s["init"])
         torch.manual_seed(s["seed"])
+        if s["head"] == "native":
+            return native_classifier(base, labels, s["dropout"]), tok
         model = EncoderClassifier.from_base(base, len(labels), s["pooling"], s["dropout"])
         return model, tok
 
@@ -360,6 +376,9 @@ class Classify(TaskDefinition):
         n = sum(p.numel() for p in model.parameters()) / 1e6
         if saved is not None:
             return f"model: {type(model).__name__}, {n:.2f}M parameters, from the checkpoint"
+        if s["init"] is not None and s["head"] == "native":
+            return (f"model: {type(model).__name__} from {s['init']}, a new {len(model.config.id2label)}-label head "
+                    f"({n:.2f}M parameters), its tokenizer (vocabulary {tok.vocab_size}), dropout {d['dropout']}")
         if s["init"] is not None:
             enc = type(model.encoder).__name__
             return (f"model: {enc} from {s['init']} + {s['pooling']} pooling + linear head ({n:.2f}M parameters), "
@@ -454,6 +473,31 @@ def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
     if arch.kind == "base":
         return from_pretrained(path).train(), tok
     return _base_from(arch, config, read_weights(path), where), tok
+
+
+def native_classifier(base: nn.Module, labels: Sequence[str], dropout: float | None = None) -> nn.Module:
+    """``base``'s family's own sequence classifier (kind "classifier": transformers' layout, such as
+    BertForSequenceClassification) holding ``base``'s weights, with a new head for ``labels``
+    (saved in the config as ``id2label``) and ``dropout`` before it."""
+    from dataclasses import fields, replace
+    from ..models.registry import architecture_of
+    arch = architecture_of(base)
+    head = next((a for a in arch.family.architectures.values() if a.kind == "classifier"), None)
+    if head is None:
+        raise RunError(f"--head native: the {arch.model_type} family has no sequence-classification model; "
+                       "use --head pooling")
+    names = {f.name for f in fields(base.config)}
+    changes = {k: v for k, v in (("num_labels", len(labels)), ("id2label", dict(enumerate(labels))),
+                                 ("classifier_dropout", dropout)) if k in names and v is not None}
+    if "num_labels" not in changes:
+        raise RunError(f"--head native: {head.name}'s configuration takes no number of labels; use --head pooling")
+    model = head.build(replace(base.config, **changes))
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    fresh = {n for n, _ in model.named_parameters()} - set(base.state_dict())
+    if unexpected or not set(missing) <= fresh:
+        raise RunError(f"--head native: {arch.name}'s weights do not fit {head.name} "
+                       f"(unexpected {sorted(unexpected)[:3]}, missing {sorted(set(missing) - fresh)[:3]})")
+    return model
 
 
 def _base_from(arch, config, checkpoint: dict[str, Tensor], where: str) -> nn.Module:

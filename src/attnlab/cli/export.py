@@ -1,0 +1,81 @@
+"""``attnlab export RUN OUT``: a run's model as a Hugging Face directory that transformers loads.
+
+OUT receives ``config.json`` (the architecture's transformers class in "architectures"; a classify
+run's label names as ``id2label``), ``model.safetensors`` and, where the run's tokenizer is one
+the ``tokenizers`` library reads (a pretrained model's tokenizer.json, or a BPE vocabulary trained
+by attnlab), ``tokenizer.json`` with a ``tokenizer_config.json`` naming its special tokens, so
+that ``AutoTokenizer.from_pretrained(OUT)`` works too. A word- or character-level vocabulary has
+no such form: OUT then holds the model alone, and a line says so.
+
+Only models of a Hugging Face family export: GPT-2, LLaMA, Mixtral and T5 runs, masked-LM runs,
+and a classifier fine-tuned with ``--head native`` (BertForSequenceClassification and its kin).
+The chapter's Transformer, its TextClassifier and the pooling head of ``--head pooling`` have no
+transformers class; the error says which to train instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "write a run's model (and tokenizer) as a Hugging Face directory that transformers loads"
+EXAMPLE = ("attnlab train classify --init all-MiniLM-L6-v2/ --head native --data train.tsv --out runs/sst2\n"
+           "  attnlab export runs/sst2 sst2-minilm/     # then transformers.pipeline('text-classification', 'sst2-minilm')")
+
+# token names transformers' tokenizer classes read from tokenizer_config.json, by attnlab's role
+_ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos": "eos_token"}
+_BERT_KEYS = {"[CLS]": "cls_token", "[SEP]": "sep_token", "[MASK]": "mask_token"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="an attnlab run directory (its best checkpoint) or a checkpoint directory")
+    p.add_argument("out", help="the directory to write (new, or empty)")
+
+
+def _tokenizer_files(tok, out: Path, context: int | None) -> str | None:
+    """Write tokenizer.json and tokenizer_config.json for ``tok``; the reason it cannot, or None."""
+    hf = getattr(tok, "hf", None)
+    if hf is None:
+        return f"its {tok.kind} tokenizer has no Hugging Face form"
+    (out / "tokenizer.json").write_text(hf.to_str(pretty=True), encoding="utf-8")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    special = getattr(tok, "special", None) or {
+        role: hf.id_to_token(i) for role in _ROLE_KEYS if (i := getattr(tok, f"{role}_id", None)) is not None}
+    config.update({_ROLE_KEYS[r]: t for r, t in special.items() if t is not None and r in _ROLE_KEYS})
+    config.update({key: token for token, key in _BERT_KEYS.items() if hf.token_to_id(token) is not None})
+    if context:
+        config["model_max_length"] = context
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import UserError
+    from ..models.pretrained import save_pretrained
+    from ..models.registry import architecture_of
+    from ..tasks.run import inspect_path, load_model, load_tokenizers
+    info = inspect_path(args.run)
+    if info.kind != "run":
+        raise UserError(f"{args.run}: {info.describe()}; 'attnlab export' writes an attnlab run as a Hugging Face "
+                        "directory")
+    model = load_model(info.run)
+    arch = architecture_of(model)
+    if arch.family.base_rules is None:
+        hint = (" (fine-tune with --head native for the family's own classifier)" if arch.name == "EncoderClassifier"
+                else "")
+        raise UserError(f"{args.run}: its model is a {arch.name}, which has no Hugging Face counterpart{hint}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: exists and is not an empty directory; give a new one")
+    save_pretrained(model, out)
+    toks = load_tokenizers(info.run)
+    tok = toks.get("text") or toks.get("source") or next(iter(toks.values()))
+    context = next((v for k in ("max_position_embeddings", "n_positions", "max_seq_len", "context")
+                    if isinstance(v := getattr(model.config, k, None), int)), None)
+    why = _tokenizer_files(tok, out, context)
+    written = sorted(p.name for p in out.iterdir())
+    print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
+    if why:
+        print(f"{out}: no tokenizer files: {why}; tokenize as the run does (attnlab.tokenizer)", file=sys.stderr)
+    return 0
