@@ -79,6 +79,7 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
                 raise ValueError(f"--resume: {out} holds no run to resume (no {CONFIG_FILE}, no checkpoint); "
                                  "leave out --resume to start a new run there")
         else:
+            saved.setdefault("optimizer", "adamw")      # runs from before --optimizer all trained with AdamW
             _refuse_changes(task, saved, given, recipe, args.config, saved_file)
             _check_files_unchanged(saved, files, saved_file)
             settings.update(saved)
@@ -191,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
     own = task.train_config(settings, setup)
     eval_every = own.pop("eval_every")
     s = settings
+    # the task's (its model family's) optimizer and weight decay unless given; saved resolved
+    own["optimizer"] = s["optimizer"] = s.get("optimizer") or own.get("optimizer") or "adamw"
+    family_decay = own.pop("weight_decay", None)
+    s["weight_decay"] = s["weight_decay"] if s["weight_decay"] is not None else \
+        (family_decay if family_decay is not None else 0.01)
     config = TrainConfig(
         out_dir=out, weight_decay=s["weight_decay"], schedule=s["schedule"], clip_norm=s["clip"] or None,
         accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"],

@@ -142,6 +142,9 @@ class Family:
     builder: Callable[..., Any] | None = None
     ignore_on_load: tuple[str, ...] = ()
     architectures: dict[str, Architecture] = field(default_factory=dict)
+    # the family's own training recipe, which tasks apply where no flag is given: "optimizer"
+    # ("adamw" | "adafactor"), its peak "lr" and "weight_decay"
+    training: dict = field(default_factory=dict)
 
     @property
     def hf(self) -> bool:
@@ -249,7 +252,7 @@ _BY_CLASS: dict[type, Architecture] = {}
 
 def register_family(model_type: str, config_cls: type, *, base_rules=None, config_from_hf=None, config_to_hf=None,
                     presets: dict[str, dict] | None = None, build_config: Callable | None = None,
-                    ignore_on_load: tuple[str, ...] = ()) -> Family:
+                    ignore_on_load: tuple[str, ...] = (), training: dict | None = None) -> Family:
     """Create and register a family; add architectures with :meth:`Family.register`.
 
     ``base_rules``: the base's weight map (HF templates relative to the base), or None for an
@@ -257,7 +260,12 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
     both or neither (model_type, architectures and dtype are added on save). ``presets``: name ->
     config fields. ``build_config``: the sizing builder, keyword arguments :data:`UNIFORM_SIZES`
     then the family's options. ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
+    ``training``: the family's own optimizer, peak lr and weight decay (``{"optimizer": "adafactor",
+    "lr": 0.05, "weight_decay": 0.0}`` for T5), the defaults the training tasks use for it.
     """
+    if training and not set(training) <= {"optimizer", "lr", "weight_decay"}:
+        raise ValueError(f"register_family({model_type!r}): training takes 'optimizer', 'lr' and 'weight_decay', "
+                         f"got {sorted(training)}")
     if (config_from_hf is None) != (config_to_hf is None) or (config_from_hf is None) != (base_rules is None):
         raise ValueError(f"register_family({model_type!r}): give base_rules, config_from_hf and config_to_hf "
                          f"together (a Hugging Face family) or none of them (attnlab-native)")
@@ -271,7 +279,7 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
         if absent:
             raise ValueError(f"register_family({model_type!r}): build_config lacks {', '.join(absent)}")
     fam = Family(model_type, config_cls, None if base_rules is None else tuple(base_rules), config_from_hf,
-                 config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load))
+                 config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load), training=dict(training or {}))
     _FAMILIES[model_type] = fam
     return fam
 

@@ -121,7 +121,9 @@ def describe_training(s: dict, t: dict) -> str:
     else:
         length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
             f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
-    return f"training: {s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, {length}"
+    optimizer = "Adafactor, " if t.get("optimizer") == "adafactor" else ""
+    return (f"training: {optimizer}{s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, "
+            f"{length}")
 
 
 _T, _O = "training", "optimisation"
@@ -145,8 +147,11 @@ TRAINING_OPTIONS = [
            "the steps)", check=non_negative, group=_O),
     Option("accum", int, 1, "micro-batches per optimizer step", check=positive, group=_O),
     Option("clip", float, 1.0, "gradient-norm clipping (0 = off)", check=non_negative, group=_O),
-    Option("weight_decay", float, 0.01, "AdamW's decoupled weight decay (never on norms, biases, embeddings)",
-           check=non_negative, group=_O),
+    Option("weight_decay", float, None, "decoupled weight decay, never on norms, biases, embeddings (default "
+           "0.01; the model family's, 0 for T5)", check=non_negative, group=_O),
+    Option("optimizer", str, None, "adamw, or adafactor (T5's: no momentum, steps relative to each weight's "
+           "scale; --lr caps the relative step) (default: the model family's, adamw for all but T5)",
+           choices=("adamw", "adafactor"), group=_O),
     Option("beta2", float, None, "AdamW's second-moment decay (default: the task's)", check=fraction, group=_O),
     Option("precision", str, "auto", "arithmetic precision", choices=("auto", "fp32", "bf16", "fp16"), group=_O,
            resumable=True),

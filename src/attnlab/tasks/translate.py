@@ -196,6 +196,11 @@ class Translate(TaskDefinition):
             base = dict(EMBEDDED_SIZES, tokenizer="word", pre_norm=False)
         else:
             base = dict(next(sizes for most, sizes in FILE_SIZES if n_pairs <= most), tokenizer="bpe", pre_norm=True)
+        from ..models.registry import family
+        recipe = family(s["model"]).training                # T5 trains with Adafactor, its own lr, no decay
+        if s["optimizer"] in (None, recipe.get("optimizer", "adamw")):
+            base.update(recipe)
+        base.setdefault("optimizer", "adamw")
         if s["tokenizer"] not in (None, "bpe") or base["tokenizer"] != "bpe":
             base["vocab_size"] = None               # word and char vocabularies are what the text holds
         chosen = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
@@ -210,8 +215,9 @@ class Translate(TaskDefinition):
                 return d["warmup"]
             return min(d["warmup"] if s["data"] is not None else 4000, max(1, steps // 10))   # a tenth at most
 
-        return training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 100),
-                                 BUDGET_EVALS)
+        return dict(training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 100),
+                                      BUDGET_EVALS), optimizer=d["optimizer"],
+                    **({"weight_decay": d["weight_decay"]} if d.get("weight_decay") is not None else {}))
 
     def _describe(self, s: dict, d: dict, n_pairs: int, src_tok, tgt_tok, saved) -> list[str]:
         """One line per group of the chosen values (as ``attnlab train`` prints them)."""

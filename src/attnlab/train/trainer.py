@@ -53,7 +53,7 @@ from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distri
                           wrap_model)
 from .interrupt import TrainingInterrupted, catch_stop_signals
 from .metrics import plot_metrics
-from .optim import build_optimizer, param_groups, split_decay
+from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
 from .schedules import SCHEDULES, BudgetFactor, BudgetPlanner, make_schedule
 
 __all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
@@ -97,6 +97,7 @@ class TrainConfig:
     steps: int
     lr: float = 1e-3                      # peak lr; for "noam" a scale on the paper's rate (1.0 = paper)
     weight_decay: float = 0.01            # decoupled (AdamW); never on norms, biases, embeddings
+    optimizer: str = "adamw"              # "adamw" | "adafactor" (T5's; attnlab.train.optim.build_optimizer)
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-9
     schedule: str = "constant"            # "noam" | "cosine" | "constant"
@@ -143,6 +144,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: weight_decay must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"TrainConfig: betas must be two numbers in [0, 1), got {self.betas}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"TrainConfig: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule == "noam" and self.warmup_steps < 1:
@@ -335,6 +338,9 @@ class Trainer:
             if saved[key] != getattr(self.config, key):
                 raise ValueError(f"Trainer: {ckpt} was trained with {key}={saved[key]}, this run asks for "
                                  f"{getattr(self.config, key)}; the data position would not match")
+        if saved.get("optimizer", "adamw") != self.config.optimizer:
+            raise ValueError(f"Trainer: {ckpt} was trained with the {saved.get('optimizer', 'adamw')} optimizer, "
+                             f"this run asks for {self.config.optimizer}; its state would not carry over")
         for key in ("lr", "weight_decay", "betas", "eps"):
             now = list(self.config.betas) if key == "betas" else getattr(self.config, key)
             if saved[key] != now:
