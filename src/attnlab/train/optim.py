@@ -52,7 +52,8 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
     times min(lr, 1/sqrt(t)). That matters for T5, whose embedding starts N(0, 1) while its matrices
     start at ~d_model^-1/2: under AdamW's absolute steps the embedding (which is also the input of
     every layer) moves ~10x slower than the rest. On the embedded translation corpus, 400 steps:
-    BLEU 99.9 with Adafactor (lr 0.05) against 28 with AdamW (lr 2e-3; 2e-3 to 1e-2 tried).
+    BLEU 98.4 with Adafactor (lr 0.05, no weight decay) against 27.8 with AdamW (lr 2e-3), and on
+    Multi30k, 300 steps: 14.2 against 5.8 (docs/t5.md).
 
     Fused (one kernel pass over parameters, gradients and both moments, instead of about a
     dozen passes) when torch has a fused AdamW for every parameter's device and dtype;
