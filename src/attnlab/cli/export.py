@@ -21,7 +21,7 @@ from pathlib import Path
 
 HELP = "write a run's model (and tokenizer) as a Hugging Face directory that transformers loads"
 EXAMPLE = ("attnlab train classify --init all-MiniLM-L6-v2/ --head native --data train.tsv --out runs/sst2\n"
-           "  attnlab export runs/sst2 sst2-minilm/     # then transformers.pipeline('text-classification', 'sst2-minilm')")
+           "  attnlab export runs/sst2 sst2-minilm/    # transformers.pipeline('text-classification', 'sst2-minilm')")
 
 # token names transformers' tokenizer classes read from tokenizer_config.json, by attnlab's role
 _ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos": "eos_token"}
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from . import UserError
     from ..models.pretrained import save_pretrained
     from ..models.registry import architecture_of
-    from ..tasks.run import inspect_path, load_model, load_tokenizers
+    from ..tasks.run import inspect_path, load_model, load_tokenizers, model_context
     info = inspect_path(args.run)
     if info.kind != "run":
         raise UserError(f"{args.run}: {info.describe()}; 'attnlab export' writes an attnlab run as a Hugging Face "
@@ -71,9 +71,7 @@ def run(args: argparse.Namespace) -> int:
     save_pretrained(model, out)
     toks = load_tokenizers(info.run)
     tok = toks.get("text") or toks.get("source") or next(iter(toks.values()))
-    context = next((v for k in ("max_position_embeddings", "n_positions", "max_seq_len", "context")
-                    if isinstance(v := getattr(model.config, k, None), int)), None)
-    why = _tokenizer_files(tok, out, context)
+    why = _tokenizer_files(tok, out, model_context(model))
     written = sorted(p.name for p in out.iterdir())
     print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
     if why:

@@ -193,10 +193,9 @@ def run(args: argparse.Namespace) -> int:
     eval_every = own.pop("eval_every")
     s = settings
     # the task's (its model family's) optimizer and weight decay unless given; saved resolved
-    own["optimizer"] = s["optimizer"] = s.get("optimizer") or own.get("optimizer") or "adamw"
-    family_decay = own.pop("weight_decay", None)
-    s["weight_decay"] = s["weight_decay"] if s["weight_decay"] is not None else \
-        (family_decay if family_decay is not None else 0.01)
+    own["optimizer"] = s["optimizer"] = s["optimizer"] or own.get("optimizer", "adamw")
+    decay = own.pop("weight_decay", 0.01)
+    s["weight_decay"] = decay if s["weight_decay"] is None else s["weight_decay"]
     config = TrainConfig(
         out_dir=out, weight_decay=s["weight_decay"], schedule=s["schedule"], clip_norm=s["clip"] or None,
         accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"],

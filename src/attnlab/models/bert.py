@@ -60,7 +60,6 @@ class BertConfig:
     def __post_init__(self):
         if self.id2label is None:
             self.id2label = {i: f"LABEL_{i}" for i in range(2 if self.num_labels is None else self.num_labels)}
-        self.id2label = {int(i): str(label) for i, label in self.id2label.items()}     # JSON keys are strings
         if self.num_labels is None:
             self.num_labels = len(self.id2label)
         check_config(self, positive=("vocab_size", "d_model", "num_heads", "num_layers", "d_ff",

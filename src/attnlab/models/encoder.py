@@ -65,15 +65,14 @@ def check_config(cfg, positive: tuple[str, ...], fractions: tuple[str, ...],
             raise ValueError(f"{who}: {f} must be one of {tuple(ACT_TO_HF)}, got {getattr(cfg, f)!r}")
     if cfg.pad_token_id is not None and not 0 <= cfg.pad_token_id < cfg.vocab_size:
         raise ValueError(f"{who}: pad_token_id {cfg.pad_token_id} is outside [0, vocab_size={cfg.vocab_size})")
-    if cfg.id2label is not None:                 # a config read back from JSON has string keys
-        try:
+    if cfg.id2label is not None:
+        try:                                     # a config read back from JSON has string keys
             cfg.id2label = {int(i): str(name) for i, name in cfg.id2label.items()}
         except (TypeError, ValueError):
-            raise ValueError(f"{who}: id2label keys must be class ids 0 .. num_labels - 1, "
-                             f"got {sorted(map(str, cfg.id2label))}") from None
-    if cfg.id2label is not None and (cfg.num_labels <= 0 or sorted(cfg.id2label) != list(range(cfg.num_labels))):
-        raise ValueError(f"{who}: id2label must name classes 0 .. num_labels - 1 ({cfg.num_labels}), "
-                         f"got ids {sorted(cfg.id2label)}")
+            pass                                 # not class ids: refused just below
+        if cfg.num_labels <= 0 or set(cfg.id2label) != set(range(cfg.num_labels)):
+            raise ValueError(f"{who}: id2label must name classes 0 .. num_labels - 1 ({cfg.num_labels}), "
+                             f"got ids {sorted(cfg.id2label, key=str)}")
 
 
 def _check_ids(who: str, what: str, ids, shape: tuple | None, high: int, limit: str) -> None:

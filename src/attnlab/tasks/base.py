@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 
 __all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
            "positive", "non_negative", "fraction", "beyond_specials", "BUDGET_MEASURE", "BUDGET_STEP_CAP",
-           "training_schedule", "describe_training"]
+           "training_schedule", "family_recipe", "describe_training"]
 
 
 @dataclass(frozen=True)
@@ -100,15 +100,27 @@ def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval
     flag given always wins. Without --steps, --time-budget sizes the schedule (``steps`` is then
     only a cap). ``warmup(steps, budget)`` and ``eval_every(steps, budget)`` give the task's
     defaults; ``budget_evals`` evaluations are spread over a budget-sized schedule unless
-    --eval-every or --save-every is given."""
+    --eval-every or --save-every is given. The optimizer (``d["optimizer"]``, default AdamW) and a
+    weight decay in ``d`` (a family's recipe, :func:`family_recipe`) are passed on."""
     budget = s["time_budget"] is not None and s["steps"] is None
+    optimizer = {"optimizer": d.get("optimizer", "adamw"),
+                 **({"weight_decay": d["weight_decay"]} if d.get("weight_decay") is not None else {})}
     steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
     own_evals = s["eval_every"] is not None or s["save_every"] is not None
     return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"],
                 warmup_steps=s["warmup"] if s["warmup"] is not None else warmup(steps, budget),
                 eval_every=s["eval_every"] if s["eval_every"] is not None else eval_every(steps, budget),
                 budget_schedule=budget, budget_measure=BUDGET_MEASURE,
-                budget_evals=0 if own_evals or not budget else budget_evals)
+                budget_evals=0 if own_evals or not budget else budget_evals, **optimizer)
+
+
+def family_recipe(s: dict, model_type: str) -> dict:
+    """The model family's own optimizer settings (``Family.training``: T5's Adafactor, its lr, no
+    weight decay), for a task's sizes, unless ``--optimizer`` names another optimizer; then {}:
+    the task's AdamW defaults stand. Flags given still win over what this returns."""
+    from ..models.registry import family
+    recipe = family(model_type).training
+    return dict(recipe) if s.get("optimizer") in (None, recipe.get("optimizer", "adamw")) else {}
 
 
 def describe_training(s: dict, t: dict) -> str:

@@ -41,7 +41,8 @@ from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labe
 from ..tokenizer import PAD_ID, Tokenizer
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, positive,
                    register_task, training_schedule)
-from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
+from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context,
+                  resume_point, write_run)
 
 __all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "native_classifier",
            "encode_texts",
@@ -438,12 +439,8 @@ CLASSIFY = register_task(Classify())
 
 
 def _context(model: nn.Module) -> int:
-    """The longest input the model takes (its position table)."""
-    config = model.encoder.config if hasattr(model, "encoder") else model.config
-    for name in ("max_len", "max_seq_len", "max_position_embeddings", "n_positions"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
-    return 1 << 30
+    """The longest input the model takes (its position table; no limit: a very large number)."""
+    return model_context(model) or 1 << 30
 
 
 def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:

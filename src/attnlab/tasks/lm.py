@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import BOS_ID, EOS_ID, Tokenizer
-from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, non_negative,
-                   positive, register_task, training_schedule)
+from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
+                   non_negative, positive, register_task, training_schedule)
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
 
 __all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
@@ -314,6 +314,7 @@ class LanguageModeling(TaskDefinition):
         """The model, context, batch and optimisation defaults for ``n_tokens`` training tokens
         (the embedded corpus: its own), each replaced by its option when given."""
         base = EMBEDDED_SIZES if s["data"] is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
+        base = dict(base, **family_recipe(s, s["model"]))
         return {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
 
     def _schedule(self, s: dict, d: dict) -> dict:

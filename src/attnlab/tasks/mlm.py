@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ..data.files import DataFormatError
 from ..data.masking import IGNORE_INDEX, SentencePair, collate_pairs, mask_tokens, pack_pair, sentence_pairs
 from ..tokenizer import BERT_SPECIAL_TOKENS, train_wordpiece
-from .base import (Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task,
+from .base import (Option, Setup, TaskDefinition, describe_training, family_recipe, fraction, positive, register_task,
                    training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, resume_point, write_run
 
@@ -236,6 +236,7 @@ class MaskedLanguageModeling(TaskDefinition):
 
     def _sizes(self, s: dict, n_tokens: int) -> dict:
         base = EMBEDDED_SIZES if s["data"] is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
+        base = dict(base, **family_recipe(s, s["model"]))
         d = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
         if s["d_model"] is not None and s["d_ff"] is None:
             d["d_ff"] = 4 * d["d_model"]

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from ..tokenizer import Tokenizer, load_tokenizer
 from ..train.checkpoint import resolve_best, resolve_checkpoint
 
-__all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "write_run", "read_run", "find_checkpoint", "open_run",
+__all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "model_context", "write_run", "read_run", "find_checkpoint",
+           "open_run",
            "resume_point", "inspect_path", "resolve_device", "build_model", "architecture_for", "load_model",
            "load_tokenizers",
            "RunError"]
@@ -254,6 +255,16 @@ def _upgrade_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
             key = pattern.sub(replacement, key, count=1)
         out[key] = value
     return out
+
+
+def model_context(model: nn.Module) -> int | None:
+    """The longest input the model takes (its position table's length), None if it has no limit
+    (relative positions)."""
+    config = getattr(getattr(model, "encoder", None), "config", None) or model.config
+    for name in ("max_len", "max_seq_len", "max_position_embeddings", "n_positions"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
 
 
 def load_model(run: RunInfo) -> nn.Module:

@@ -29,8 +29,8 @@ from ..data.files import read_tsv
 from ..data.numbers import number_corpus
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
-from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, non_negative,
-                   positive, register_task, training_schedule)
+from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
+                   non_negative, positive, register_task, training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
 
 __all__ = ["TranslationTask", "Translate", "Translator", "load_translator", "score_translations", "read_pairs"]
@@ -196,11 +196,7 @@ class Translate(TaskDefinition):
             base = dict(EMBEDDED_SIZES, tokenizer="word", pre_norm=False)
         else:
             base = dict(next(sizes for most, sizes in FILE_SIZES if n_pairs <= most), tokenizer="bpe", pre_norm=True)
-        from ..models.registry import family
-        recipe = family(s["model"]).training                # T5 trains with Adafactor, its own lr, no decay
-        if s["optimizer"] in (None, recipe.get("optimizer", "adamw")):
-            base.update(recipe)
-        base.setdefault("optimizer", "adamw")
+        base.update(family_recipe(s, s["model"]))            # T5 trains with Adafactor, its own lr, no decay
         if s["tokenizer"] not in (None, "bpe") or base["tokenizer"] != "bpe":
             base["vocab_size"] = None               # word and char vocabularies are what the text holds
         chosen = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
@@ -215,9 +211,8 @@ class Translate(TaskDefinition):
                 return d["warmup"]
             return min(d["warmup"] if s["data"] is not None else 4000, max(1, steps // 10))   # a tenth at most
 
-        return dict(training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 100),
-                                      BUDGET_EVALS), optimizer=d["optimizer"],
-                    **({"weight_decay": d["weight_decay"]} if d.get("weight_decay") is not None else {}))
+        return training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 100),
+                                 BUDGET_EVALS)
 
     def _describe(self, s: dict, d: dict, n_pairs: int, src_tok, tgt_tok, saved) -> list[str]:
         """One line per group of the chosen values (as ``attnlab train`` prints them)."""

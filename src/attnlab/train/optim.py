@@ -63,7 +63,7 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
     to its device, as the Trainer does.
     """
     groups = param_groups(model, config.weight_decay)
-    if getattr(config, "optimizer", "adamw") == "adafactor":
+    if config.optimizer == "adafactor":
         return torch.optim.Adafactor(groups, lr=config.lr)
     params = [p for g in groups for p in g["params"]]
     try:

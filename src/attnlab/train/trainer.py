@@ -338,8 +338,9 @@ class Trainer:
             if saved[key] != getattr(self.config, key):
                 raise ValueError(f"Trainer: {ckpt} was trained with {key}={saved[key]}, this run asks for "
                                  f"{getattr(self.config, key)}; the data position would not match")
-        if saved.get("optimizer", "adamw") != self.config.optimizer:
-            raise ValueError(f"Trainer: {ckpt} was trained with the {saved.get('optimizer', 'adamw')} optimizer, "
+        before = saved.get("optimizer", "adamw")          # checkpoints from before the choice: AdamW
+        if before != self.config.optimizer:
+            raise ValueError(f"Trainer: {ckpt} was trained with the {before} optimizer, "
                              f"this run asks for {self.config.optimizer}; its state would not carry over")
         for key in ("lr", "weight_decay", "betas", "eps"):
             now = list(self.config.betas) if key == "betas" else getattr(self.config, key)
