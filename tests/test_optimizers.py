@@ -78,6 +78,8 @@ def test_t5_trains_with_adafactor_by_default_and_the_flag_wins(tmp_path):
     assert yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["settings"]["weight_decay"] == 0.01
     r = _train("--steps", "2", "--out", str(tmp_path / "tr"))            # the chapter's Transformer: AdamW
     assert r.returncode == 0 and "Adafactor" not in r.stderr and "training: cosine" in r.stderr, r.stderr
+    r = _train("--steps", "1", "--optimizer", "adafactor", "--out", str(tmp_path / "tr-ada"))   # asked for: said
+    assert r.returncode == 0 and "training: Adafactor, cosine schedule, lr 0.002" in r.stderr, r.stderr
     saved = {run: yaml.safe_load((tmp_path / run / "config.yaml").read_text())["settings"] for run in ("t5", "tr")}
     assert (saved["t5"]["optimizer"], saved["t5"]["weight_decay"]) == ("adafactor", 0.0)      # as T5 was trained
     assert (saved["tr"]["optimizer"], saved["tr"]["weight_decay"]) == ("adamw", 0.01)

@@ -103,7 +103,7 @@ def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval
     --eval-every or --save-every is given. The optimizer (``d["optimizer"]``, default AdamW) and a
     weight decay in ``d`` (a family's recipe, :func:`family_recipe`) are passed on."""
     budget = s["time_budget"] is not None and s["steps"] is None
-    optimizer = {"optimizer": d.get("optimizer", "adamw"),
+    optimizer = {"optimizer": s.get("optimizer") or d.get("optimizer", "adamw"),
                  **({"weight_decay": d["weight_decay"]} if d.get("weight_decay") is not None else {})}
     steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
     own_evals = s["eval_every"] is not None or s["save_every"] is not None
