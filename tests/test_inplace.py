@@ -30,27 +30,23 @@ LAYERS = [
 ]
 
 
-def _call(layer, x):
-    return layer(x)
-
-
 @pytest.mark.parametrize("make", LAYERS)
 def test_inference_overwrites_and_gives_the_same_bits(make, spy):
     torch.manual_seed(0)
     layer = make().eval()
     x = torch.randn(2, 7, 32)
     x_before = x.clone()
-    want = _call(layer, x.clone().requires_grad_()).detach()     # autograd on: out of place
+    want = layer(x.clone().requires_grad_()).detach()     # autograd on: out of place
     assert spy and not any(spy)
     spy.clear()
     with torch.inference_mode():
-        got = _call(layer, x)
+        got = layer(x)
     assert spy and all(spy)                 # both residual sums and the activation were overwritten
     assert torch.equal(got, want)
     assert torch.equal(x, x_before)         # the layer's input is never touched
     spy.clear()
     with torch.no_grad():
-        assert torch.equal(_call(layer, x), want)
+        assert torch.equal(layer(x), want)
     assert all(spy)
 
 
