@@ -208,6 +208,13 @@ def test_auto_precision_follows_the_cpu_flags_and_is_recorded(tmp_path, monkeypa
     precision, why = _resolve_precision("auto", cpu)
     assert precision == "bf16" and "avx512_bf16" in why
     assert _resolve_precision("fp32", cpu) == ("fp32", "asked for")
+    assert _resolve_precision("bf16", cpu) == ("bf16", "asked for")           # native: no warning
+    _flags(monkeypatch, ())
+    precision, why = _resolve_precision("bf16", cpu)                          # emulated: said, still honoured
+    assert precision == "bf16" and "emulated" in why and "slower than fp32" in why
+    assert "emulated" in precision_mod.resolve_inference_dtype("bf16")[1]
+    _flags(monkeypatch, ("avx512_bf16", "amx_bf16"))
+    assert precision_mod.resolve_inference_dtype("bf16")[1] == "asked for"
     # a model too small for bf16 matmuls to pay trains in fp32 under auto, and says why
     tiny = ReverseTask(n_examples=16, micro=8, dropout=0.0).model
     precision, why = _resolve_precision("auto", cpu, tiny)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_bf16_flags", "native_bf16", "resolve_inference_dtype", "BF16_FLAGS", "INFERENCE_DTYPES"]
+__all__ = ["asked_bf16", "cpu_bf16_flags", "native_bf16", "resolve_inference_dtype", "BF16_FLAGS", "INFERENCE_DTYPES"]
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -60,6 +60,16 @@ def native_bf16(device: torch.device | str = "cpu") -> tuple[bool, str]:
     return False, "this CPU has no native bf16 instructions (avx512_bf16 or amx_bf16)"
 
 
+def asked_bf16(device: torch.device | str = "cpu") -> str:
+    """The reason line for an explicit bf16 choice: "asked for", with a warning where ``device``
+    only emulates bf16 (measured on a 2-core AVX2 AMD EPYC: a BERT-base forward of 8 x 128 tokens
+    took 9.5 s in bf16 against 1.5 s in fp32, on transformers' model as on attnlab's)."""
+    native, why = native_bf16(device)
+    if native or torch.device(device).type != "cpu":
+        return "asked for"
+    return f"asked for; warning: {why}, so bf16 is emulated and several times slower than fp32 here"
+
+
 INFERENCE_DTYPES = ("auto", "fp32", "bf16")
 
 
@@ -71,6 +81,6 @@ def resolve_inference_dtype(choice: str, device: torch.device | str = "cpu") -> 
     if choice not in INFERENCE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {choice!r}")
     if choice != "auto":
-        return (torch.bfloat16 if choice == "bf16" else None), "asked for"
+        return (torch.bfloat16 if choice == "bf16" else None), ("asked for" if choice != "bf16" else asked_bf16(device))
     native, why = native_bf16(device)
     return (torch.bfloat16 if native else None), f"auto: {why}"

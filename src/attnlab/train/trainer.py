@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..nn.precision import native_bf16
+from ..nn.precision import asked_bf16, native_bf16
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
@@ -199,7 +199,7 @@ def _resolve_precision(precision: str, device: torch.device, model: nn.Module | 
                          "use 'bf16' or 'fp32'")
     if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
         raise ValueError(f"TrainConfig: this GPU ({device}) does not support bf16; use 'fp16' or 'fp32'")
-    return precision, "asked for"
+    return precision, (asked_bf16(device) if precision == "bf16" else "asked for")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
