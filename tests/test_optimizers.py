@@ -71,15 +71,17 @@ def _train(*args: str) -> subprocess.CompletedProcess:
 def test_t5_trains_with_adafactor_by_default_and_the_flag_wins(tmp_path):
     r = _train("--model", "t5", "--steps", "2", "--out", str(tmp_path / "t5"))
     assert r.returncode == 0, r.stderr
-    assert "training: Adafactor, cosine schedule, lr 0.05" in r.stderr
+    assert "training: Adafactor (lr relative to each weight's RMS), cosine schedule, lr 0.05," in r.stderr
     # another optimizer: the task's own defaults for it, not T5's Adafactor lr and decay
     r = _train("--model", "t5", "--steps", "2", "--optimizer", "adamw", "--out", str(tmp_path / "a"))
     assert r.returncode == 0 and "training: cosine schedule, lr 0.002" in r.stderr, r.stderr
     assert yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["settings"]["weight_decay"] == 0.01
     r = _train("--steps", "2", "--out", str(tmp_path / "tr"))            # the chapter's Transformer: AdamW
     assert r.returncode == 0 and "Adafactor" not in r.stderr and "training: cosine" in r.stderr, r.stderr
-    r = _train("--steps", "1", "--optimizer", "adafactor", "--out", str(tmp_path / "tr-ada"))   # asked for: said
-    assert r.returncode == 0 and "training: Adafactor, cosine schedule, lr 0.002" in r.stderr, r.stderr
+    # asked for on a task sized for AdamW: said, and the task's AdamW lr 2e-3 made relative (x 15)
+    r = _train("--steps", "1", "--optimizer", "adafactor", "--out", str(tmp_path / "tr-ada"))
+    assert r.returncode == 0 and "training: Adafactor (lr relative to each weight's RMS), cosine schedule, lr 0.03," \
+        in r.stderr, r.stderr
     saved = {run: yaml.safe_load((tmp_path / run / "config.yaml").read_text())["settings"] for run in ("t5", "tr")}
     assert (saved["t5"]["optimizer"], saved["t5"]["weight_decay"]) == ("adafactor", 0.0)      # as T5 was trained
     assert (saved["tr"]["optimizer"], saved["tr"]["weight_decay"]) == ("adamw", 0.01)
@@ -88,3 +90,17 @@ def test_t5_trains_with_adafactor_by_default_and_the_flag_wins(tmp_path):
     assert r.returncode == 0 and "Adafactor" in r.stderr, r.stderr
     r = _train("--model", "t5", "--steps", "4", "--out", str(tmp_path / "t5"), "--resume", "--optimizer", "adamw")
     assert r.returncode == 2 and "--optimizer adamw differs from the run's adafactor" in r.stderr, r.stderr
+
+
+def test_adafactor_on_a_task_sized_for_adamw_takes_a_relative_lr():
+    from attnlab.tasks.base import ADAFACTOR_LR_SCALE, training_schedule
+    s = dict(time_budget=None, steps=10, warmup=None, eval_every=None, save_every=None, lr=None, optimizer=None)
+    d = dict(lr=2e-3, steps=10)
+
+    def lr(**given):
+        return training_schedule({**s, **given}, d, lambda n, b: 1, lambda n, b: 5, 0)["lr"]
+    assert lr() == 2e-3 and lr(optimizer="adamw") == 2e-3                   # AdamW: the task's lr
+    assert lr(optimizer="adafactor") == pytest.approx(2e-3 * ADAFACTOR_LR_SCALE)
+    assert lr(optimizer="adafactor", lr=1e-2) == 1e-2                       # --lr wins
+    d = dict(lr=5e-2, steps=10, optimizer="adafactor")                      # a family's own Adafactor recipe
+    assert lr() == 5e-2 and lr(optimizer="adafactor") == 5e-2

@@ -93,6 +93,15 @@ BUDGET_MEASURE = 20          # steps whose speed predicts how many fit in --time
 BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not this, ends training
 
 
+# Adafactor's lr is a relative step (torch.optim.Adafactor moves a weight by at most lr x its RMS),
+# AdamW's an absolute one, so a task whose own optimizer is AdamW, run with --optimizer adafactor and
+# no --lr, takes its AdamW lr times this (about 1 / a typical weight RMS). Measured on a 2-core AMD
+# EPYC (benchmarks/README.md, "Adafactor on tasks sized for AdamW"): the best multiple was 10-15 for
+# the 2017 Transformer, 20 for fine-tuning all-MiniLM-L6-v2, 50 or more for a small GPT; at 1 (the
+# AdamW lr itself) Adafactor barely moved (lm perplexity 533 against AdamW's 55 after 300 steps).
+ADAFACTOR_LR_SCALE = 15
+
+
 def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval_every: Callable[[int, bool], int],
                       budget_evals: int) -> dict:
     """The Trainer's length, lr, warmup and evaluation settings (a task's ``train_config`` base)
@@ -101,13 +110,18 @@ def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval
     only a cap). ``warmup(steps, budget)`` and ``eval_every(steps, budget)`` give the task's
     defaults; ``budget_evals`` evaluations are spread over a budget-sized schedule unless
     --eval-every or --save-every is given. The optimizer (``d["optimizer"]``, default AdamW) and a
-    weight decay in ``d`` (a family's recipe, :func:`family_recipe`) are passed on."""
+    weight decay in ``d`` (a family's recipe, :func:`family_recipe`) are passed on; --optimizer
+    adafactor on a task sized for AdamW scales its lr by :data:`ADAFACTOR_LR_SCALE`."""
     budget = s["time_budget"] is not None and s["steps"] is None
-    optimizer = {"optimizer": s.get("optimizer") or d.get("optimizer", "adamw"),
+    own = d.get("optimizer", "adamw")
+    optimizer = {"optimizer": s.get("optimizer") or own,
                  **({"weight_decay": d["weight_decay"]} if d.get("weight_decay") is not None else {})}
+    lr = d["lr"]
+    if optimizer["optimizer"] == "adafactor" and own != "adafactor":
+        lr = d["lr"] * ADAFACTOR_LR_SCALE             # the task's AdamW step, made relative
     steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
     own_evals = s["eval_every"] is not None or s["save_every"] is not None
-    return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else d["lr"],
+    return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else lr,
                 warmup_steps=s["warmup"] if s["warmup"] is not None else warmup(steps, budget),
                 eval_every=s["eval_every"] if s["eval_every"] is not None else eval_every(steps, budget),
                 budget_schedule=budget, budget_measure=BUDGET_MEASURE,
@@ -133,7 +147,7 @@ def describe_training(s: dict, t: dict) -> str:
     else:
         length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
             f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
-    optimizer = "Adafactor, " if t.get("optimizer") == "adafactor" else ""
+    optimizer = "Adafactor (lr relative to each weight's RMS), " if t.get("optimizer") == "adafactor" else ""
     return (f"training: {optimizer}{s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, "
             f"{length}")
 
@@ -162,7 +176,8 @@ TRAINING_OPTIONS = [
     Option("weight_decay", float, None, "decoupled weight decay, never on norms, biases, embeddings (default "
            "0.01; the model family's, 0 for T5)", check=non_negative, group=_O),
     Option("optimizer", str, None, "adamw, or adafactor (T5's: no momentum, steps relative to each weight's "
-           "scale; --lr caps the relative step) (default: the model family's, adamw for all but T5)",
+           "scale; --lr caps the relative step, default 15 x the task's AdamW lr, or the family's) (default: the "
+           "model family's, adamw for all but T5)",
            choices=("adamw", "adafactor"), group=_O),
     Option("beta2", float, None, "AdamW's second-moment decay (default: the task's)", check=fraction, group=_O),
     Option("precision", str, "auto", "arithmetic precision", choices=("auto", "fp32", "bf16", "fp16"), group=_O,

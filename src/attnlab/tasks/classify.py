@@ -351,6 +351,7 @@ class Classify(TaskDefinition):
                 s[k] = d[k]
         s.update(dropout=d["dropout"], batch_size=d["batch_size"])
         t = self._schedule(s, d)
+        s["lr"] = t["lr"]                  # the resolved lr (the optimizer's) is saved with the run
         if not t["budget_schedule"]:
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         if saved is not None:              # the run's own labels, tokenizer and model (the Trainer loads the weights)

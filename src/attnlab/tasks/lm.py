@@ -295,7 +295,7 @@ class LanguageModeling(TaskDefinition):
         valid = encode_documents(tok, corpus.valid, corpus.eos_between)
         d = self._sizes(s, len(train))
         t = self._schedule(s, d)
-        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup")})
+        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup", "lr")}, lr=t["lr"])
         if not t["budget_schedule"]:        # a budget's steps are planned in training, kept in its checkpoints
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         if saved is None:

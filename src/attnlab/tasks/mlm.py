@@ -295,7 +295,7 @@ class MaskedLanguageModeling(TaskDefinition):
         else:
             model = self._model(s, d, tok)
         t = self._schedule(s, d)
-        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup", "lr")})
+        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup", "lr")}, lr=t["lr"])
         if not t["budget_schedule"]:
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         task = MaskedLMTask(model, tok, train_docs, valid_docs, objective=s["objective"], context=d["context"],

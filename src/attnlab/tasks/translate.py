@@ -273,7 +273,7 @@ class Translate(TaskDefinition):
         train, valid, test, skipped = self._data(s)
         d = self._sizes(s, len(train))
         t = self._schedule(s, d)
-        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup")})
+        s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup", "lr")}, lr=t["lr"])
         if not t["budget_schedule"]:        # a budget's steps are planned in training, kept in its checkpoints
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         saved = None if resume_from is None else resume_point(resume_from, self.name)
