@@ -235,7 +235,8 @@ def test_a_budget_run_prints_its_plan_and_saves_its_sizes(tmp_path, capsys):
                  "--time-budget", "0.02", "--d-model", "16", "--heads", "2", "--layers", "1", "--tokenizer", "word",
                  "--eval-size", "2", "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert "as many steps as the first 20 predict fit in the 0.02-minute budget, 2 evaluations" in err
+    assert ("as many steps as the first 20 predict fit in the 0.02-minute budget (measured again at the warmup's "
+            "end), 2 evaluations") in err
     saved = yaml.safe_load((out / "config.yaml").read_text())["settings"]
     assert saved["steps"] is None and saved["d_ff"] == 64 and saved["pre_norm"] is True   # planned in training
     assert saved["max_tokens"] == 1024 and saved["tokenizer"] == "word"
@@ -253,3 +254,49 @@ def test_lm_prints_and_saves_the_chosen_values(tmp_path, capsys):
     saved = yaml.safe_load((out / "config.yaml").read_text())["settings"]
     assert (saved["batch_size"], saved["context"], saved["tokenizer"], saved["steps"], saved["lr"]) == \
         (16, 32, "char", 1, 1e-3)
+
+
+class _SlowStartClock:
+    """perf_counter whose first ``slow`` training losses cost ``slow_s`` seconds each, the rest 1 s."""
+
+    def __init__(self, task, slow: int, slow_s: float):
+        self.task, self.slow, self.slow_s = task, slow, slow_s
+
+    def __call__(self) -> float:
+        n = self.task.loss_calls
+        return 1000.0 + min(n, self.slow) * self.slow_s + max(0, n - self.slow)
+
+
+def test_the_budget_is_measured_again_at_the_end_of_the_warmup(tmp_path, monkeypatch):
+    """Slow first steps (3 s, then 1 s): the first plan (after step 6) under-fills the budget; the
+    steps 7-12 re-measure it at the warmup's end and the decay is stretched to end with the budget.
+    The warmup's lrs are untouched, and a run resumed after the re-plan repeats it exactly."""
+    kw = dict(time_budget_s=400.0, warmup_steps=12, budget_evals=2)
+
+    def run(out, task, resume=False):
+        monkeypatch.setattr(trainer_mod.time, "perf_counter", _SlowStartClock(task, 7, 3.0))
+        trainer = Trainer(task, _budget_cfg(out, **kw), resume=resume)
+        trainer.fit()
+        return trainer
+
+    trainer = run(tmp_path / "a", ReverseTask(n_examples=64, micro=8, dropout=0.1))
+    plan = trainer.budget_plan
+    # first plan after step 6 (the 5 steps after the first at 3 s): 6 + (360 - 18) / 3 = 120 steps, warmup 12
+    assert plan["first"] == {"steps": 120, "measured_s_per_step": 3.0, "at_step": 6}
+    # at step 12: steps 7-12 took 3 + 5 x 1 s = 8 s (1.33 s each); 12 + (360 - 26) / (8 / 6) = 262
+    assert plan["at_step"] == 12 and plan["measured_s_per_step"] == pytest.approx(8 / 6)
+    assert plan["steps"] == 262 == trainer.step and plan["eval_every"] == 131 == trainer.config.save_every
+    lrs = _lrs(tmp_path / "a")
+    assert all(lrs[s] == pytest.approx(1e-2 * s / 12) for s in range(1, 13))          # the warmup, as planned
+    assert all(lrs[s] == pytest.approx(1e-2 * CosineFactor(12, 262, 0.1)(s - 1)) for s in range(13, 263))
+    assert lrs[262] == pytest.approx(1e-3)                                           # decayed at the end
+    evals = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [131, 262]
+    # killed at step 150 (after the save at 131) and resumed: the checkpoint's re-made plan, exactly
+    out = tmp_path / "b"
+    with pytest.raises(_Crash):
+        run(out, _CrashingTask(150, n_examples=64, micro=8, dropout=0.1))
+    resumed = run(out, ReverseTask(n_examples=64, micro=8, dropout=0.1), resume=True)
+    assert resumed.step == 262 and resumed.budget_plan == plan and _lrs(out) == lrs
+    for (name, a), b in zip(trainer.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name

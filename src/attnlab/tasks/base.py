@@ -142,7 +142,7 @@ def describe_training(s: dict, t: dict) -> str:
     ``train_config`` ``t``."""
     if t["budget_schedule"]:
         length = (f"as many steps as the first {t['budget_measure']} predict fit in the {s['time_budget']:g}-minute "
-                  "budget, " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
+                  "budget (measured again at the warmup's end), " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
                                 f"evaluation every {t['eval_every']}"))
     else:
         length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (

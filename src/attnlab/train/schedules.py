@@ -108,6 +108,11 @@ class BudgetFactor:
         self.total_steps = total_steps
         self.warmup = min(self.asked_warmup, max(self.measure, total_steps // 10))
 
+    def replan(self, total_steps: int) -> None:
+        """Change the length once more, at the end of the warmup (a longer measurement of the
+        speed): the warmup stays, so every step taken keeps its lr; only the decay moves."""
+        self.total_steps = max(int(total_steps), self.warmup + 1)
+
     def state(self) -> dict:
         return {"total_steps": self.total_steps, "warmup": self.warmup}
 
