@@ -508,63 +508,48 @@ class Trainer:
     def _plan_budget(self, elapsed: float, bar=None) -> None:
         """With ``budget_schedule``, after ``budget_measure`` steps of this session (the first one,
         which warms allocators and kernels up, not counted), fix the schedule's length to the steps
-        that fit in the rest of the budget. Every rank computes the same plan from rank 0's clock."""
+        that fit in the rest of the budget, and once more at the end of the warmup
+        (:meth:`_remeasure`). Every rank computes the same plan from rank 0's clock."""
         if self._planner is None:
             return
-        if self.budget_plan is not None:
-            self._replan_budget(elapsed, bar)
-            return
-        per_step = self._planner.speed(self.step, elapsed)
+        first = self.budget_plan
+        per_step = self._planner.speed(self.step, elapsed) if first is None else self._remeasure(elapsed)
         if per_step is None:
             return
         speed = torch.tensor([elapsed, per_step], dtype=torch.float64, device=self.device)
         if self.env.active:      # rank 0's measurement for everyone: the same schedule on every rank
             torch.distributed.broadcast(speed, 0)
-        self._restore_budget_plan(self._planner.plan(self.step, *speed.tolist()))
-        self._first_plan = (self.step, float(speed[0]))
-        log.info("time budget: %.3f s per step -> %d steps in all", per_step, self.config.steps)
+        plan = self._planner.plan(self.step, *speed.tolist())
+        if first is None:
+            self._first_plan = (self.step, float(speed[0]))
+        else:
+            plan["first"] = {k: first[k] for k in ("steps", "measured_s_per_step", "at_step")}
+        self._restore_budget_plan(plan, keep_warmup=first is not None)
+        log.info("time budget%s: %.3f s per step -> %d steps in all",
+                 "" if first is None else f" (again at the warmup's end; first plan {first['steps']})",
+                 per_step, self.config.steps)
         if bar is not None:
             bar.total = self.config.steps
             bar.refresh()
 
-    def _replan_budget(self, elapsed: float, bar=None) -> None:
-        """Once, at the end of the warmup, when this session made the first plan at least
-        ``budget_measure`` steps earlier: the steps since then measure the speed again and re-size
-        the decay (the warmup, and so every lr so far, stays). The first steps run slower than the
+    def _remeasure(self, elapsed: float) -> float | None:
+        """The seconds per step since this session's first plan, once, at the end of the warmup,
+        if at least ``budget_measure`` steps have run since (else None): the plan made from it
+        re-sizes only the decay, so every lr so far stays. The first steps run slower than the
         rest (allocators, caches): on a 2-core AMD EPYC, Multi30k's first 20 steps took 1.50 s each
         and the rest 1.32, so the first plan alone left 19 % of a 30-minute budget unused."""
         factor = self.scheduler.lr_lambdas[0]
         if self._first_plan is None or not isinstance(factor, BudgetFactor) or self.step != factor.warmup:
-            return
+            return None
         at, then = self._first_plan
         self._first_plan = None
-        if self.step - at < self.config.budget_measure:
-            return
-        speed = torch.tensor([elapsed, (elapsed - then) / (self.step - at)], dtype=torch.float64, device=self.device)
-        if self.env.active:
-            torch.distributed.broadcast(speed, 0)
-        elapsed, per_step = speed.tolist()
-        first = self.budget_plan
-        plan = dict(self._planner.plan(self.step, elapsed, per_step),
-                    first={k: first[k] for k in ("steps", "measured_s_per_step", "at_step")})
-        self.budget_plan = plan
-        self.config.steps = plan["steps"]
-        for key in ("eval_every", "save_every"):
-            if key in plan:
-                setattr(self.config, key, plan[key])
-        factor.replan(plan["steps"])
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base * factor(self.scheduler.last_epoch)     # the next step's lr, on the new decay
-        log.info("time budget, measured again at the end of the warmup: %.3f s per step -> %d steps in all "
-                 "(first plan: %d)", per_step, plan["steps"], first["steps"])
-        if bar is not None:
-            bar.total = self.config.steps
-            bar.refresh()
+        return (elapsed - then) / (self.step - at) if self.step - at >= self.config.budget_measure else None
 
-    def _restore_budget_plan(self, plan: dict | None, resumed: bool = False) -> None:
+    def _restore_budget_plan(self, plan: dict | None, resumed: bool = False, keep_warmup: bool = False) -> None:
         """Apply a plan (from :meth:`_plan_budget` or a checkpoint): the schedule's length, the
-        step cap, and the evaluation and checkpoint intervals it chose. A checkpoint's optimizer
-        already holds the lr of its next step; a fresh plan sets it."""
+        step cap, and the evaluation and checkpoint intervals it chose (``keep_warmup``: a second
+        plan, which moves only the decay). A checkpoint's optimizer already holds the lr of its
+        next step; a fresh plan sets it."""
         if plan is None or not self.config.budget_schedule:
             return
         self.budget_plan = dict(plan)
@@ -574,7 +559,7 @@ class Trainer:
                 setattr(self.config, key, plan[key])
         factor = self.scheduler.lr_lambdas[0]
         if isinstance(factor, BudgetFactor):
-            factor.plan(plan["steps"])
+            (factor.replan if keep_warmup else factor.plan)(plan["steps"])
             if resumed:
                 return
             # the lr of the step about to run follows the planned schedule
