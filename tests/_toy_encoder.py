@@ -43,7 +43,8 @@ def _toy_sizes(*, vocab_size, context, d_model, num_heads, num_layers, d_ff=None
     return ToyEncoderConfig(vocab_size, d_model, num_heads, num_layers, context)
 
 
-TOY = register_family("toy-encoder", ToyEncoderConfig, presets={"tiny": {}}, build_config=_toy_sizes)
+TOY = register_family("toy-encoder", ToyEncoderConfig, presets={"tiny": {}}, build_config=_toy_sizes,
+                      limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len})
 TOY.register("ToyEncoder", ToyEncoder, kind="base")
 
 

@@ -3,20 +3,20 @@
 whole registry, tests/test_toy_family.py on a family it registers itself) runs the same checks.
 
 Each check builds the family's "tiny" preset. What a model takes and returns depends on its
-``kind``; :data:`KINDS` says it once per kind. Comparisons are relative to the values' scale
-(different CPU kernels round differently).
+``kind``, and the registry declares each kind once (attnlab.models.registry.KINDS: its example
+inputs, output shapes and the transformers output fields that match ours). Comparisons are
+relative to the values' scale (different CPU kernels round differently).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict
 
 import torch
 from safetensors.torch import load_model, save_model
 
 import attnlab
 from attnlab.generate import greedy_decode
-from attnlab.models.registry import Architecture
+from attnlab.models.registry import KINDS, Architecture, Kind
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 B, T = 4, 16                   # 64 tokens: every expert of a tiny mixture gets some
@@ -30,28 +30,9 @@ def _ids(high: int, shape, seed: int) -> torch.Tensor:
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@dataclass(frozen=True)
-class Kind:
-    inputs: Callable              # (config, seed) -> forward's positional arguments
-    shape: Callable               # (config) -> the output's shape, or a tuple of shapes for a tuple of outputs
-    hf_output: str | tuple | None = None   # the field(s) of a transformers output that match ours
-    hf_inputs: Callable = lambda x: {"input_ids": x[0]}   # forward's arguments -> transformers' keywords
-
-
-_TOKENS = lambda c, seed: (_ids(c.vocab_size, (B, T), seed),)                      # noqa: E731
-KINDS = {
-    "causal-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
-    "masked-lm": Kind(_TOKENS, lambda c: (B, T, c.vocab_size), "logits"),
-    "base": Kind(_TOKENS, lambda c: (B, T, c.d_model), "last_hidden_state"),
-    "classifier": Kind(_TOKENS, lambda c: (B, c.num_labels), "logits"),
-    "pretraining": Kind(_TOKENS, lambda c: ((B, T, c.vocab_size), (B, 2)),
-                        ("prediction_logits", ("seq_relationship_logits", "sop_logits"))),   # BERT's, ALBERT's
-    "replaced-token": Kind(_TOKENS, lambda c: (B, T), "logits"),
-    "seq2seq": Kind(lambda c, seed: (_ids(c.src_vocab_size, (B, T), seed),
-                                     _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)),
-                    lambda c: (B, T - 3, c.tgt_vocab_size), "logits",
-                    lambda x: {"input_ids": x[0], "decoder_input_ids": x[1]}),
-}
+def example(arch: Architecture, config, seed: int = 1) -> dict:
+    """The kind's example inputs for a model of ``config``, by transformers' keyword names."""
+    return kind_of(arch).example(config, arch.family.input_limits(config), B, T, seed)
 
 
 def outputs(out) -> tuple[torch.Tensor, ...]:
@@ -62,9 +43,7 @@ def outputs(out) -> tuple[torch.Tensor, ...]:
 def hf_outputs(arch: Architecture, hf_out) -> tuple[torch.Tensor, ...]:
     """The transformers output's fields that match ours; a field given as a tuple of names is
     whichever of them the output has (families name the same output differently)."""
-    names = kind_of(arch).hf_output
-    names = (names,) if isinstance(names, str) else names
-    names = [n if isinstance(n, str) else next(a for a in n if hasattr(hf_out, a)) for n in names]
+    names = [n if isinstance(n, str) else next(a for a in n if hasattr(hf_out, a)) for n in kind_of(arch).outputs]
     return tuple(getattr(hf_out, n) for n in names)
 
 
@@ -74,7 +53,6 @@ def same(a, b) -> bool:
 
 
 def kind_of(arch: Architecture) -> Kind:
-    assert arch.kind in KINDS, f"{arch}: tests/contract.py has no contract for kind {arch.kind!r}; add it to KINDS"
     return KINDS[arch.kind]
 
 
@@ -98,7 +76,8 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def inputs(arch: Architecture, model, seed: int = 1) -> tuple:
-    return kind_of(arch).inputs(model.config, seed)
+    """The example inputs as forward's positional arguments (the kind lists them in forward's order)."""
+    return tuple(example(arch, model.config, seed).values())
 
 
 # ----------------------------------------------------------------------------- checks
@@ -106,7 +85,7 @@ def check_forward_and_gradients(arch: Architecture) -> None:
     """Output shape, no NaN/inf, and a gradient (finite) for every parameter."""
     model = tiny(arch).train()
     outs = outputs(model(*inputs(arch, model)))
-    shapes = kind_of(arch).shape(model.config)
+    shapes = kind_of(arch).shapes(model.config, example(arch, model.config))
     shapes = shapes if isinstance(shapes[0], tuple) else (shapes,)
     got = tuple(tuple(o.shape) for o in outs)
     assert got == tuple(shapes), f"{arch}: output shape(s) {got}, want {tuple(shapes)}"
@@ -165,7 +144,8 @@ def check_to_transformers(arch: Architecture, tmp_path) -> None:
     assert not problems, f"{arch}: transformers reports {problems}"
     x = inputs(arch, model)
     with torch.no_grad():
-        for got, want in zip(hf_outputs(arch, hf.eval()(**kind_of(arch).hf_inputs(x))), outputs(model(*x)), strict=True):
+        got_hf = hf_outputs(arch, hf.eval()(**example(arch, model.config)))
+        for got, want in zip(got_hf, outputs(model(*x)), strict=True):
             close(got, want, f"{arch} in transformers")
 
 
@@ -182,7 +162,7 @@ def check_from_transformers(arch: Architecture, tmp_path) -> None:
     assert type(ours) is arch.model_cls, f"{arch}: a {arch.name} directory loaded as {type(ours).__name__}"
     x = inputs(arch, ours)
     with torch.no_grad():
-        for got, want in zip(outputs(ours(*x)), hf_outputs(arch, hf(**kind_of(arch).hf_inputs(x))), strict=True):
+        for got, want in zip(outputs(ours(*x)), hf_outputs(arch, hf(**example(arch, ours.config))), strict=True):
             close(got, want, f"{arch} from transformers")
 
 

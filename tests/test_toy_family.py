@@ -72,7 +72,8 @@ def build_config(*, vocab_size, context, d_model, num_heads, num_layers, d_ff=No
     return ToyConfig(vocab_size, d_model, num_heads, num_layers, d_ff or 2 * d_model, context)
 
 
-TOY = register_family("toy-lm", ToyConfig, presets={"tiny": {}}, build_config=build_config)
+TOY = register_family("toy-lm", ToyConfig, presets={"tiny": {}}, build_config=build_config,
+                      limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len})
 TOY.register("ToyLM", ToyLM, kind="causal-lm")
 
 

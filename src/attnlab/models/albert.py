@@ -222,6 +222,7 @@ PRESETS = {
 }
 
 ALBERT = register_family("albert", AlbertConfig, base_rules=BASE_RULES, config_from_hf=config_from_hf,
+                         limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                          config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                          ignore_on_load=(r"embeddings\.position_ids$",))       # a buffer older writers stored
 ALBERT.register("AlbertModel", AlbertModel, kind="base")

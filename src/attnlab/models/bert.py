@@ -198,6 +198,7 @@ PRESETS = {
 }
 
 BERT = register_family("bert", BertConfig, base_rules=bert_rules(), config_from_hf=bert_config_from_hf,
+                       limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                        config_to_hf=bert_config_to_hf, presets=PRESETS, build_config=build_config,
                        # buffers older writers stored, and the decoder bias transformers ties to cls.predictions.bias
                        ignore_on_load=(r"embeddings\.position_ids$", r"embeddings\.token_type_ids$",

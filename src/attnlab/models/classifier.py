@@ -236,12 +236,19 @@ def build_encoder_config(*, vocab_size: int, context: int, d_model: int, num_hea
                                    dropout)
 
 
-TEXT_CLASSIFIER = register_family("text-classifier", TextClassifierConfig, build_config=build_config, presets={
+def _base_limits(config: EncoderClassifierConfig) -> dict:
+    fam = family(config.base_model_type, "EncoderClassifierConfig")
+    return fam.input_limits(fam.config_cls(**config.base_config))
+
+
+TEXT_CLASSIFIER = register_family("text-classifier", TextClassifierConfig, build_config=build_config,
+                                  limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_len}, presets={
     "tiny": dict(vocab_size=96, embed_dim=32, num_heads=4, num_classes=3, num_layers=2, max_len=64, dropout=0.0),
     "chapter": dict(vocab_size=10000, embed_dim=128, num_heads=4, num_classes=2, num_layers=1)})
 TEXT_CLASSIFIER.register("TextClassifier", TextClassifier, kind="classifier", factory=TextClassifier.from_config)
 
 ENCODER_CLASSIFIER = register_family("encoder-classifier", EncoderClassifierConfig, build_config=build_encoder_config,
+                                     limits=_base_limits,
                                      presets={"tiny": dict(base_model_type="gpt2", base_architecture="GPT2Model",
                                                            base_config=asdict(GPTConfig(**_GPT_PRESETS["tiny"])),
                                                            num_labels=3, dropout=0.0)})

@@ -352,6 +352,7 @@ PRESETS = {
 }
 
 DEBERTA_V2 = register_family("deberta-v2", DebertaV2Config, base_rules=BASE_RULES, config_from_hf=config_from_hf,
+                             limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                              config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                              ignore_on_load=(r"embeddings\.position_ids$",))    # a buffer older writers stored
 DEBERTA_V2.register("DebertaV2Model", DebertaV2Model, kind="base")

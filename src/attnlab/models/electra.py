@@ -146,6 +146,7 @@ PRESETS = {
 }
 
 ELECTRA = register_family("electra", ElectraConfig,
+                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                           base_rules=bert_rules() + [Rule("embeddings.project.{p}", "embeddings_project.{p}")],
                           config_from_hf=config_from_hf, config_to_hf=config_to_hf, presets=PRESETS,
                           build_config=build_config,

@@ -151,6 +151,7 @@ PRESETS = {
 # MIXTRAL_WEIGHT_MAP names the keys of MixtralForCausalLM: the base's sit under "model."
 _BASE_RULES, _HEAD_RULES = split_prefix(MIXTRAL_WEIGHT_MAP, "model.")
 MIXTRAL = register_family("mixtral", MixtralConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
+                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                           config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                           ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
 MIXTRAL.register("MixtralForCausalLM", Mixtral, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)

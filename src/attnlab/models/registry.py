@@ -36,23 +36,122 @@ from torch import nn
 
 from .convert import Rule, with_prefix
 
-__all__ = ["KINDS", "UNIFORM_SIZES", "Architecture", "Family", "register_family", "family", "families",
+__all__ = ["KINDS", "Kind", "register_kind", "MODALITIES", "Modality", "MODEL_SIZES", "UNIFORM_SIZES", "input_limits",
+           "Architecture", "Family", "register_family", "family", "families",
            "architecture_of", "architectures"]
 
-# what a model of each kind does; tasks and commands dispatch on these names
-KINDS = {
-    "causal-lm": "forward(input_ids (B, T)) -> next-token logits (B, T, V); model.generate continues a prompt",
-    "seq2seq": "forward(src (B, S), tgt (B, T)) -> logits (B, T, V); encode / decode / new_cache for decoding",
-    "base": "forward(input_ids (B, T)) -> the last hidden state (B, T, E) (a bare model, no head)",
-    "masked-lm": "forward(input_ids (B, T)) -> logits (B, T, V) for every position",
-    "classifier": "forward(input_ids (B, T)) -> class logits (B, C)",
-    "pretraining": "forward(input_ids (B, T)) -> (token logits (B, T, V), sentence logits (B, 2)): masked-LM "
-                   "plus next-sentence (BERT) or sentence-order (ALBERT) prediction",
-    "replaced-token": "forward(input_ids (B, T)) -> (B, T) logits that each token was replaced (ELECTRA's "
-                      "discriminator)",
+# Input modalities: the main input a model of the modality takes (transformers' keyword name), the
+# sizes a family's sizing builder takes for it (besides MODEL_SIZES) and the input limits a family
+# states for its configs (:meth:`Family.input_limits`), and the processor that turns user data into
+# that input (attnlab.processors: a tokenizer for text, an image processor for images).
+@dataclass(frozen=True)
+class Modality:
+    name: str
+    main_input: str
+    sizes: tuple[str, ...]          # the builder's arguments for this modality
+    limits: tuple[str, ...]         # what Family.input_limits(config) returns for this modality
+    processor: str                  # the processor kind (attnlab.processors)
+
+
+MODALITIES = {
+    "text": Modality("text", "input_ids", ("vocab_size", "context"), ("vocab_size", "context"), "tokenizer"),
+    "image": Modality("image", "pixel_values", ("image_size", "patch_size", "in_channels"),
+                      ("image_size", "patch_size", "in_channels"), "image"),
 }
-# the arguments every family's sizing builder takes (families add keyword options after them)
-UNIFORM_SIZES = ("vocab_size", "context", "d_model", "num_heads", "num_layers", "d_ff", "dropout")
+# the model's own sizes, the same for every modality
+MODEL_SIZES = ("d_model", "num_heads", "num_layers", "d_ff", "dropout")
+# the arguments a text family's sizing builder takes (families add keyword options after them)
+UNIFORM_SIZES = MODALITIES["text"].sizes + MODEL_SIZES
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a model of one kind does, declared once: tasks, commands and the contract tests read it.
+
+    ``example(config, limits, batch, length, seed)`` gives example inputs by transformers' keyword
+    names, main input first, in the order ``forward`` takes them positionally (``limits``: the
+    family's :meth:`Family.input_limits`); ``shapes(config, inputs)`` the output shape, or a tuple of
+    shapes for a tuple of outputs. ``outputs``: the fields of a transformers output that equal ours,
+    in order (an entry that is a tuple of names: whichever of them the output has, as families name
+    the same output differently). ``command``: the attnlab command that uses such a model."""
+    name: str
+    modality: str
+    does: str
+    example: Callable[..., dict]
+    shapes: Callable[..., tuple]
+    outputs: tuple = ("logits",)
+    command: str | None = None
+
+    @property
+    def main_input(self) -> str:
+        return MODALITIES[self.modality].main_input
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register_kind(name: str, *, modality: str, does: str, example: Callable[..., dict], shapes: Callable[..., tuple],
+                  outputs: tuple = ("logits",), command: str | None = None) -> Kind:
+    """Declare a kind of model (see :class:`Kind`): a family of a new modality or with a new head
+    adds its kinds here, from its own file, before registering architectures of them."""
+    if modality not in MODALITIES:
+        raise ValueError(f"register_kind({name!r}): unknown modality {modality!r}; modalities: {', '.join(MODALITIES)}")
+    if name in KINDS:
+        raise ValueError(f"register_kind: kind {name!r} is already registered")
+    KINDS[name] = kind = Kind(name, modality, does, example, shapes, tuple(outputs), command)
+    return kind
+
+
+def _ids(high: int, shape, seed: int):
+    import torch
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _tokens(config, limits, B, T, seed):
+    return {"input_ids": _ids(limits["vocab_size"], (B, T), seed)}
+
+
+def _pixels(config, limits, B, T, seed):
+    import torch
+    size, channels = limits["image_size"], limits["in_channels"]
+    return {"pixel_values": torch.randn(B, channels, size, size, generator=torch.Generator().manual_seed(seed))}
+
+
+def _batch(inputs) -> int:
+    return next(iter(inputs.values())).size(0)
+
+
+def _length(inputs) -> int:
+    return next(iter(inputs.values())).size(1)
+
+
+register_kind("causal-lm", modality="text", command="attnlab generate", example=_tokens,
+              does="forward(input_ids (B, T)) -> next-token logits (B, T, V); model.generate continues a prompt",
+              shapes=lambda c, x: (_batch(x), _length(x), c.vocab_size))
+register_kind("seq2seq", modality="text", command="attnlab translate",
+              does="forward(src (B, S), tgt (B, T)) -> logits (B, T, V); encode / decode / new_cache for decoding",
+              example=lambda c, lim, B, T, seed: {"input_ids": _ids(c.src_vocab_size, (B, T), seed),
+                                                  "decoder_input_ids": _ids(c.tgt_vocab_size, (B, T - 3), seed + 1)},
+              shapes=lambda c, x: (_batch(x), x["decoder_input_ids"].size(1), c.tgt_vocab_size))
+register_kind("base", modality="text", command="attnlab embed", example=_tokens, outputs=("last_hidden_state",),
+              does="forward(input_ids (B, T)) -> the last hidden state (B, T, E) (a bare model, no head)",
+              shapes=lambda c, x: (_batch(x), _length(x), c.d_model))
+register_kind("masked-lm", modality="text", example=_tokens,
+              does="forward(input_ids (B, T)) -> logits (B, T, V) for every position",
+              shapes=lambda c, x: (_batch(x), _length(x), c.vocab_size))
+register_kind("classifier", modality="text", command="attnlab classify", example=_tokens,
+              does="forward(input_ids (B, T)) -> class logits (B, C)", shapes=lambda c, x: (_batch(x), c.num_labels))
+register_kind("pretraining", modality="text", example=_tokens,
+              does="forward(input_ids (B, T)) -> (token logits (B, T, V), sentence logits (B, 2)): masked-LM "
+                   "plus next-sentence (BERT) or sentence-order (ALBERT) prediction",
+              outputs=("prediction_logits", ("seq_relationship_logits", "sop_logits")),
+              shapes=lambda c, x: ((_batch(x), _length(x), c.vocab_size), (_batch(x), 2)))
+register_kind("replaced-token", modality="text", example=_tokens,
+              does="forward(input_ids (B, T)) -> (B, T) logits that each token was replaced (ELECTRA's discriminator)",
+              shapes=lambda c, x: (_batch(x), _length(x)))
+register_kind("image-classifier", modality="image", command="attnlab classify", example=_pixels,
+              does="forward(pixel_values (B, C, H, W)) -> class logits (B, num_labels)",
+              shapes=lambda c, x: (_batch(x), c.num_labels))
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,6 +244,8 @@ class Family:
     # the family's own training recipe, which tasks apply where no flag is given: "optimizer"
     # ("adamw" | "adafactor"), its peak "lr" and "weight_decay"
     training: dict = field(default_factory=dict)
+    modality: str = "text"
+    limits: Callable[[Any], dict] | None = None      # config -> its modality's input limits
 
     @property
     def hf(self) -> bool:
@@ -160,6 +261,9 @@ class Family:
         where = f"{self.model_type}/{name}"
         if kind not in KINDS:
             raise ValueError(f"{where}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if KINDS[kind].modality != self.modality:
+            raise ValueError(f"{where}: kind {kind!r} takes {KINDS[kind].modality} input, the family's modality is "
+                             f"{self.modality!r} (register_family(..., modality=...))")
         if isinstance(ignore_on_load, str):
             raise ValueError(f"{where}: ignore_on_load must be a tuple of patterns, not a string")
         if self.base_rules is None and (prefix or head_rules):
@@ -207,25 +311,50 @@ class Family:
         return self.config_cls(**{**self.presets[name], **overrides})
 
     @property
+    def sizes(self) -> tuple[str, ...]:
+        """The arguments the family's sizing builder takes before its own options: its modality's
+        sizes (text: vocab_size, context; images: image_size, patch_size, in_channels), then
+        :data:`MODEL_SIZES`."""
+        return MODALITIES[self.modality].sizes + MODEL_SIZES
+
+    @property
     def options(self) -> dict[str, Any]:
-        """The family's own sizing options beyond :data:`UNIFORM_SIZES`, with their defaults."""
+        """The family's own sizing options beyond :attr:`sizes`, with their defaults."""
         if self.builder is None:
             return {}
         params = inspect.signature(self.builder).parameters.values()
-        return {p.name: p.default for p in params if p.name not in UNIFORM_SIZES}
+        return {p.name: p.default for p in params if p.name not in self.sizes}
 
-    def build_config(self, *, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
-                     d_ff: int | None = None, dropout: float = 0.0, **options):
-        """A config sized by the arguments every family shares (``context``: the longest
-        sequence; ``d_ff`` None: the family's default width) and the family's own ``options``."""
+    def build_config(self, *, d_model: int, num_heads: int, num_layers: int, d_ff: int | None = None,
+                     dropout: float = 0.0, **sizes_and_options):
+        """A config sized by the modality's sizes (text: ``vocab_size`` and ``context``, the longest
+        sequence; images: ``image_size``, ``patch_size``, ``in_channels``), the model sizes every
+        family shares (``d_ff`` None: the family's default width) and the family's own options."""
         if self.builder is None:
             raise ValueError(f"model family {self.model_type!r} has no sizing builder")
-        unknown = sorted(set(options) - set(self.options))
+        needed = MODALITIES[self.modality].sizes
+        absent = [n for n in needed if n not in sizes_and_options]
+        if absent:
+            raise ValueError(f"{self.model_type}: build_config needs {', '.join(absent)} ({self.modality} sizes)")
+        unknown = sorted(set(sizes_and_options) - set(needed) - set(self.options))
         if unknown:
             raise ValueError(f"{self.model_type}: unknown option(s) {', '.join(unknown)}; its options: "
                              f"{', '.join(self.options) or 'none'}")
-        return self.builder(vocab_size=vocab_size, context=context, d_model=d_model, num_heads=num_heads,
-                            num_layers=num_layers, d_ff=d_ff, dropout=dropout, **options)
+        return self.builder(d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff, dropout=dropout,
+                            **sizes_and_options)
+
+    def input_limits(self, config) -> dict:
+        """What inputs a model of ``config`` takes, as the family states it: for text its
+        ``vocab_size`` and ``context`` (the longest sequence; None without a limit, as with
+        relative positions), for images ``image_size``, ``patch_size`` and ``in_channels``."""
+        if self.limits is None:
+            raise ValueError(f"model family {self.model_type!r} states no input limits (register_family(limits=...))")
+        limits = dict(self.limits(config))
+        want = MODALITIES[self.modality].limits
+        if set(limits) != set(want):
+            raise ValueError(f"{self.model_type}: input limits give {sorted(limits)}, a {self.modality} family gives "
+                             f"{', '.join(want)}")
+        return limits
 
     # ------------------------------------------------------------------ config.json
     def config_to_json(self, config) -> dict:
@@ -252,14 +381,16 @@ _BY_CLASS: dict[type, Architecture] = {}
 
 def register_family(model_type: str, config_cls: type, *, base_rules=None, config_from_hf=None, config_to_hf=None,
                     presets: dict[str, dict] | None = None, build_config: Callable | None = None,
-                    ignore_on_load: tuple[str, ...] = (), training: dict | None = None) -> Family:
+                    ignore_on_load: tuple[str, ...] = (), training: dict | None = None, modality: str = "text",
+                    limits: Callable[[Any], dict] | None = None) -> Family:
     """Create and register a family; add architectures with :meth:`Family.register`.
 
     ``base_rules``: the base's weight map (HF templates relative to the base), or None for an
     attnlab-native family. ``config_from_hf(dict) -> config`` / ``config_to_hf(config) -> dict``:
     both or neither (model_type, architectures and dtype are added on save). ``presets``: name ->
-    config fields. ``build_config``: the sizing builder, keyword arguments :data:`UNIFORM_SIZES`
-    then the family's options. ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
+    config fields. ``build_config``: the sizing builder, keyword arguments the modality's sizes and
+    :data:`MODEL_SIZES`, then the family's options. ``modality``: what its models take (a key of
+    :data:`MODALITIES`); ``limits(config)``: that modality's input limits (:meth:`Family.input_limits`). ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
     ``training``: the family's own optimizer, peak lr and weight decay (``{"optimizer": "adafactor",
     "lr": 0.05, "weight_decay": 0.0}`` for T5), the defaults the training tasks use for it.
     """
@@ -275,11 +406,14 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
         raise ValueError(f"register_family: model_type {model_type!r} is already registered")
     if build_config is not None:
         params = inspect.signature(build_config).parameters
-        absent = [n for n in UNIFORM_SIZES if n not in params]
+        if modality not in MODALITIES:
+            raise ValueError(f"register_family({model_type!r}): unknown modality {modality!r}")
+        absent = [n for n in MODALITIES[modality].sizes + MODEL_SIZES if n not in params]
         if absent:
             raise ValueError(f"register_family({model_type!r}): build_config lacks {', '.join(absent)}")
     fam = Family(model_type, config_cls, None if base_rules is None else tuple(base_rules), config_from_hf,
-                 config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load), training=dict(training or {}))
+                 config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load), training=dict(training or {}),
+                 modality=modality, limits=limits)
     _FAMILIES[model_type] = fam
     return fam
 
@@ -311,3 +445,8 @@ def architecture_of(model: nn.Module) -> Architecture:
         raise ValueError(f"{type(model).__name__} is not a registered architecture; registered: "
                          f"{', '.join(sorted(c.__name__ for c in _BY_CLASS))}")
     return arch
+
+
+def input_limits(model: nn.Module) -> dict:
+    """The input limits ``model``'s family states for its config (:meth:`Family.input_limits`)."""
+    return architecture_of(model).family.input_limits(model.config)

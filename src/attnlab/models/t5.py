@@ -341,6 +341,7 @@ PRESETS = {
 }
 
 T5 = register_family("t5", T5Config, base_rules=T5_WEIGHT_MAP, config_from_hf=config_from_hf,
+                     limits=lambda c: {"vocab_size": c.vocab_size, "context": None},   # relative positions: no limit
                      config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                      # older checkpoints also store the shared embedding under each stack, and
                      # transformers ignores a cross-attention bias table some carry

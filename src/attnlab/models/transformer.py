@@ -277,5 +277,6 @@ PRESETS = {
 
 # attnlab-native: no Hugging Face class matches the 2017 model, so its directories hold our own
 # config fields and state-dict keys
-TRANSFORMER = register_family("transformer", TransformerConfig, presets=PRESETS, build_config=build_config)
+TRANSFORMER = register_family("transformer", TransformerConfig, presets=PRESETS, build_config=build_config,
+                              limits=lambda c: {"vocab_size": c.src_vocab_size, "context": c.max_seq_len})
 TRANSFORMER.register("Transformer", Transformer, kind="seq2seq", factory=Transformer.from_config)

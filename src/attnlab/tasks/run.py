@@ -258,13 +258,10 @@ def _upgrade_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def model_context(model: nn.Module) -> int | None:
-    """The longest input the model takes (its position table's length), None if it has no limit
-    (relative positions)."""
-    config = getattr(getattr(model, "encoder", None), "config", None) or model.config
-    for name in ("max_len", "max_seq_len", "max_position_embeddings", "n_positions"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
-    return None
+    """The longest input a text model takes, as its family states it (its position table's
+    length), None if it has no limit (relative positions)."""
+    from ..models.registry import input_limits
+    return input_limits(model)["context"]
 
 
 def load_model(run: RunInfo) -> nn.Module:
