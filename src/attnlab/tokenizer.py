@@ -40,6 +40,7 @@ _FORMAT_VERSION = 1
 class Tokenizer:
     """Common interface; subclasses register themselves under their ``kind``."""
     kind: ClassVar[str]
+    modality: ClassVar[str] = "text"      # what it processes (attnlab.processors)
     registry: ClassVar[dict[str, type[Tokenizer]]] = {}
     pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
 
