@@ -2,12 +2,10 @@
 load, and every command dispatches on the recorded task (or a Hugging Face directory's
 architecture), naming the command that takes a model of another kind."""
 import json
-import re
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.tasks import inspect_path, open_run
@@ -37,65 +35,42 @@ def runs(tmp_path_factory):
 def test_every_task_writes_the_same_run_format(runs):
     for task, arch in (("translate", "Transformer"), ("lm", "GPT2LMHeadModel")):
         meta = json.loads((runs / task / "best" / "run.json").read_text())
-        assert meta["format"] == 2 and meta["task"] == task and meta["architecture"] == arch
-        assert set(meta) == {"format", "task", "model_type", "architecture", "config", "tokenizers", "task_options"}
-        for name in meta["tokenizers"].values():
-            assert (runs / task / "best" / name).is_file()
+        assert meta["format"] == 3 and meta["task"] == task and meta["architecture"] == arch
+        assert set(meta) == {"format", "task", "model_type", "architecture", "config", "processors", "task_options"}
+        for proc in meta["processors"].values():
+            assert proc["modality"] == "text" and (runs / task / "best" / proc["file"]).is_file()
         info = inspect_path(runs / task)
         assert info.kind == "run" and info.run.task == task
 
 
-_OLD_NAMES = [(r"(decoder_layers\.\d+)\.cross_attn_norm\.", r"\1.sub2.norm."),
-              (r"(decoder_layers\.\d+)\.ff_norm\.", r"\1.sub3.norm."),
-              (r"\.self_attn_norm\.", ".sub1.norm."), (r"\.ff_norm\.", ".sub2.norm.")]
-
-
-def _as_format_1(ckpt, dest):
-    """A copy of a checkpoint as the previous attnlab wrote it: lm.json / translation.json, other
-    tokenizer file names, and the blocks' norms under sub1/sub2/sub3."""
+def _as_format_2(ckpt, dest):
+    """A copy of a checkpoint as run format 2 wrote it: "tokenizers" (role -> file) in place of
+    "processors"."""
     shutil.copytree(ckpt, dest)
     meta = json.loads((dest / "run.json").read_text())
-    (dest / "run.json").unlink()
-    state = load_file(str(dest / "model.safetensors"))
-    renamed = {}
-    for key, value in state.items():
-        for old, new in _OLD_NAMES:
-            key, n = re.subn(old, new, key)
-            if n:
-                break
-        renamed[key] = value
-    assert renamed.keys() != state.keys()
-    save_file(renamed, str(dest / "model.safetensors"))
-    if meta["task"] == "lm":
-        (dest / "tokenizer.json").rename(dest / "lm_tokenizer.json")
-        (dest / "lm.json").write_text(json.dumps({"task": "lm", "format": 1, "model_type": meta["model_type"],
-                                                  "config": meta["config"], "context": meta["task_options"]["context"],
-                                                  "tokenizer": "lm_tokenizer.json"}))
-    else:
-        (dest / "tokenizer.json").rename(dest / "src_tokenizer.json")
-        (dest / "translation.json").write_text(json.dumps({"task": "translate", "model": meta["config"],
-                                                           "shared_vocab": True}))
+    meta.update(format=2, tokenizers={role: p["file"] for role, p in meta.pop("processors").items()})
+    (dest / "run.json").write_text(json.dumps(meta))
 
 
-def test_runs_of_the_previous_format_still_load(runs, tmp_path):
-    _as_format_1(runs / "translate" / "best", tmp_path / "old-translate")
+def test_runs_of_format_2_load_and_resume(runs, tmp_path):
+    _as_format_2(runs / "translate" / "best", tmp_path / "old-translate")
     new_model, src, tgt = load_translator(runs / "translate", "cpu")
     old_model, src1, _ = load_translator(tmp_path / "old-translate", "cpu")
-    assert open_run(tmp_path / "old-translate").legacy and src1.vocabulary() == src.vocabulary()
+    assert open_run(tmp_path / "old-translate").tokenizers == {"source": "tokenizer.json", "target": "tokenizer.json"}
+    assert src1.vocabulary() == src.vocabulary()
     ids = torch.tensor([src.encode("one cat two dog")])
     tgt_in = torch.tensor([[tgt.bos_id] + tgt.encode("cat one dog")])
     torch.testing.assert_close(old_model(ids, tgt_in), new_model(ids, tgt_in), rtol=0, atol=0)
 
-    _as_format_1(runs / "lm" / "best", tmp_path / "old-lm")
-    new, old = load_lm(runs / "lm", "cpu"), load_lm(tmp_path / "old-lm", "cpu")
-    x = torch.tensor([new.tokenizer.encode("the quick brown")])
-    torch.testing.assert_close(old.model(x), new.model(x), rtol=0, atol=0)
-    assert old.context == new.context == 16
-    # inference only: resuming training needs the current format, and says so in one line
-    shutil.copytree(tmp_path / "old-lm", tmp_path / "old-run" / "step-0000003")
-    (tmp_path / "old-run" / "latest").write_text("step-0000003\n")
-    code = main(["train", "lm", "--resume", "--data", str(runs / "text.txt"), "--out", str(tmp_path / "old-run")])
-    assert code == 2
+
+def test_runs_of_the_first_format_are_refused_in_one_line(runs, tmp_path, capsys):
+    old = tmp_path / "old-lm"
+    shutil.copytree(runs / "lm" / "best", old)
+    (old / "run.json").unlink()
+    (old / "lm.json").write_text(json.dumps({"task": "lm", "format": 1}))
+    assert main(["generate", str(old), "--prompt", "the"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "first format (lm.json, before run.json)" in err and "train it again" in err
 
 
 def _error(capsys) -> str:

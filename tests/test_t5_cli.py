@@ -23,7 +23,7 @@ def test_train_translate_and_eval_a_t5(tmp_path):
     meta = json.loads((out / "best" / "run.json").read_text())
     assert (meta["model_type"], meta["architecture"]) == ("t5", "T5ForConditionalGeneration")
     # one vocabulary, and the tokenizer's special ids: decoding starts at its BOS as training did
-    assert meta["tokenizers"]["source"] == meta["tokenizers"]["target"]
+    assert meta["processors"]["source"] == meta["processors"]["target"]
     assert (meta["config"]["pad_token_id"], meta["config"]["eos_token_id"], meta["config"]["decoder_start_token_id"]) \
         == (0, 2, 1)
     assert (meta["config"]["feed_forward_proj"], meta["config"]["tie_word_embeddings"]) == ("gated-gelu", False)

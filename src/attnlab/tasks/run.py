@@ -3,15 +3,16 @@
 Every checkpoint directory the Trainer writes for a task holds, beside the Trainer's own
 files (model.safetensors, optimizer.safetensors, trainer_state.json):
 
-    run.json          {"format": 2, "task": "lm", "model_type": "gpt2", "architecture": "GPT2LMHeadModel",
-                       "config": the model config's fields, "tokenizers": {"text": "tokenizer.json"},
+    run.json          {"format": 3, "task": "lm", "model_type": "gpt2", "architecture": "GPT2LMHeadModel",
+                       "config": the model config's fields,
+                       "processors": {"text": {"modality": "text", "file": "tokenizer.json"}},
                        "task_options": what the task needs to use the model (e.g. its context)}
-    tokenizer files   named in "tokenizers" (attnlab's JSON, any kind of attnlab.tokenizer)
+    processor files   named in "processors", one per input role: a tokenizer (attnlab's JSON, any
+                      kind of attnlab.tokenizer) or an image processor (preprocessor_config.json)
 
-Run directories written before this format (format 1: ``lm.json`` for language models,
-``translation.json`` for translation) are read too: :func:`read_run` turns their metadata into
-the format above and :func:`load_model` renames the weights that have been renamed since, so
-they load for inference. Resuming training needs a run of the current format.
+Format 2 named only tokenizers (``"tokenizers": {"text": "tokenizer.json"}``); its runs are read
+as runs whose processors are those tokenizers, and resume as they are. The first format
+(``lm.json`` / ``translation.json``, before run.json) is refused with a message saying so.
 
 :func:`inspect_path` says what a path is (an attnlab run or checkpoint, a Hugging Face model
 directory, or nothing attnlab reads), so that every command can dispatch on the recorded task
@@ -20,23 +21,23 @@ or architecture and name the command that takes a checkpoint of another kind.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 from torch import Tensor, nn
 
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..tokenizer import Tokenizer
 from ..train.checkpoint import resolve_best, resolve_checkpoint
 
 __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "model_context", "write_run", "read_run", "find_checkpoint",
            "open_run",
            "resume_point", "inspect_path", "resolve_device", "build_model", "architecture_for", "load_model",
-           "load_tokenizers",
+           "load_tokenizers", "load_processors",
            "RunError"]
 
-RUN_FILE, FORMAT = "run.json", 2
-_LEGACY_FILES = ("lm.json", "translation.json")
+RUN_FILE, FORMAT = "run.json", 3
+_READABLE = (2, 3)
+_FORMAT_1_FILES = ("lm.json", "translation.json")
 
 
 class RunError(ValueError):
@@ -51,9 +52,13 @@ class RunInfo:
     model_type: str
     architecture: str
     config: dict
-    tokenizers: dict[str, str]       # role -> file name inside ``path``
+    processors: dict[str, dict]      # role -> {"modality": "text" | "image", "file": name inside ``path``}
     task_options: dict
-    legacy: bool = False             # read from a format-1 file
+
+    @property
+    def tokenizers(self) -> dict[str, str]:
+        """role -> tokenizer file, for the roles whose processor is a tokenizer."""
+        return {role: p["file"] for role, p in self.processors.items() if p["modality"] == "text"}
 
 
 def resolve_device(device=None):
@@ -94,25 +99,27 @@ def architecture_for(model_type: str | None, architectures: tuple[str, ...] | li
     return family(model_type, where).architecture(architectures[0] if architectures else None, where)
 
 
-def write_run(directory: Path, task: str, model: nn.Module, tokenizers: dict[str, Tokenizer],
+def write_run(directory: Path, task: str, model: nn.Module, processors: dict,
               task_options: dict | None = None) -> None:
-    """Write run.json and the tokenizers into a checkpoint directory (a Task's ``save_assets``).
-    A tokenizer shared by several roles is written once."""
+    """Write run.json and the processors (role -> a tokenizer or an image processor) into a
+    checkpoint directory (a Task's ``save_assets``). A processor shared by several roles is written once."""
+    from ..processors import IMAGE_CONFIG, save_processor
     directory = Path(directory)
-    files: dict[str, str] = {}
+    files: dict[str, dict] = {}
     written: dict[int, str] = {}
-    for role, tok in tokenizers.items():
-        if id(tok) not in written:
-            name = "tokenizer.json" if not written else f"{role}_tokenizer.json"
-            tok.save(directory / name)
-            written[id(tok)] = name
-        files[role] = written[id(tok)]
+    for role, proc in processors.items():
+        if id(proc) not in written:
+            usual = IMAGE_CONFIG if proc.modality == "image" else "tokenizer.json"
+            taken = set(written.values())
+            name = usual if usual not in taken else f"{role}_{usual}"
+            written[id(proc)] = save_processor(proc, directory, name)
+        files[role] = {"modality": proc.modality, "file": written[id(proc)]}
     from ..models.registry import architecture_of
     arch = architecture_of(model)
     model_type, architecture = arch.model_type, arch.name
     config = asdict(model.config) if is_dataclass(model.config) else dict(model.config)
     meta = {"format": FORMAT, "task": task, "model_type": model_type, "architecture": architecture,
-            "config": config, "tokenizers": files, "task_options": dict(task_options or {})}
+            "config": config, "processors": files, "task_options": dict(task_options or {})}
     (directory / RUN_FILE).write_text(json.dumps(meta, indent=1))
 
 
@@ -126,41 +133,34 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def _legacy(ckpt: Path) -> RunInfo:
-    """Format 1: lm.json {"task": "lm", "format": 1, "model_type", "config", "context", "tokenizer"}
-    or translation.json {"task": "translate", "model": config, "shared_vocab"}."""
-    if (ckpt / "lm.json").is_file():
-        m = _read_json(ckpt / "lm.json")
-        if m.get("task") != "lm" or m.get("format") != 1:
-            raise RunError(f"{ckpt / 'lm.json'}: not an attnlab language-model checkpoint of format 1")
-        return RunInfo(ckpt, "lm", m["model_type"], "", m["config"], {"text": m["tokenizer"]},
-                       {"context": m["context"]}, legacy=True)
-    m = _read_json(ckpt / "translation.json")
-    shared = m.get("shared_vocab", True)
-    toks = {"source": "src_tokenizer.json", "target": "src_tokenizer.json" if shared else "tgt_tokenizer.json"}
-    return RunInfo(ckpt, "translate", "transformer", "Transformer", m["model"], toks, {}, legacy=True)
-
-
 def read_run(ckpt: str | Path) -> RunInfo:
-    """The metadata of a checkpoint directory (either format); RunError if it has none."""
+    """The metadata of a checkpoint directory (run format 2 or 3); RunError if it has none."""
     ckpt = Path(ckpt)
     if not (ckpt / RUN_FILE).is_file():
-        if any((ckpt / f).is_file() for f in _LEGACY_FILES):
-            return _legacy(ckpt)
+        old = next((f for f in _FORMAT_1_FILES if (ckpt / f).is_file()), None)
+        if old:
+            raise RunError(f"{ckpt}: an attnlab run of the first format ({old}, before run.json), which this attnlab "
+                           f"no longer reads (it reads run formats {' and '.join(map(str, _READABLE))}): train it again")
         raise RunError(f"{ckpt}: not an attnlab checkpoint (no {RUN_FILE})")
     m = _read_json(ckpt / RUN_FILE)
-    if m.get("format") != FORMAT:
-        raise RunError(f"{ckpt / RUN_FILE}: run format {m.get('format')!r}; this attnlab reads format {FORMAT} "
-                       "(and the older lm.json / translation.json)")
-    missing = [k for k in ("task", "model_type", "architecture", "config", "tokenizers") if k not in m]
+    if m.get("format") not in _READABLE:
+        raise RunError(f"{ckpt / RUN_FILE}: run format {m.get('format')!r}; this attnlab reads run formats "
+                       f"{' and '.join(map(str, _READABLE))}")
+    roles = "processors" if m["format"] == 3 else "tokenizers"
+    missing = [k for k in ("task", "model_type", "architecture", "config", roles) if k not in m]
     if missing:
         raise RunError(f"{ckpt / RUN_FILE}: missing {', '.join(missing)}")
-    return RunInfo(ckpt, m["task"], m["model_type"], m["architecture"], m["config"], m["tokenizers"],
+    processors = m[roles] if m["format"] == 3 else {r: {"modality": "text", "file": f} for r, f in m[roles].items()}
+    if not isinstance(processors, dict) or not all(
+            isinstance(p, dict) and p.get("modality") in ("text", "image") and isinstance(p.get("file"), str)
+            for p in processors.values()):
+        raise RunError(f"{ckpt / RUN_FILE}: '{roles}' must map each input role to its modality and file")
+    return RunInfo(ckpt, m["task"], m["model_type"], m["architecture"], m["config"], processors,
                    m.get("task_options", {}))
 
 
 def _has_meta(d: Path) -> bool:
-    return (d / RUN_FILE).is_file() or any((d / f).is_file() for f in _LEGACY_FILES)
+    return (d / RUN_FILE).is_file() or any((d / f).is_file() for f in _FORMAT_1_FILES)
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -199,9 +199,6 @@ def resume_point(run_dir: str | Path, task: str) -> RunInfo | None:
     run = read_run(ckpt)
     if run.task != task:
         raise RunError(f"{run_dir}: holds an attnlab '{run.task}' run; it cannot be resumed as '{task}'")
-    if run.legacy:
-        raise RunError(f"{ckpt}: written by an older attnlab (run format 1); it loads for inference, but training "
-                       "can only resume runs of format 2: start a new run")
     return run
 
 
@@ -239,24 +236,6 @@ def inspect_path(path: str | Path) -> PathInfo:
                    "directory (no config.json)")
 
 
-# format 1 named the residual sub-layers of every block sub1/sub2/sub3; format 2 names their norms
-_RENAMED_KEYS: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"^(decoder_layers\.\d+)\.sub2\.norm\."), r"\1.cross_attn_norm."),
-    (re.compile(r"^(decoder_layers\.\d+)\.sub3\.norm\."), r"\1.ff_norm."),
-    (re.compile(r"^((?:encoder_layers|decoder_layers|layers)\.\d+)\.sub1\.norm\."), r"\1.self_attn_norm."),
-    (re.compile(r"^((?:encoder_layers|layers)\.\d+)\.sub2\.norm\."), r"\1.ff_norm."),
-]
-
-
-def _upgrade_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = {}
-    for key, value in state.items():
-        for pattern, replacement in _RENAMED_KEYS:
-            key = pattern.sub(replacement, key, count=1)
-        out[key] = value
-    return out
-
-
 def model_context(model: nn.Module) -> int | None:
     """The longest input a text model takes, as its family states it (its position table's
     length), None if it has no limit (relative positions)."""
@@ -275,8 +254,6 @@ def load_model(run: RunInfo) -> nn.Module:
         state = load_file(str(file))
     except Exception as e:                    # safetensors raises its own error types on a damaged file
         raise RunError(f"{file}: not a readable safetensors file ({e})") from None
-    if run.legacy:
-        state = _upgrade_keys(state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied: dict[int, set[str]] = {}               # a tied weight is stored under one of its names
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -288,12 +265,21 @@ def load_model(run: RunInfo) -> nn.Module:
     return model
 
 
-def load_tokenizers(run: RunInfo) -> dict[str, Tokenizer]:
-    """The run's tokenizers by role; a file shared by roles is loaded once."""
-    loaded: dict[str, Tokenizer] = {}
+def load_processors(run: RunInfo) -> dict:
+    """The run's processors by role (tokenizers, image processors); a file shared by roles is loaded once."""
+    from ..processors import load_processor
+    loaded: dict[str, object] = {}
     out = {}
-    for role, name in run.tokenizers.items():
-        if name not in loaded:
-            loaded[name] = load_tokenizer(run.path / name)
-        out[role] = loaded[name]
+    for role, p in run.processors.items():
+        if p["file"] not in loaded:
+            try:
+                loaded[p["file"]] = load_processor(run.path / p["file"], p["modality"])
+            except FileNotFoundError:
+                raise RunError(f"{run.path / p['file']}: the run's {role} processor is missing") from None
+        out[role] = loaded[p["file"]]
     return out
+
+
+def load_tokenizers(run: RunInfo) -> dict[str, Tokenizer]:
+    """The run's tokenizers by role (its processors of text)."""
+    return {role: proc for role, proc in load_processors(run).items() if proc.modality == "text"}
