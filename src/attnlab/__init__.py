@@ -5,7 +5,8 @@ lower layer) loads no model, task or command.
 """
 __version__ = "0.1.0"
 
-_LAZY = {"from_pretrained": "attnlab.hub", "save_pretrained": "attnlab.hub", "load_tokenizer": "attnlab.hub"}
+_LAZY = {"from_pretrained": "attnlab.hub", "save_pretrained": "attnlab.hub", "load_tokenizer": "attnlab.hub",
+         "load_processor": "attnlab.hub"}
 __all__ = ["__version__", *_LAZY]
 
 

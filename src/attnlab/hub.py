@@ -1,4 +1,6 @@
-"""Model directories in and out: ``from_pretrained``, ``save_pretrained``, ``load_tokenizer``.
+"""Model directories in and out: ``from_pretrained``, ``save_pretrained``, ``load_tokenizer`` and
+``load_processor`` (a directory's tokenizer.json, or its preprocessor_config.json as an
+:class:`attnlab.processors.ImageProcessor`).
 
 The public face of :mod:`attnlab.models.pretrained` (which does the work inside the models
 layer, so that ``model.save_pretrained(dir)`` needs nothing above it) plus the tokenizer loader
@@ -22,8 +24,9 @@ from __future__ import annotations
 from .models.convert import IDENTITY, TRANSPOSE, Fuse, Op, PermuteRope, Rule, Split, permute_rope, unpermute_rope
 from .models.pretrained import from_hf_state_dict, from_pretrained, read_weights, save_pretrained, to_hf_state_dict
 from .models.registry import architecture_of, families, family
+from .processors import ImageProcessor, load_processor
 from .tokenizer import load_tokenizer
 
 __all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "Split", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
            "to_hf_state_dict", "from_hf_state_dict", "read_weights", "from_pretrained", "save_pretrained",
-           "load_tokenizer", "family", "families", "architecture_of"]
+           "load_tokenizer", "load_processor", "ImageProcessor", "family", "families", "architecture_of"]

@@ -154,8 +154,10 @@ class ImageProcessor:
         top, left = (h - ch) // 2, (w - cw) // 2
         return x[top:top + ch, left:left + cw]
 
-    def pixels(self, image) -> Tensor:
-        """One image (a PIL image, a path, or an (H, W[, C]) uint8 array) -> (C, H, W) float32."""
+    def resized(self, image) -> Tensor:
+        """Steps 1-2 on one image (a PIL image, a path, or an (H, W[, C]) uint8 array): the resized,
+        cropped bytes as a (C, H, W) uint8 tensor, a quarter of the memory of finished pixels (a
+        task keeps a data set in this form and finishes each batch)."""
         from PIL import Image
         if isinstance(image, (str, Path)):
             image = open_image(image, self.channels)
@@ -170,20 +172,28 @@ class ImageProcessor:
         x = x[..., None] if x.ndim == 2 else x
         if self.do_center_crop:
             x = self._cropped(x)
-        x = x.astype(np.float64) * self.rescale_factor if self.do_rescale else x.astype(np.float64)
-        x = torch.from_numpy(x.astype(np.float32)).permute(2, 0, 1)
+        return torch.from_numpy(np.array(x)).permute(2, 0, 1).contiguous()      # a copy: PIL's buffer is read-only
+
+    def finish(self, data: Tensor) -> Tensor:
+        """Steps 3-4 on (..., C, H, W) bytes from :meth:`resized`: float32 pixel values."""
+        x = data.double() * self.rescale_factor if self.do_rescale else data.double()
+        x = x.float()
         if self.do_normalize:
             mean = torch.tensor(self.image_mean, dtype=torch.float32)[:, None, None]
             std = torch.tensor(self.image_std, dtype=torch.float32)[:, None, None]
             x = (x - mean) / std
-        return x.contiguous()
+        return x
+
+    def pixels(self, image) -> Tensor:
+        """One image (as :meth:`resized` takes it) -> pixel values (C, H, W) float32."""
+        return self.finish(self.resized(image))
 
     def __call__(self, images: Sequence) -> Tensor:
-        """pixel_values (B, C, H, W) for a sequence of images (each as :meth:`pixels` takes it)."""
+        """pixel_values (B, C, H, W) for a sequence of images (each as :meth:`resized` takes it)."""
         if self.output_size is None and len(images) > 1:
             raise ValueError("ImageProcessor: a shortest-edge resize without a centre crop gives images of "
                              "different sizes; process them one at a time or set crop_size")
-        return torch.stack([self.pixels(img) for img in images])
+        return self.finish(torch.stack([self.resized(img) for img in images]))
 
     # ------------------------------------------------------------------ preprocessor_config.json
     def to_dict(self) -> dict:
@@ -225,10 +235,13 @@ class ImageProcessor:
         return cls.from_dict(data, str(file))
 
 
-def load_processor(path: str | Path, modality: str):
+def load_processor(path: str | Path, modality: str | None = None):
     """The processor of ``modality`` saved at ``path`` (a file, or a directory holding the usual
     file): a tokenizer for "text" (:func:`attnlab.tokenizer.load_tokenizer`), an
-    :class:`ImageProcessor` for "image"."""
+    :class:`ImageProcessor` for "image"; None: an image processor where a directory holds
+    preprocessor_config.json, its tokenizer otherwise."""
+    if modality is None:
+        modality = "image" if Path(path, IMAGE_CONFIG).is_file() else "text"
     if modality == "text":
         from .tokenizer import load_tokenizer
         return load_tokenizer(path)

@@ -167,14 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-# what each kind of model is used with (the model registry's kinds; a task records the kind it trains)
-COMMAND_FOR_KIND = {"causal-lm": "attnlab generate", "seq2seq": "attnlab translate", "classifier": "attnlab classify",
-                    "base": "attnlab embed"}
-
-
 def open_model_path(path: str, command: str, kinds: tuple[str, ...]):
     """Classify ``path`` (:func:`attnlab.tasks.inspect_path`) and return (PathInfo, kind); a model of
-    another kind is a UserError naming what it is and which command takes it."""
+    another kind is a UserError naming what it is and which command takes it (the kind's own
+    ``command`` in the model registry)."""
     from ..tasks import get_task, inspect_path
     info = inspect_path(path)
     if info.kind == "run":
@@ -183,7 +179,8 @@ def open_model_path(path: str, command: str, kinds: tuple[str, ...]):
         from ..tasks.run import architecture_for
         kind = architecture_for(info.model_type, info.architectures, f"{path}/config.json").kind
     if kind not in kinds:
-        other = COMMAND_FOR_KIND.get(kind)
+        from ..models.registry import KINDS
+        other = KINDS[kind].command if kind in KINDS else None
         hint = f"; use '{other}'" if other else ""
         raise UserError(f"{path}: {info.describe()}, which 'attnlab {command}' does not take{hint}")
     return info, kind

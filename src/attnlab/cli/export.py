@@ -1,7 +1,8 @@
 """``attnlab export RUN OUT``: a run's model as a Hugging Face directory that transformers loads.
 
 OUT receives ``config.json`` (the architecture's transformers class in "architectures"; a classify
-run's label names as ``id2label``), ``model.safetensors`` and, where the run's tokenizer is one
+run's label names as ``id2label``), ``model.safetensors``, an image run's image processor as
+``preprocessor_config.json`` and, where the run's tokenizer is one
 the ``tokenizers`` library reads (a pretrained model's tokenizer.json, or a BPE vocabulary trained
 by attnlab), ``tokenizer.json`` with a ``tokenizer_config.json`` naming its special tokens, so
 that ``AutoTokenizer.from_pretrained(OUT)`` works too. A word- or character-level vocabulary has
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from . import UserError
     from ..models.pretrained import save_pretrained
     from ..models.registry import architecture_of
-    from ..tasks.run import inspect_path, load_model, load_tokenizers, model_context
+    from ..processors import save_processor
+    from ..tasks.run import inspect_path, load_model, load_processors, model_context
     info = inspect_path(args.run)
     if info.kind != "run":
         raise UserError(f"{args.run}: {info.describe()}; 'attnlab export' writes an attnlab run as a Hugging Face "
@@ -69,9 +71,13 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not an empty directory; give a new one")
     save_pretrained(model, out)
-    toks = load_tokenizers(info.run)
-    tok = toks.get("text") or toks.get("source") or next(iter(toks.values()))
-    why = _tokenizer_files(tok, out, model_context(model))
+    processors = load_processors(info.run)
+    why = None
+    if "image" in processors:                  # preprocessor_config.json, which transformers' image processors read
+        save_processor(processors["image"], out)
+    else:
+        tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
+        why = _tokenizer_files(tok, out, model_context(model))
     written = sorted(p.name for p in out.iterdir())
     print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
     if why:

@@ -207,6 +207,8 @@ class TaskDefinition:
     kind: ClassVar[str]                           # the model kind it trains, as the model registry says it
     options: ClassVar[list[Option]] = []
     eval_options: ClassVar[list[Option] | None] = None     # None: `attnlab eval` does not take this task
+    data_paths: ClassVar[tuple[str, ...]] = ("file",)     # what --data / --valid name: "file", "directory"
+    data_help: ClassVar[str] = "a data file"              # what they hold, for messages
 
     def all_options(self) -> list[Option]:
         return TRAINING_OPTIONS + self.options
