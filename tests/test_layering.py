@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # DESIGN's layers, bottom first; a module may import its own layer or lower ones
 LAYERS = [
-    {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors"},
+    {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors"},   # processors: tokenizers, images
     {"attnlab.models"},
     {"attnlab.hub", "attnlab"},           # the package's lazy top-level loaders are hub's
     {"attnlab.train"},

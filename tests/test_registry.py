@@ -29,13 +29,18 @@ def _sizes(*, vocab_size, context, d_model, num_heads, num_layers, d_ff=None, dr
 
 
 def test_registration_is_checked():
+    limits = lambda c: {"vocab_size": 8, "context": None}         # noqa: E731
     with pytest.raises(ValueError, match="together .* or none of them"):
-        register_family("reg-half", _Config, config_from_hf=dict)
+        register_family("reg-half", _Config, config_from_hf=dict, limits=limits)
     with pytest.raises(ValueError, match="build_config lacks context, d_model"):
-        register_family("reg-sizes", _Config, build_config=lambda *, vocab_size, **kw: None)
+        register_family("reg-sizes", _Config, build_config=lambda *, vocab_size, **kw: None, limits=limits)
+    with pytest.raises(ValueError, match="give limits=, the input limits"):
+        register_family("reg-limits", _Config)
     with pytest.raises(ValueError, match="'gpt2' is already registered"):
-        register_family("gpt2", _Config)
-    fam = register_family("reg-native", _Config, build_config=_sizes)
+        register_family("gpt2", _Config, limits=limits)
+    with pytest.raises(ValueError, match="unknown modality 'audio'"):
+        register_family("reg-audio", _Config, build_config=_sizes, limits=limits, modality="audio")
+    fam = register_family("reg-native", _Config, build_config=_sizes, limits=limits)
     assert fam.options == {"colour": "red"} and not fam.hf
     with pytest.raises(ValueError, match="has no architecture registered"):
         fam.default

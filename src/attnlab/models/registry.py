@@ -402,6 +402,9 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
                          f"together (a Hugging Face family) or none of them (attnlab-native)")
     if isinstance(ignore_on_load, str):
         raise ValueError(f"register_family({model_type!r}): ignore_on_load must be a tuple of patterns")
+    if limits is None:
+        raise ValueError(f"register_family({model_type!r}): give limits=, the input limits of a config (text: "
+                         "{'vocab_size': ..., 'context': ... or None}; images: image_size, patch_size, in_channels)")
     if model_type in _FAMILIES:
         raise ValueError(f"register_family: model_type {model_type!r} is already registered")
     if build_config is not None:
