@@ -249,7 +249,10 @@ def test_chi_square_catches_a_rewind_that_ignores_rows(gru_pair, monkeypatch):
     """Restoring every row at the batch's longest accepted length (keeping rejected tokens folded
     into the rows that accepted fewer) is what masking holes would do to a recurrent state."""
     restore = RecurrentState._restore
-    monkeypatch.setattr(RecurrentState, "_restore", lambda self, keep: restore(self, torch.full_like(keep, int(keep.max()))))
+
+    def restore_at_longest(self, keep):
+        restore(self, torch.full_like(keep, int(keep.max())))
+    monkeypatch.setattr(RecurrentState, "_restore", restore_at_longest)
     stats = _gru_statistics(gru_pair)
     assert any(chi2_sf(x, df) < 0.001 for x, df in stats[1:]), f"pair statistics {stats} miss the bug"
 
