@@ -347,26 +347,30 @@ def test_speculative_greedy_equals_greedy(model):
     assert torch.equal(sampled[0], sampled[1]) and not torch.equal(sampled[0], sampled[2])
 
 
-def test_seq2seq_state_truncates_and_refuses_holes(model):
+def test_seq2seq_state_rewinds_and_refuses_holes(model):
     src, mask, _ = ragged_batch([3, 4])
     with torch.no_grad():
         memory = model.encode(src, mask)
         state, fresh = (Seq2SeqState(model, memory, mask, BOS, use_cache=c) for c in (True, False))
+        state.mark(1)
         state.append(torch.tensor([[5, 6, 7], [8, 9, 10]]))
         state.next_logits()                                     # the cache has seen all four tokens
-        state.truncate(2)
+        state.rewind(1, torch.tensor([1, 1]))
         state.append(torch.tensor([11, 12]))
         assert state.cache.length == 2 and state.tokens.tolist() == [[BOS, 5, 11], [BOS, 8, 12]]
         fresh.append(torch.tensor([[5, 11], [8, 12]]))
         got, want = state.next_logits(), fresh.next_logits()
     assert_close_scaled(got, want, FP32)
-    state.hide(1, torch.tensor([2, 2]))                         # keeps every token: nothing to hide
+    assert state.can_rewind
+    state.rewind(1, torch.tensor([2, 2]))                       # keeps every token: nothing to forget
+    assert state.tokens.size(1) == 3
     with pytest.raises(ValueError, match="holes"):
-        state.hide(1, torch.tensor([2, 1]))
+        state.rewind(1, torch.tensor([2, 1]))
     with pytest.raises(ValueError, match="holes"):
         state.append(torch.tensor([[5], [6]]), real=torch.tensor([[True], [False]]))
-    with pytest.raises(ValueError, match="length"):
-        state.truncate(0)
+    for start, keep in ((0, [1, 1]), (1, [3, 3]), (1, [-1, 0]), (1.0, [1, 1])):
+        with pytest.raises(ValueError, match="start|keep"):
+            state.rewind(start, torch.tensor(keep))
 
 
 def test_translate_samples_reproducibly(model):

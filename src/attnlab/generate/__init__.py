@@ -4,7 +4,8 @@ speculative decoding for every model that provides it.
 Three layers:
 
 - the model's decoding state (:mod:`attnlab.nn.cache`): a KV cache or a recurrent state with
-  ``length``, ``reorder(index)`` and ``truncate(length)``;
+  ``length``, ``reorder(index)``, ``can_rewind``, ``mark(length)`` and ``rewind(keep, length)``
+  (a KV cache truncates, a recurrent state restores per-row snapshots);
 - one adaptor per kind of model (:mod:`attnlab.generate.state`), owning that state and the
   token history: :class:`CausalState` (left-padded prompts, a growing attention mask,
   positions from its cumulative sum, holes for rejected drafts) and :class:`Seq2SeqState`

@@ -43,9 +43,10 @@ def _check_causal(model, draft_model, input_ids, attention_mask, max_new_tokens:
         raise ValueError("generate: every prompt must end with a real token: pad batched prompts on the LEFT")
     longest = int(mask.sum(-1).max())
     for who, m in (("the model", model), ("the draft model", draft_model)):
-        if m is not None and longest + max_new_tokens > m.config.max_seq_len:
+        context = None if m is None else getattr(m.config, "max_seq_len", None)   # None: no positions, no limit
+        if context is not None and longest + max_new_tokens > context:
             raise ValueError(f"generate: {longest} prompt + {max_new_tokens} new tokens exceed {who}'s context of "
-                             f"{m.config.max_seq_len} tokens")
+                             f"{context} tokens")
     if draft_model is not None:
         if draft_model.config.vocab_size != V:
             raise ValueError(f"generate: the draft model's vocab_size {draft_model.config.vocab_size} differs from "
@@ -91,7 +92,8 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
 
     ``model`` is a :class:`~attnlab.models.CausalLM`, or any model with ``forward(ids,
     attention_mask=, cache=) -> (B, T, V)``, ``new_cache()`` (a KV cache or a recurrent state, see
-    :class:`attnlab.nn.cache.DecodingState`) and ``config.vocab_size`` / ``config.max_seq_len``.
+    :class:`attnlab.nn.cache.DecodingState`) and ``config.vocab_size``; ``config.max_seq_len``,
+    where the model has one, caps prompt + new tokens (a model without positions has none).
     One prefill of the prompts, then one cached step per token. Prompts of different lengths are
     LEFT-padded with ``attention_mask`` (B, T) (1 = real token); the mask grows by one column per
     token and the model takes positions from its cumulative sum, so a row generates what its
@@ -115,7 +117,8 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
     ``draft_model`` (same vocabulary) turns on speculative decoding: it proposes
     ``num_draft_tokens`` tokens per round, the model scores them in one pass, and the accept /
     resample rule keeps the output distribution the model's own; greedy output is identical to
-    plain greedy. Both models' states must be able to truncate. ``stats`` (a
+    plain greedy. Both models' states must be able to rewind (``can_rewind``: a KV cache, or a
+    recurrent state that keeps snapshots); one that cannot is refused before any forward pass. ``stats`` (a
     :class:`GenerationStats`) counts forward passes. ``use_cache=False`` recomputes the whole
     prefix each step (for tests). Models keep their train/eval mode: call ``.eval()`` first, or
     dropout makes every pass random.

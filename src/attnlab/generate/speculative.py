@@ -3,16 +3,17 @@
 A cheap draft model proposes k tokens, the target scores them in one pass, and the accept /
 resample rule keeps the output distribution exactly the target's. Written against the state
 adaptors of :mod:`attnlab.generate.state`: it needs ``logits(last)``, ``append``, ``select``,
-``truncate`` (rejected drafts leave the model's state) and ``hide`` (rows of one batch that
-accepted different numbers of drafts keep the rejected slots as holes). A model whose state
-cannot truncate (a recurrent state) raises :class:`attnlab.nn.cache.CannotTruncateError` at
-the first rejected draft.
+``mark`` and ``rewind`` (rejected drafts leave the model's state, per row: rows of one batch
+accept different numbers of drafts). A KV cache rewinds by truncating and masking the rejected
+slots; a recurrent state restores each row's snapshot at its accepted length. A state that
+cannot rewind is refused with :class:`attnlab.nn.cache.CannotRewindError` before any pass.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ..nn.cache import CannotRewindError
 from .sampling import _draw, token_probs
 from .search import GenerationStats, Rows, Sampling
 
@@ -31,6 +32,14 @@ def _residual(p: Tensor, q: Tensor) -> Tensor:
     r = (p - q).clamp(min=0)
     total = r.sum(-1, keepdim=True)
     return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def _check_rewindable(target, draft) -> None:
+    for who, state in (("the model's", target), ("the draft model's", draft)):
+        if not state.can_rewind:
+            raise CannotRewindError(
+                f"speculative decoding: {who} decoding state ({type(state.cache).__name__}) cannot rewind past "
+                f"rejected draft tokens; decode without a draft model, or give the state snapshots (attnlab.nn.cache)")
 
 
 def _propose(draft, rows: Rows, k: int, sampling: Sampling, generator,
@@ -82,15 +91,19 @@ def run_speculative(target, draft, rows: Rows, k: int, sampling: Sampling, gener
     adaptors over the same rows and tokens, models over one vocabulary) -> ``rows.result()``.
 
     Each round the draft proposes up to k tokens, the target scores them in one pass, and both
-    states are rolled back to the longest accepted prefix; rows that accepted fewer drafts keep
-    their rejected slots as holes. Greedy output (temperature 0) is the target's plain greedy.
+    states are rewound, row by row, to the drafts that row accepted; all rows keep the slots of
+    the longest accepted prefix, rows that accepted fewer as holes. Greedy output (temperature
+    0) is the target's plain greedy. Both states must be able to rewind (checked first).
     """
+    _check_rewindable(target, draft)
     stats = GenerationStats() if stats is None else stats
     if sampling.temperature == 0:   # one-hot p and q decide alone: leave the caller's RNG untouched, as greedy does
         generator = torch.Generator(rows.out.device)
     while True:
         k_now = min(k, rows.remaining() - 1)               # never past a row's limit (nor the context)
         L = target.length
+        for state in (target, draft):
+            state.mark(L)                                   # no row goes back before this round's drafts
         drafts, q = _propose(draft, rows, k_now, sampling, generator, stats)
         N = drafts.size(0)
         target.append(drafts)
@@ -106,8 +119,7 @@ def run_speculative(target, draft, rows: Rows, k: int, sampling: Sampling, gener
             return rows.result()
         m = int(n.max())
         for state in (target, draft):
-            state.truncate(L + m)
-            state.hide(L, n)
+            state.rewind(L, n)
             state.append(token[:, None])
         real = torch.arange(m + 1, device=n.device)[None] < n[:, None]           # accepted drafts
         real[:, m] = True

@@ -8,10 +8,14 @@ written once, against these methods, never against a model class or a cache's in
   positions given so far (the last of them predicts the next token);
 - ``append(tokens (N, m), real=None)``: give every row m more tokens;
 - ``select(index)``: keep rows ``index`` in that order (beam search, finished rows leaving);
-- ``truncate(length)``: forget every position from ``length`` on (speculative decoding);
-- ``hide(start, keep)``: turn positions from ``start + keep[i]`` on into holes in row i, so
-  that rows of one batch that accepted different numbers of draft tokens stay aligned (causal
-  LMs; an encoder-decoder state accepts only calls that leave no hole).
+- ``can_rewind``: whether :meth:`rewind` works (the model's state says, see
+  :class:`attnlab.nn.cache.DecodingState`); speculative decoding needs it;
+- ``mark(start)``: no row will be rewound to fewer than ``start`` slots until the next rewind
+  (a recurrent state keeps snapshots from there on);
+- ``rewind(start, keep)``: row i keeps its first ``start + keep[i]`` slots (speculative
+  decoding drops rejected drafts). Rows that keep fewer than the most, ``start + max(keep)``,
+  keep the difference as holes so that all rows stay aligned (causal LMs; an encoder-decoder
+  state accepts only calls that leave no hole); slots after that are forgotten.
 
 Each adaptor owns the token history and the model's decoding state (``model.new_cache()``, an
 object meeting :class:`attnlab.nn.cache.DecodingState`: a KV cache or a recurrent state); it
@@ -22,6 +26,26 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def _check_rewind(who: str, start, keep: Tensor, length: int) -> int:
+    """Validate ``rewind(start, keep)`` on ``length`` slots; return ``max(keep)``."""
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 < start <= length:
+        raise ValueError(f"{who}.rewind: start must be an int in [1, {length}], got {start!r}")
+    if not isinstance(keep, Tensor) or keep.dim() != 1 or keep.is_floating_point() or keep.numel() == 0 \
+            or not 0 <= int(keep.min()) <= int(keep.max()) <= length - start:
+        raise ValueError(f"{who}.rewind: keep must be an integer (rows,) tensor in [0, {length - start}], "
+                         f"got {keep!r}")
+    return int(keep.max())
+
+
+def _rewind_cache(cache, start: int, keep: Tensor, kept: int) -> None:
+    """Rewind the model's ``cache`` so that row i has consumed ``start + keep[i]`` slots, the rest up
+    to ``start + kept`` holes, within what it has consumed (a draft's state has not yet seen its
+    last token, which stays a slot to feed)."""
+    if cache is not None:
+        consumed = cache.length
+        cache.rewind((start + keep).clamp(max=consumed), min(start + kept, consumed))
 
 
 def _check_new(who: str, tokens: Tensor, rows: int) -> Tensor:
@@ -81,20 +105,23 @@ class CausalState:
         if self.cache is not None:
             self.cache.reorder(index)
 
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` slots; the model's state forgets what lies beyond them."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 < length <= self.seq.size(1):
-            raise ValueError(f"CausalState.truncate: length must be an int in [1, {self.seq.size(1)}], "
-                             f"got {length!r}")
-        self.seq, self.mask = self.seq[:, :length], self.mask[:, :length]
-        if self.cache is not None and self.cache.length > length:
-            self.cache.truncate(length)
+    @property
+    def can_rewind(self) -> bool:
+        return self.cache is None or bool(self.cache.can_rewind)
 
-    def hide(self, start: int, keep: Tensor) -> None:
-        """Row i's slots from ``start + keep[i]`` on become holes (rejected drafts, kept so that
-        all rows keep one length; the model's state may keep their keys, which the mask hides)."""
-        j = torch.arange(self.seq.size(1) - start, device=keep.device)
+    def mark(self, start: int) -> None:
+        if self.cache is not None:
+            self.cache.mark(start)
+
+    def rewind(self, start: int, keep: Tensor) -> None:
+        """Row i keeps its slots up to ``start + keep[i]``; the rest up to ``start + max(keep)``
+        become holes (rejected drafts, kept so that all rows keep one length), the rest go."""
+        kept = _check_rewind("CausalState", start, keep, self.seq.size(1))
+        keep = keep.to(self.seq.device)
+        self.seq, self.mask = self.seq[:, :start + kept], self.mask[:, :start + kept]
+        j = torch.arange(kept, device=keep.device)
         self.mask = torch.cat([self.mask[:, :start], self.mask[:, start:] & (j < keep[:, None])], dim=1)
+        _rewind_cache(self.cache, start, keep, kept)
 
 
 _NO_HOLES = ("Seq2SeqState: an encoder-decoder state cannot hold holes (decoder positions count tokens); "
@@ -156,16 +183,18 @@ class Seq2SeqState:
         if self.cache is not None:
             self.cache.reorder(index)
 
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` tokens (BOS included)."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 < length <= self.tokens.size(1):
-            raise ValueError(f"Seq2SeqState.truncate: length must be an int in [1, {self.tokens.size(1)}], "
-                             f"got {length!r}")
-        self.tokens = self.tokens[:, :length]
-        if self.cache is not None and self.cache.length > length:
-            self.cache.truncate(length)
+    @property
+    def can_rewind(self) -> bool:
+        return self.cache is None or bool(self.cache.can_rewind)
 
-    def hide(self, start: int, keep: Tensor) -> None:
-        """Only allowed when it leaves no hole: every row keeps all its tokens from ``start`` on."""
-        if not bool((keep >= self.tokens.size(1) - start).all()):
+    def mark(self, start: int) -> None:
+        if self.cache is not None:
+            self.cache.mark(start)
+
+    def rewind(self, start: int, keep: Tensor) -> None:
+        """Keep the first ``start + keep[0]`` tokens (BOS included); every row must keep as many."""
+        kept = _check_rewind("Seq2SeqState", start, keep, self.tokens.size(1))
+        if not bool((keep == kept).all()):
             raise ValueError(_NO_HOLES)
+        self.tokens = self.tokens[:, :start + kept]
+        _rewind_cache(self.cache, start, keep.to(self.tokens.device), kept)

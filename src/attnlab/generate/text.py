@@ -64,9 +64,10 @@ def complete(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, *, eo
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` (capped so that prompt + new tokens fit
     the context of the model and of the draft), stopping at any of ``eos_ids``; ``on_text`` gets
     the text as it is produced. ``draft_model`` turns on speculative decoding."""
-    context = min(m.config.max_seq_len for m in (model, draft_model) if m is not None)
-    budget = min(max_new_tokens, context - len(prompt_ids))
-    if budget < 1:
+    contexts = [getattr(m.config, "max_seq_len", None) for m in (model, draft_model) if m is not None]
+    context = min((c for c in contexts if c is not None), default=None)      # None: a model without positions
+    budget = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
+    if context is not None and budget < 1:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens long and fills the context of {context} tokens")
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)

@@ -5,7 +5,8 @@
 A model file builds ``token_embedding``, ``layers`` (a ModuleList of
 :class:`~attnlab.nn.CausalLayer`), ``norm`` and ``lm_head`` and may override
 :meth:`CausalLM.embed` (GPT adds learned positions); this base holds the one forward, the
-cache, the checks, initialisation, the auxiliary-loss interface and ``generate``.
+cache, the checks, initialisation and the auxiliary-loss interface; ``generate`` comes from
+:class:`GenerationMixin`, which a causal LM of another kind (a recurrent one) inherits too.
 
 Masks and positions (shape letters as in :mod:`attnlab.nn.attention`; P = cached tokens,
 S = P + T): ``attention_mask`` (B, S) is True/1 for real tokens and covers the cached tokens
@@ -26,10 +27,31 @@ from torch import Tensor, nn
 from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "GenerationMixin"]
 
 
-class CausalLM(nn.Module):
+class GenerationMixin:
+    """``model.generate(...)`` for any causal LM that meets :func:`attnlab.generate.generate`'s
+    model protocol (``forward(ids, attention_mask=, cache=)``, ``new_cache()``, ``config``),
+    whatever its state: :class:`CausalLM` with its KV cache, a recurrent LM with an
+    :class:`attnlab.nn.cache.RecurrentState` (inherit it beside ``nn.Module``)."""
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: int | None = None, draft_model=None, **options) -> Tensor:
+        """Continue ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens -> (B, T + n).
+
+        Temperature 0 is greedy; ``draft_model`` turns on speculative decoding, ``num_beams`` > 1
+        beam search. Generation lives outside the model: this calls
+        :func:`attnlab.generate.generate`, which documents the keyword ``options`` (attention_mask,
+        repetition_penalty, generator, num_draft_tokens, streamer, pad_token_id, use_cache, stats,
+        num_beams, length_penalty).
+        """
+        from ..generate import generate
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, draft_model,
+                        **options)
+
+
+class CausalLM(GenerationMixin, nn.Module):
     """Base of the decoder-only LMs. Subclasses set ``token_embedding``, ``layers``, ``norm``,
     ``lm_head``; ``config`` must have ``vocab_size`` and ``max_seq_len``.
 
@@ -128,6 +150,9 @@ class CausalLM(nn.Module):
         self._check_ids(input_ids)
         B, T = input_ids.shape
         past = 0 if cache is None else cache.length
+        if cache is not None and not isinstance(cache, LayerCaches):
+            raise ValueError(f"{type(self).__name__}: cache must be the model's KV cache (model.new_cache()), "
+                             f"got {type(cache).__name__}")
         if cache is not None and len(cache.self_attn) != len(self.layers):
             raise ValueError(f"{type(self).__name__}: cache has {len(cache.self_attn)} layers, the model "
                              f"{len(self.layers)}; use model.new_cache()")
@@ -157,21 +182,7 @@ class CausalLM(nn.Module):
         averaged over the real tokens (Mixtral: each expert's share of the routing); {} by default."""
         return {}
 
-    # ------------------------------------------------------------------ generation and saving
-    def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id: int | None = None, draft_model=None, **options) -> Tensor:
-        """Continue ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens -> (B, T + n).
-
-        Temperature 0 is greedy; ``draft_model`` turns on speculative decoding, ``num_beams`` > 1
-        beam search. Generation lives outside the model: this calls
-        :func:`attnlab.generate.generate`, which documents the keyword ``options`` (attention_mask,
-        repetition_penalty, generator, num_draft_tokens, streamer, pad_token_id, use_cache, stats,
-        num_beams, length_penalty).
-        """
-        from ..generate import generate
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, draft_model,
-                        **options)
-
+    # ------------------------------------------------------------------ saving
     def save_pretrained(self, path) -> None:
         """Write a Hugging Face directory (config.json + model.safetensors) for the model's registered
         architecture; see attnlab.models.pretrained (attnlab.hub is its public face)."""

@@ -1,4 +1,4 @@
-"""Decoding state: the KV cache, and the protocol a recurrent state also meets.
+"""Decoding state: the KV cache, the recurrent state, and the protocol both meet.
 
 A decoder that generates token by token recomputes nothing for earlier tokens: each
 attention layer keeps the keys and values it has already projected. ``KVCache`` holds them
@@ -10,48 +10,91 @@ on the first decoding step and reused unchanged afterwards.
 
 The decoding state protocol
 ---------------------------
-Generation (:mod:`attnlab.generate`) never looks inside a model's state. It needs three
-things, which :class:`LayerCaches` provides and a recurrent model (Mamba, RWKV, an RNN)
-provides with its own constant-size state:
+``model.new_cache()`` returns the model's decoding state, which the model reads and updates
+in ``forward(ids, attention_mask=, cache=state)``. Generation (:mod:`attnlab.generate`) never
+looks inside it; it needs only these members (:class:`DecodingState`):
 
-- ``length`` (int): how many positions of each row the state has consumed;
+- ``length`` (int): how many *slots* of each row the state has consumed. Every row has the
+  same number of slots; a slot whose ``attention_mask`` is False (left padding, or a hole left
+  by a rejected draft token) must change nothing the model computes later: attention masks
+  it, a recurrent model carries its state over it unchanged.
 - ``reorder(index)``: keep batch rows ``index`` (N',) in that order, repeats allowed (beam
-  search follows its surviving hypotheses, finished rows leave the batch);
-- ``truncate(length)``: forget every position from ``length`` on (speculative decoding drops
-  rejected draft tokens). A state that cannot go back raises :class:`CannotTruncateError`;
-  truncating to the current length is always allowed and changes nothing.
+  search follows its surviving hypotheses, finished rows leave the batch).
+- ``can_rewind`` (bool): whether :meth:`rewind` can go back. Speculative decoding refuses,
+  before any forward pass, a state that says False (:class:`CannotRewindError`); greedy,
+  sampling and beam search never rewind and take any state.
+- ``mark(length)``: announces that, until the next ``rewind``, no row will be rewound to
+  fewer than ``length`` slots (``length`` may lie ahead of the state: it is reached by the
+  next forward calls). Speculative decoding marks the start of each round's drafts. A KV cache
+  has nothing to do; a recurrent state starts keeping a snapshot at every length from
+  ``length`` on, so its memory stays the size of k + 2 states, whatever the sequence length.
+- ``rewind(keep, length)``: ``keep`` (N,) ints with ``keep[i] <= length <= self.length``.
+  Afterwards row i's state is what it was after its first ``keep[i]`` slots, the slots from
+  ``keep[i]`` to ``length`` are holes to it (the caller masks them from then on), slots from
+  ``length`` on are forgotten, and ``self.length == length``. Rows of one batch accept
+  different numbers of draft tokens, hence one ``keep`` per row. A KV cache truncates to
+  ``length``: the keys of the holes stay and the mask hides them. A recurrent state cannot
+  hide a token it has folded in, so it restores row i from its snapshot at ``keep[i]``.
+  Rewinding to where every row already is (``keep`` all ``self.length``) always works.
 
-:class:`RecurrentState` is that protocol for a list of per-row tensors that a recurrent model
-overwrites each step; it cannot truncate, because a constant-size state has forgotten the past.
+:class:`LayerCaches` meets the protocol with one KV cache per layer. :class:`RecurrentState`
+meets it for a constant-size state (Mamba, RWKV, an RNN) and is all a recurrent model needs:
+
+- the model reads ``state.tensors`` (a list of (B, ...) tensors, rows first, None before the
+  first forward) and, after consuming positions, *assigns* new tensors to the list and calls
+  ``state.advance(steps)``; snapshots are copies, so updating in place is safe as well;
+- while ``state.stepwise`` is True (between ``mark`` and ``rewind``) the model must consume
+  positions one at a time, assigning the state and calling ``advance(1)`` after each, so
+  that every length has its snapshot; otherwise (prefill, plain decoding) it may consume T
+  positions at once and call ``advance(T)``. ``advance`` refuses to skip a length that needs
+  a snapshot;
+- at a slot whose mask is False it carries its state over unchanged;
+- ``RecurrentState(tensors, can_rewind=False)`` declares a state that keeps no snapshots: it
+  decodes greedily, samples and searches beams, and speculative decoding refuses it.
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
-__all__ = ["DecodingState", "CannotTruncateError", "KVCache", "LayerCaches", "RecurrentState"]
+__all__ = ["DecodingState", "CannotRewindError", "KVCache", "LayerCaches", "RecurrentState"]
 
 
 @runtime_checkable
 class DecodingState(Protocol):
     """What generation needs from a model's state (see the module docstring)."""
 
+    can_rewind: bool
+
     @property
     def length(self) -> int: ...
 
     def reorder(self, index: Tensor) -> None: ...
 
-    def truncate(self, length: int) -> None: ...
+    def mark(self, length: int) -> None: ...
+
+    def rewind(self, keep: Tensor, length: int) -> None: ...
 
 
-class CannotTruncateError(RuntimeError):
-    """Raised by a state asked to forget positions it cannot roll back (a recurrent state)."""
+class CannotRewindError(ValueError):
+    """A state was asked to go back to a length it kept no record of, or a decoding that
+    rewinds (speculative decoding) was given a state that cannot."""
 
 
 def _check_length(who: str, length, current: int) -> None:
     if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= current:
         raise ValueError(f"{who}.truncate: length must be an int in [0, {current}], got {length!r}")
+
+
+def _check_rewind(who: str, keep, length, current: int) -> None:
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= current:
+        raise ValueError(f"{who}.rewind: length must be an int in [0, {current}], got {length!r}")
+    if not isinstance(keep, Tensor) or keep.dim() != 1 or keep.is_floating_point() or keep.dtype == torch.bool \
+            or keep.numel() and not 0 <= int(keep.min()) <= int(keep.max()) <= length:
+        raise ValueError(f"{who}.rewind: keep must be an integer (rows,) tensor of lengths in [0, {length}], "
+                         f"got {keep!r}")
 
 
 class KVCache:
@@ -124,7 +167,10 @@ class KVCache:
 
 class LayerCaches:
     """One self-attention cache (and optionally one cross-attention cache) per layer; meets the
-    decoding state protocol, its ``length`` being the decoder positions seen."""
+    decoding state protocol, its ``length`` being the decoder positions seen. It rewinds by
+    truncating: the keys of the slots that become holes stay, and the attention mask hides them."""
+
+    can_rewind = True
 
     def __init__(self, num_layers: int, cross: bool = False, capacity: int = 64):
         self.self_attn = [KVCache(capacity=capacity) for _ in range(num_layers)]
@@ -144,31 +190,96 @@ class LayerCaches:
         for c in self.self_attn:
             c.truncate(length)
 
+    def mark(self, length: int) -> None:
+        """Nothing to keep: every position's keys stay until a rewind."""
+
+    def rewind(self, keep: Tensor, length: int) -> None:
+        _check_rewind("LayerCaches", keep, length, self.length)
+        self.truncate(length)
+
 
 class RecurrentState:
     """A constant-size state: ``tensors``, each (B, ...) with rows first, that a recurrent model
-    reads and replaces each step (``state.tensors[i] = new``), plus the count of positions
-    consumed, which the model advances with :meth:`advance`.
+    reads and replaces as it consumes positions, and ``length``, the count of positions consumed,
+    which the model advances with :meth:`advance` (the contract is in the module docstring).
 
-    Reordering rows is exact. Truncating is not possible: after a step the previous state is
-    gone, so :meth:`truncate` to fewer positions raises :class:`CannotTruncateError`.
+    Reordering rows is exact. Rewinding restores snapshots: after :meth:`mark` the state keeps a
+    copy of its tensors at every length from the mark on, until the next :meth:`rewind`, which
+    restores each row from the snapshot at its own length. With ``can_rewind=False`` it keeps
+    none, and rewinding anywhere but to the current length raises :class:`CannotRewindError`.
     """
 
-    def __init__(self, tensors: list[Tensor] | None = None):
+    def __init__(self, tensors: list[Tensor] | None = None, can_rewind: bool = True):
         self.tensors: list[Tensor | None] = list(tensors or [])
         self.length = 0
+        self.can_rewind = can_rewind
+        self._from: int | None = None                  # the marked length while snapshots are kept
+        self._snapshots: dict[int, list[Tensor | None]] = {}
+
+    @property
+    def stepwise(self) -> bool:
+        """True while the model must consume one position per :meth:`advance` (a mark is set)."""
+        return self._from is not None
+
+    def _snapshot(self) -> None:
+        if self._from is not None and self.length >= self._from:
+            self._snapshots[self.length] = [None if t is None else t.clone() for t in self.tensors]
 
     def advance(self, steps: int) -> None:
-        """Count ``steps`` more positions consumed."""
+        """Count ``steps`` more positions consumed, the tensors being the state after the last."""
+        if self._from is not None and steps > 1 and self.length + steps - 1 >= self._from:
+            raise CannotRewindError(
+                f"{type(self).__name__}.advance({steps}): while a rewind point is marked (stepwise is True) the "
+                f"model must consume one position per advance(1), so that every length has a snapshot")
         self.length += steps
+        self._snapshot()
 
     def reorder(self, index: Tensor) -> None:
         self.tensors = [None if t is None else t.index_select(0, index) for t in self.tensors]
+        self._snapshots = {n: [None if t is None else t.index_select(0, index) for t in snap]
+                           for n, snap in self._snapshots.items()}
 
-    def truncate(self, length: int) -> None:
-        _check_length(type(self).__name__, length, self.length)
-        if length != self.length:
-            raise CannotTruncateError(
-                f"{type(self).__name__} cannot go back from {self.length} to {length} positions: a recurrent "
-                f"state keeps no history. Speculative decoding needs a model whose state can truncate "
-                f"(a KV cache): generate with this model without a draft model, and do not use it as one.")
+    def mark(self, length: int) -> None:
+        """Keep a snapshot at every length from ``length`` on (the current one included, when
+        reached), dropping any older ones; a state that cannot rewind keeps none."""
+        if not self.can_rewind:
+            return
+        self._from = length
+        self._snapshots = {}
+        self._snapshot()
+
+    def rewind(self, keep: Tensor, length: int) -> None:
+        """Row i takes its snapshot at ``keep[i]``; the length becomes ``length``. Ends the mark."""
+        who = type(self).__name__
+        _check_rewind(who, keep, length, self.length)
+        rows = keep.tolist()
+        if length != self.length or any(n != self.length for n in rows):
+            missing = sorted(set(n for n in rows if n != self.length and n not in self._snapshots))
+            if missing:
+                raise CannotRewindError(
+                    f"{who} cannot go back from {self.length} to {missing[0]} positions: " + (
+                        f"it keeps snapshots only after mark(length), from that length on"
+                        if self.can_rewind else "it was made with can_rewind=False and keeps no snapshots"))
+            self._restore(keep)
+        self.length = length
+        self._from, self._snapshots = None, {}
+
+    def _restore(self, keep: Tensor) -> None:
+        lengths = keep.unique().tolist()
+        if len(lengths) == 1:
+            if lengths[0] != self.length:
+                self.tensors = list(self._snapshots[lengths[0]])
+            return
+        restored = []
+        for i, now in enumerate(self.tensors):
+            for n in lengths:
+                if n == self.length:
+                    continue
+                old = self._snapshots[n][i]
+                if old is None or now is None:
+                    raise CannotRewindError(f"{type(self).__name__}: tensor {i} did not exist at every length "
+                                            f"the rows go back to")
+                take = (keep == n).to(now.device).view(-1, *[1] * (now.dim() - 1))
+                now = torch.where(take, old, now)
+            restored.append(now)
+        self.tensors = restored
