@@ -1,3 +1,3 @@
 """attnlab.viz: attention recording and plots. Reads models; nothing in the core imports it."""
 from .attention import plot_attention, plot_attention_grid
-from .record import AttentionRecord, record_attention
+from .record import AttentionCall, AttentionRecord, record_attention
