@@ -263,7 +263,8 @@ class MultiHeadAttention(nn.Module):
 
     ``forward(query, key, value, mask=None, ...)`` takes (B, T, E) / (B, S, kdim) / (B, S, vdim)
     and returns ``(output (B, T, E), weights (B, H, T, S) or None)``. While
-    ``attention_record`` is a list, each call also appends its weights to it (the output is
+    ``attention_record`` is set (by ``attnlab.viz.record_attention``), each call also hands it
+    its weights, where its queries start and which keys they were allowed (the output is
     computed as without it).
     """
 
