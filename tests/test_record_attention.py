@@ -121,6 +121,16 @@ def test_translation_cached_steps_are_appended_and_equal_the_full_forward():
         close(steps.weights(name), full.weights(name), f"{name}: cached steps vs one forward")
     close(steps.stack("cross"), full.stack("cross"), "cached cross-attention, every layer")
     assert steps.select(part="encoder_layers") == [], "the encoder did not run inside the context"
+    with torch.no_grad():                                  # the first steps outside the context, the rest inside
+        cache = model.new_cache()
+        for t in range(3):
+            model.decode(tgt[:, t:t + 1], memory, src_real, cache=cache)
+        with record_attention(model) as late:
+            for t in range(3, tgt.size(1)):
+                model.decode(tgt[:, t:t + 1], memory, src_real, cache=cache)
+    for role in ("self", "cross"):
+        calls = late.select(module=f"decoder_layers.1.{role}_attn")
+        assert [c.query_positions.tolist() for c in calls] == [[t] for t in range(3, tgt.size(1))], role
 
 
 def test_outputs_unchanged_nothing_left_behind_and_errors():

@@ -177,12 +177,23 @@ class _Listener:
         layer, step = self.slots[self.count % len(self.slots)], self.count // len(self.slots)
         self.count += 1
         T, S = weights.shape[-2:]
-        start = self.last_end.get(layer, 0) if query_start is None else query_start
+        start = self._start(layer, T) if query_start is None else query_start
         self.last_end[layer] = start + T
         device = weights.device
         self.record.calls.append(AttentionCall(
             self.module, self.part, layer, self.role, step, weights,
             torch.arange(start, start + T, device=device), torch.arange(S, device=device), mask))
+
+    def _start(self, layer: int, T: int) -> int:
+        """Where the queries of a call that could not say sit: those of the same layer's previous
+        attention of the same queries (a decoder layer's self-attention runs just before its
+        cross-attention, and its cache counts them), else right after this layer's previous call."""
+        for call in reversed(self.record.calls):
+            if call.part == self.part and call.layer == layer:
+                if call.module != self.module and call.weights.size(-2) == T:
+                    return int(call.query_positions[0])
+                break
+        return self.last_end.get(layer, 0)
 
 
 def _layout(model: nn.Module, modules: list[tuple[str, MultiHeadAttention]]) -> dict[str, tuple[str, list[int]]]:
