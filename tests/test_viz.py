@@ -64,3 +64,69 @@ def test_draw_alignment_writes_pngs(monkeypatch, tmp_path):
         assert text == "deux un" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="layer"):
         vt.draw_alignment(model, src_tok, tgt_tok, "three one two", tmp_path / "b.png", layer=4)
+
+
+# ----------------------------------------------------------------------------- labellers
+def test_token_labels_of_recorded_positions_with_readable_specials_and_spaces():
+    from attnlab.nn import EncoderLayer
+    from attnlab.tokenizer import CharTokenizer, WordTokenizer
+    from attnlab.viz import TokenLabels, record_attention
+    word = WordTokenizer.train(["the cat sat"])
+    ids = [word.bos_id] + word.encode("the cat sat") + [word.eos_id, word.pad_id, 999]
+    labels = TokenLabels(word, torch.tensor(ids))
+    assert labels() == ["<bos>", "the", "cat", "sat", "<eos>", "<pad>", "<id 999>"]
+    layer = EncoderLayer(8, 2, 16, 0.0).eval()
+    with torch.no_grad(), record_attention(layer) as record:
+        layer(torch.randn(1, 7, 8))
+    assert labels(record[0].key_positions) == labels(record[0].query_positions) == labels()
+    assert labels(torch.tensor([2, 0])) == ["cat", "<bos>"]
+    char = CharTokenizer.train(["a b\tc\n"])
+    assert TokenLabels(char, char.encode("a b\tc\n"))() == ["a", "▁", "b", "\\t", "c", "\\n"]
+    with pytest.raises(ValueError, match="position 7 is outside its 7 tokens"):
+        labels([7])
+    with pytest.raises(ValueError, match="one sequence of integer token ids"):
+        TokenLabels(word, [[1, 2]])
+
+
+def test_token_labels_decode_byte_level_pieces_and_keep_wordpiece_specials():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from attnlab.tokenizer import HFTokenizer, train_wordpiece
+    from attnlab.viz import TokenLabels, readable_piece
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    hf.train_from_iterator(["hello world\nthe cat é"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    gpt = HFTokenizer(hf)
+    ids = gpt.encode("hello world\nthe cat é") + [gpt.eos_id]
+    assert gpt.tokens(ids)[1:3] == ["Ġworld", "Ċ"]                     # what the raw pieces look like
+    assert TokenLabels(gpt, ids)() == ["hello", "▁world", "\\n", "the", "▁cat", "▁é", "<|endoftext|>"]
+    bert = train_wordpiece(["the cats are sleeping", "the dog is sleeping"], vocab_size=60)
+    cls_sep = TokenLabels(bert, bert.encode("the cats"))()
+    assert cls_sep[0] == "[CLS]" and cls_sep[-1] == "[SEP]" and cls_sep[1] == "the"
+    assert readable_piece("<0x0A>") == "\\n" and readable_piece("") == "<empty>" and readable_piece("\x01") == "\\x01"
+
+
+def test_patch_grid_follows_the_patch_embedding_order():
+    from attnlab.viz import PatchGrid
+    vit = PatchGrid(224, 16)
+    assert (vit.rows, vit.cols, len(vit)) == (14, 14, 197)
+    assert vit([0, 1, 14, 15, 196]) == ["[CLS]", "(0, 0)", "(0, 13)", "(1, 0)", "(13, 13)"]
+    # the reference order: a stride-patch Conv2d's output flattened, as ViT embeds patches; each
+    # patch's top-left pixel carries its own (y, x), so the flattened patch l says where it came from
+    H, W, P = 32, 48, 16
+    grid = PatchGrid((H, W), P, prefix=("[CLS]", "[DIST]"))
+    yx = torch.stack(torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")).float()[None]   # (1, 2, H, W)
+    corner = torch.zeros(2, 2, P, P)
+    corner[0, 0, 0, 0] = corner[1, 1, 0, 0] = 1.0
+    tops = torch.nn.functional.conv2d(yx, corner, stride=P).flatten(2).transpose(1, 2)[0]           # (patches, 2)
+    boxes = grid.boxes(torch.arange(2, len(grid)))
+    assert [(top, left) for top, left, _, _ in boxes] == [tuple(map(int, t)) for t in tops]
+    assert grid.boxes([0, 1]) == [None, None] and grid.coordinates([7]) == [(1, 2)] and boxes[-1][2:] == (H, W)
+    assert PatchGrid(32, 16, prefix=())() == ["(0, 0)", "(0, 1)", "(1, 0)", "(1, 1)"]
+    with pytest.raises(ValueError, match="patches of 16x16 pixels do not tile a 30x32 image"):
+        PatchGrid((30, 32), 16)
+    with pytest.raises(ValueError, match="position 197 is outside its 197 tokens"):
+        vit([197])
+    with pytest.raises(ValueError, match="patch_size must be a positive int"):
+        PatchGrid(224, 0)

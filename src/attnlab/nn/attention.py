@@ -263,7 +263,8 @@ class MultiHeadAttention(nn.Module):
 
     ``forward(query, key, value, mask=None, ...)`` takes (B, T, E) / (B, S, kdim) / (B, S, vdim)
     and returns ``(output (B, T, E), weights (B, H, T, S) or None)``. While
-    ``attention_record`` is a list, each call also appends its weights to it (the output is
+    ``attention_record`` is set (by ``attnlab.viz.record_attention``), each call also hands it
+    its weights, where its queries start and which keys they were allowed (the output is
     computed as without it).
     """
 
@@ -297,8 +298,10 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_out, bias=bias)
             self.v_proj = nn.Linear(vdim, kv_out, bias=bias)
         self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias)
-        # None, or a list that every forward appends its detached (B, H, T, S) weights to
-        # (attnlab.viz.record_attention sets it); the only cost when not recording is one check
+        # None, or what attnlab.viz.record_attention sets: a callable that every forward hands
+        # (weights (B, H, T, S) detached, the first query's index in its sequence or None for
+        # "right after this module's previous call", the boolean mask of allowed keys); the
+        # only cost when not recording is one check
         self.attention_record = None
 
     @property
@@ -423,6 +426,7 @@ class MultiHeadAttention(nn.Module):
             positions, key_positions = self._positions(positions, key_positions, B, T, S, offset, query.device)
             if k is not None:                   # the new keys' positions are the last ones
                 q, k = self.position.transform(q, k, positions, key_positions[..., S - k.size(-2):])
+        reused = k is None                      # a static cache's memory (cross-attention after its first step)
         if cache is not None:
             k, v = cache.update(k, v)
 
@@ -439,7 +443,9 @@ class MultiHeadAttention(nn.Module):
         causal = is_causal and T > 1
         out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights, self.scale)
         if self.attention_record is not None and not recomputing():
-            self.attention_record.append(self._recorded(q, k, v, full, causal, weights, self.scale))
+            # a static cache counts no queries, so its later steps cannot say where theirs sit
+            self.attention_record(self._recorded(q, k, v, full, causal, weights, self.scale),
+                                  None if reused else offset, self._allowed(mask, kpm, causal, T, S, q.device))
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if packing is not None:
             out = packing.pack(out)
@@ -454,6 +460,20 @@ class MultiHeadAttention(nn.Module):
             return weights.detach()
         with torch.no_grad():
             return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True, scale=scale)[1]
+
+    @staticmethod
+    def _allowed(mask, kpm, causal, T, S, device) -> Tensor:
+        """Boolean (B or 1, H or 1, T, S), True where a query may attend a key: the given mask (a
+        float one allows above -inf, as the attention function reads it), the key padding and
+        the causal triangle. Position biases shift scores without masking, so they are not in it."""
+        allowed = torch.ones(1, 1, T, S, dtype=torch.bool, device=device)
+        if mask is not None:
+            allowed = allowed & (mask if mask.dtype == torch.bool else mask > float("-inf"))
+        if kpm is not None:
+            allowed = allowed & kpm
+        if causal:
+            allowed = allowed & causal_mask(T, S, device=device)
+        return allowed
 
     @staticmethod
     def _positions(positions, key_positions, B, T, S, offset, device) -> tuple[Tensor, Tensor]:

@@ -33,7 +33,7 @@ def cross_attention(model, src_tok, tgt_tok, text: str, max_len: int | None = No
     memory = model.encode(src)
     with record_attention(model) as record:
         model.decode(tgt_in, memory)
-    cross = record.stack("cross_attn")[:, 0]                             # (L, H, T, S)
+    cross = record.stack("cross")[:, 0]                             # (L, H, T, S)
     shown = out if out else [tgt_tok.eos_id]
     targets = [tgt_tok.tokens([i])[0] if i != tgt_tok.eos_id else "</s>" for i in shown]
     return cross, src_tok.tokens(src[0].tolist()), targets, tgt_tok.decode(out)
