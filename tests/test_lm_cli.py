@@ -127,7 +127,7 @@ def test_train_lm_writes_checkpoints_and_the_loss_goes_down(trained):
             {p.name for p in ckpt.iterdir()}
     meta = json.loads((run / "best" / "run.json").read_text())
     assert (meta["task"], meta["model_type"], meta["architecture"], meta["format"]) == \
-        ("lm", "gpt2", "GPT2LMHeadModel", 2)
+        ("lm", "gpt2", "GPT2LMHeadModel", 3)
     assert meta["task_options"]["context"] == 32 and meta["config"]["d_model"] == 32
     saved = (run / "config.yaml").read_text()                  # the resolved settings, for --resume
     assert "task: lm" in saved and "context: 32" in saved and "beta2: 0.99" in saved
