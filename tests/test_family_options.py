@@ -153,3 +153,25 @@ def test_register_family_refuses_what_its_builder_cannot_take():
     for i, extra in enumerate(bad):
         with pytest.raises(ValueError, match=r"register_family\('bad-toy-"):
             register_family(f"bad-toy-{i}", DepthConfig, build_config=builder, **extra)
+
+
+def test_a_family_default_for_a_task_option_fills_only_what_is_not_given():
+    mlm = get_task("mlm")
+    for given, model, want in ((None, "albert", "sop"), ("nsp", "albert", "nsp"), (None, "bert", None)):
+        s = mlm.settings(model=model, objective=given)
+        mlm.apply_family_defaults(s)
+        assert s["objective"] == want
+
+
+def test_export_names_the_special_tokens_the_family_states(tmp_path):
+    import json
+    from attnlab.cli.export import _tokenizer_files
+    from attnlab.tokenizer import train_wordpiece
+    tok = train_wordpiece(["the cat sat", "on the mat", "a dog ran"], 40)
+    for name, tokens in (("bert", family("bert").special_tokens), ("none", {})):
+        (tmp_path / name).mkdir()
+        assert _tokenizer_files(tok, tmp_path / name, 16, tokens) is None
+        config = json.loads((tmp_path / name / "tokenizer_config.json").read_text())
+        assert config["pad_token"] == "[PAD]"                     # by the tokenizer's own roles
+        assert (config.get("mask_token"), config.get("cls_token")) == (
+            ("[MASK]", "[CLS]") if name == "bert" else (None, None))

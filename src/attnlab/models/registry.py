@@ -364,7 +364,8 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
         absent = [n for n in UNIFORM_SIZES if n not in params]
         if absent:
             raise ValueError(f"register_family({model_type!r}): build_config lacks {', '.join(absent)}")
-    task_defaults, token_ids, special_tokens = dict(task_defaults or {}), dict(token_ids or {}), dict(special_tokens or {})
+    task_defaults, token_ids = dict(task_defaults or {}), dict(token_ids or {})
+    special_tokens = dict(special_tokens or {})
     _check_family_data(f"register_family({model_type!r})", build_config, tuple(options), task_defaults, token_ids,
                        special_tokens)
     fam = Family(model_type, config_cls, None if base_rules is None else tuple(base_rules), config_from_hf,

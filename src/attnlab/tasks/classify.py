@@ -248,8 +248,9 @@ class Classify(TaskDefinition):
         Option("pooling", str, None, "how token vectors become one per text (padding excluded; default mean)",
                choices=("mean", "cls", "attention"), group=_M),
         Option("head", str, "pooling", "with --init: 'pooling' (the --pooling above and a linear layer) or "
-               "'native', the encoder family's own classifier as transformers has it (BertForSequenceClassification: "
-               "[CLS], the pooler, a linear layer), which 'attnlab export' writes as a Hugging Face directory",
+               "'native', the encoder family's own sequence classifier as transformers has it (its own summary of "
+               "the text, e.g. [CLS] and a pooler, then a linear layer), which 'attnlab export' writes as a Hugging "
+               "Face directory",
                choices=("pooling", "native"), group=_M),
         Option("text_column", str, None, "the text column or field (default: 'text', else 'sentence')",
                metavar="NAME", group=_D),
