@@ -230,7 +230,7 @@ def test_bad_input_is_one_line_and_exit_code_2(trained, tmp_path, capsys):
     assert main(["train", "lm", "--model", "bert", "--data", str(d / "text.txt"), "--out", str(tmp_path / "r")]) == 2
     assert "'bert' is not a registered causal-LM family" in _one_error_line(capsys.readouterr().err, "train")
     assert main(["train", "lm", "--experts", "4", "--data", str(d / "text.txt"), "--out", str(tmp_path / "r")]) == 2
-    assert "--experts: only for mixture-of-experts" in _one_error_line(capsys.readouterr().err, "train")
+    assert "--experts applies to --model mixtral, not --model gpt2" in _one_error_line(capsys.readouterr().err, "train")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "no-such-model"}')
     assert main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2

@@ -8,8 +8,10 @@ by attnlab), ``tokenizer.json`` with a ``tokenizer_config.json`` naming its spec
 that ``AutoTokenizer.from_pretrained(OUT)`` works too. A word- or character-level vocabulary has
 no such form: OUT then holds the model alone, and a line says so.
 
-Only models of a Hugging Face family export: GPT-2, LLaMA, Mixtral and T5 runs, masked-LM runs,
-and a classifier fine-tuned with ``--head native`` (BertForSequenceClassification and its kin).
+Only models of a Hugging Face family export: language-model, translation and masked-LM runs of
+such a family, and a classifier fine-tuned with ``--head native`` (the family's own classifier).
+The tokenizer_config.json names the tokenizer's pad, unk, bos and eos tokens and the special
+tokens the model's family states in its registration (``special_tokens``: a [CLS], a [MASK]).
 The chapter's Transformer, its TextClassifier and the pooling head of ``--head pooling`` have no
 transformers class; the error says which to train instead.
 """
@@ -26,7 +28,6 @@ EXAMPLE = ("attnlab train classify --init all-MiniLM-L6-v2/ --head native --data
 
 # token names transformers' tokenizer classes read from tokenizer_config.json, by attnlab's role
 _ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos": "eos_token"}
-_BERT_KEYS = {"[CLS]": "cls_token", "[SEP]": "sep_token", "[MASK]": "mask_token"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the directory to write (new, or empty)")
 
 
-def _tokenizer_files(tok, out: Path, context: int | None) -> str | None:
-    """Write tokenizer.json and tokenizer_config.json for ``tok``; the reason it cannot, or None."""
+def _tokenizer_files(tok, out: Path, context: int | None, family_tokens: dict[str, str]) -> str | None:
+    """Write tokenizer.json and tokenizer_config.json for ``tok``, naming its special tokens by role
+    and the ``family_tokens`` (tokenizer_config key -> token) its vocabulary has; the reason it
+    cannot, or None."""
     hf = getattr(tok, "hf", None)
     if hf is None:
         return f"its {tok.kind} tokenizer has no Hugging Face form"
@@ -44,7 +47,7 @@ def _tokenizer_files(tok, out: Path, context: int | None) -> str | None:
     special = getattr(tok, "special", None) or {
         role: hf.id_to_token(i) for role in _ROLE_KEYS if (i := getattr(tok, f"{role}_id", None)) is not None}
     config.update({_ROLE_KEYS[r]: t for r, t in special.items() if t is not None and r in _ROLE_KEYS})
-    config.update({key: token for token, key in _BERT_KEYS.items() if hf.token_to_id(token) is not None})
+    config.update({key: token for key, token in family_tokens.items() if hf.token_to_id(token) is not None})
     if context:
         config["model_max_length"] = context
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         save_processor(processors["image"], out)
     else:
         tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
-        why = _tokenizer_files(tok, out, model_context(model))
+        why = _tokenizer_files(tok, out, model_context(model), arch.family.special_tokens)
     written = sorted(p.name for p in out.iterdir())
     print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
     if why:

@@ -42,9 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, "
                        "with the settings saved there")
         groups: dict[str, argparse._ArgumentGroup] = {}
-        for o in task.all_options():
+        for o in task.all_options():             # a model family's own options under its name
             group = groups.get(o.group) or groups.setdefault(o.group, p.add_argument_group(o.group))
             default = "" if o.default is None else f" (default: {o.default})"
+            by_family = task.family_defaults_of(o.name)
+            if by_family:
+                default += " (" + ", ".join(f"--model {f}: {v}" for f, v in by_family.items()) + ")"
             if o.type is bool:
                 group.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=o.help + default)

@@ -224,7 +224,10 @@ PRESETS = {
 ALBERT = register_family("albert", AlbertConfig, base_rules=BASE_RULES, config_from_hf=config_from_hf,
                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                          config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                         ignore_on_load=(r"embeddings\.position_ids$",))       # a buffer older writers stored
+                         ignore_on_load=(r"embeddings\.position_ids$",),       # a buffer older writers stored
+                         # ALBERT pre-trains with sentence-order prediction where BERT has next-sentence
+                         task_defaults={"mlm": {"objective": "sop"}},
+                         special_tokens={"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"})
 ALBERT.register("AlbertModel", AlbertModel, kind="base")
 # the decoder bias is transformers' predictions.bias: older checkpoints store a copy
 ALBERT.register("AlbertForMaskedLM", AlbertForMaskedLM, kind="masked-lm", prefix="albert.", head_rules=MLM_RULES,

@@ -197,12 +197,16 @@ PRESETS = {
     "all-minilm-l6": dict(d_model=384, num_heads=12, num_layers=6, d_ff=1536),          # 22.7M
 }
 
+# the special tokens of BERT's WordPiece vocabulary, by the names transformers' tokenizers read
+BERT_TOKENS = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+               "unk_token": "[UNK]"}
 BERT = register_family("bert", BertConfig, base_rules=bert_rules(), config_from_hf=bert_config_from_hf,
                        limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                        config_to_hf=bert_config_to_hf, presets=PRESETS, build_config=build_config,
                        # buffers older writers stored, and the decoder bias transformers ties to cls.predictions.bias
                        ignore_on_load=(r"embeddings\.position_ids$", r"embeddings\.token_type_ids$",
-                                       r"^cls\.predictions\.decoder\.bias$"))
+                                       r"^cls\.predictions\.decoder\.bias$"),
+                       token_ids={"pad_token_id": "pad"}, special_tokens=BERT_TOKENS)
 _POOLER = [Rule("pooler.{p}", "bert.pooler.dense.{p}")]
 _MLM = mlm_head_rules("mlm_head", "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
                   "cls.predictions.decoder", "cls.predictions.bias")

@@ -32,6 +32,7 @@ from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward, make_activation
 from ..nn.norm import LayerNorm
 from ..nn.position import AttentionPosition, LearnedPositionalEmbedding
+from .bert import BERT_TOKENS
 from .convert import Rule
 from .encoder import (ACT_FROM_HF, ACT_TO_HF, EMBEDDING_RULES, Encoder, MaskedLMHead, check_config, labels_from_hf,
                       labels_to_hf, layer_rules, masked_rows, mlm_head_rules)
@@ -354,7 +355,8 @@ PRESETS = {
 DEBERTA_V2 = register_family("deberta-v2", DebertaV2Config, base_rules=BASE_RULES, config_from_hf=config_from_hf,
                              limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                              config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                             ignore_on_load=(r"embeddings\.position_ids$",))    # a buffer older writers stored
+                             ignore_on_load=(r"embeddings\.position_ids$",),    # a buffer older writers stored
+                             special_tokens=BERT_TOKENS)
 DEBERTA_V2.register("DebertaV2Model", DebertaV2Model, kind="base")
 DEBERTA_V2.register("DebertaV2ForMaskedLM", DebertaV2ForMaskedLM, kind="masked-lm", prefix="deberta.",
                     head_rules=mlm_head_rules("predictions", "cls.predictions.transform.dense",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from ..nn.mlp import make_activation
-from .bert import BertConfig, bert_config_from_hf, bert_config_to_hf, bert_rules, sized_fields
+from .bert import BERT_TOKENS, BertConfig, bert_config_from_hf, bert_config_to_hf, bert_rules, sized_fields
 from .convert import Rule
 from .encoder import BertEncoder, MaskedLMHead, masked_rows, mlm_head_rules
 from .registry import register_family
@@ -150,7 +150,8 @@ ELECTRA = register_family("electra", ElectraConfig,
                           base_rules=bert_rules() + [Rule("embeddings.project.{p}", "embeddings_project.{p}")],
                           config_from_hf=config_from_hf, config_to_hf=config_to_hf, presets=PRESETS,
                           build_config=build_config,
-                          ignore_on_load=(r"embeddings\.position_ids$", r"embeddings\.token_type_ids$"))
+                          ignore_on_load=(r"embeddings\.position_ids$", r"embeddings\.token_type_ids$"),
+                          token_ids={"pad_token_id": "pad"}, special_tokens=BERT_TOKENS)
 ELECTRA.register("ElectraModel", ElectraModel, kind="base")
 ELECTRA.register("ElectraForPreTraining", ElectraForPreTraining, kind="replaced-token", prefix="electra.",
                  head_rules=[Rule("discriminator.dense.{p}", "discriminator_predictions.dense.{p}"),

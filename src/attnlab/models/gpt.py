@@ -171,6 +171,7 @@ _BASE_RULES, _HEAD_RULES = split_prefix(GPT2_WEIGHT_MAP, "transformer.")
 GPT2 = register_family("gpt2", GPTConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
                        limits=lambda c: {"vocab_size": c.vocab_size, "context": c.n_positions},
                        config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                       ignore_on_load=(r"\.attn\.bias$", r"\.attn\.masked_bias$"))   # causal-mask buffers
+                       ignore_on_load=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),   # causal-mask buffers
+                       token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
 GPT2.register("GPT2LMHeadModel", GPT, kind="causal-lm", prefix="transformer.", head_rules=_HEAD_RULES)
 GPT2.register("GPT2Model", GPTModel, kind="base")

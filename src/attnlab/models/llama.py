@@ -213,5 +213,6 @@ _BASE_RULES, _HEAD_RULES = split_prefix(LLAMA_WEIGHT_MAP, "model.")
 LLAMA = register_family("llama", LlamaConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
                         limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                         config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                        ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
+                        ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
+                        token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
 LLAMA.register("LlamaForCausalLM", Llama, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)

@@ -25,7 +25,7 @@ from ..nn.cache import LayerCaches
 from ..nn.mlp import SparseMoE, expert_counts, load_balancing_loss
 from . import llama
 from .llama import Llama, LlamaConfig, llama_weight_map
-from .registry import register_family
+from .registry import FamilyOption, register_family
 
 __all__ = ["MixtralConfig", "Mixtral", "MIXTRAL_WEIGHT_MAP", "MIXTRAL_FUSED_RULES", "MIXTRAL", "build_config"]
 
@@ -150,8 +150,17 @@ PRESETS = {
 
 # MIXTRAL_WEIGHT_MAP names the keys of MixtralForCausalLM: the base's sit under "model."
 _BASE_RULES, _HEAD_RULES = split_prefix(MIXTRAL_WEIGHT_MAP, "model.")
+# the options Mixtral adds to `attnlab train lm`; 4 experts by default fit a CPU (Mixtral's own 8 with --experts 8)
+_OPTIONS = (
+    FamilyOption("experts", int, "experts per layer", ("lm",), keyword="num_experts", default=4,
+                 check=lambda v: None if v > 0 else "must be positive"),
+    FamilyOption("top_k", int, "experts per token", ("lm",), check=lambda v: None if v > 0 else "must be positive"),
+    FamilyOption("aux_coef", float, "weight of the load-balancing loss", ("lm",), keyword="router_aux_loss_coef",
+                 check=lambda v: None if v >= 0 else "must be >= 0"),
+)
 MIXTRAL = register_family("mixtral", MixtralConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
                           limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
                           config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                          ignore_on_load=(r"\.rotary_emb\.inv_freq$",))
+                          ignore_on_load=(r"\.rotary_emb\.inv_freq$",), options=_OPTIONS,
+                          token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
 MIXTRAL.register("MixtralForCausalLM", Mixtral, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)

@@ -37,7 +37,7 @@ from torch import nn
 from .convert import Rule, with_prefix
 
 __all__ = ["KINDS", "Kind", "register_kind", "MODALITIES", "Modality", "MODEL_SIZES", "UNIFORM_SIZES", "input_limits",
-           "Architecture", "Family", "register_family", "family", "families",
+           "Architecture", "Family", "FamilyOption", "TOKEN_ROLES", "register_family", "family", "families",
            "architecture_of", "architectures"]
 
 # Input modalities: the main input a model of the modality takes (transformers' keyword name), the
@@ -246,6 +246,11 @@ class Family:
     training: dict = field(default_factory=dict)
     modality: str = "text"
     limits: Callable[[Any], dict] | None = None      # config -> its modality's input limits
+    # what the family states for the training tasks and the exporter (see register_family)
+    training_options: tuple["FamilyOption", ...] = ()
+    task_defaults: dict[str, dict] = field(default_factory=dict)
+    token_ids: dict[str, str] = field(default_factory=dict)
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     @property
     def hf(self) -> bool:
@@ -356,6 +361,21 @@ class Family:
                              f"{', '.join(want)}")
         return limits
 
+    # ------------------------------------------------------------------ what training tasks read
+    def options_for(self, task: str) -> list["FamilyOption"]:
+        """The family's own options of ``attnlab train TASK``."""
+        return [o for o in self.training_options if task in o.tasks]
+
+    def option_default(self, option: "FamilyOption") -> Any:
+        """``option``'s value when it is not given: its own default, else the sizing builder's."""
+        return option.default if option.default is not None else self.options.get(option.keyword)
+
+    def token_id_sizes(self, tokenizer) -> dict[str, int]:
+        """The sizing builder's keywords for the tokenizer's special ids (:attr:`token_ids`); a
+        role the tokenizer lacks is left to the builder's default."""
+        ids = {kw: getattr(tokenizer, f"{role}_id", None) for kw, role in self.token_ids.items()}
+        return {kw: i for kw, i in ids.items() if i is not None}
+
     # ------------------------------------------------------------------ config.json
     def config_to_json(self, config) -> dict:
         """config.json's fields for ``config`` (HF names for a mapped family, ours otherwise)."""
@@ -379,10 +399,68 @@ _FAMILIES: dict[str, Family] = {}
 _BY_CLASS: dict[type, Architecture] = {}
 
 
+TOKEN_ROLES = ("pad", "bos", "eos", "unk")      # a tokenizer's special ids: tokenizer.pad_id, .bos_id, ...
+
+
+@dataclass(frozen=True)
+class FamilyOption:
+    """An option the family adds to training tasks: ``--name-with-dashes`` of ``attnlab train
+    TASK`` for each TASK in ``tasks`` (task names, e.g. ``("lm",)``), ``name`` in recipes and
+    config.yaml, passed to the sizing builder as ``keyword`` (default: ``name``). ``type`` is
+    int, float, str or bool; ``default`` None leaves the builder's own default; ``check(value)``
+    returns an error message or None. It shapes the model, so a resumed run keeps it."""
+    name: str
+    type: type
+    help: str
+    tasks: tuple[str, ...]
+    keyword: str | None = None
+    default: Any = None
+    check: Callable[[Any], str | None] | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+
+    def __post_init__(self):
+        if self.keyword is None:
+            object.__setattr__(self, "keyword", self.name)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _check_family_data(where: str, modality: str, build_config, options, task_defaults, token_ids,
+                       special_tokens) -> None:
+    """ValueError naming what is wrong with the options, task defaults, token ids or tokens a family states."""
+    takes = set(inspect.signature(build_config).parameters) if build_config is not None else set()
+    names = [o.name for o in options]
+    for o in options:
+        if not isinstance(o, FamilyOption):
+            raise ValueError(f"{where}: options are FamilyOption, got {o!r}")
+        if isinstance(o.tasks, str) or not o.tasks:
+            raise ValueError(f"{where}: option {o.flag} names no task (tasks=('lm',), ...)")
+        if o.type not in (int, float, str, bool):
+            raise ValueError(f"{where}: option {o.flag} has type {o.type!r}; int, float, str or bool")
+        if o.keyword not in takes or o.keyword in MODALITIES[modality].sizes + MODEL_SIZES:
+            raise ValueError(f"{where}: option {o.flag} sets {o.keyword!r}, which is not one of build_config's own "
+                             "keywords")
+        if names.count(o.name) > 1:
+            raise ValueError(f"{where}: option {o.flag} is stated twice")
+    if not all(isinstance(v, dict) for v in task_defaults.values()):
+        raise ValueError(f"{where}: task_defaults maps a task name to {{option name: value}}")
+    for kw, role in token_ids.items():
+        if kw not in takes or role not in TOKEN_ROLES:
+            raise ValueError(f"{where}: token_ids maps build_config's keywords to a tokenizer role "
+                             f"({', '.join(TOKEN_ROLES)}), got {kw!r}: {role!r}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in special_tokens.items()):
+        raise ValueError(f"{where}: special_tokens maps tokenizer_config.json keys to token strings")
+
+
 def register_family(model_type: str, config_cls: type, *, base_rules=None, config_from_hf=None, config_to_hf=None,
                     presets: dict[str, dict] | None = None, build_config: Callable | None = None,
                     ignore_on_load: tuple[str, ...] = (), training: dict | None = None, modality: str = "text",
-                    limits: Callable[[Any], dict] | None = None) -> Family:
+                    limits: Callable[[Any], dict] | None = None, options: tuple[FamilyOption, ...] = (),
+                    task_defaults: dict[str, dict] | None = None, token_ids: dict[str, str] | None = None,
+                    special_tokens: dict[str, str] | None = None) -> Family:
     """Create and register a family; add architectures with :meth:`Family.register`.
 
     ``base_rules``: the base's weight map (HF templates relative to the base), or None for an
@@ -393,6 +471,15 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
     :data:`MODALITIES`); ``limits(config)``: that modality's input limits (:meth:`Family.input_limits`). ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
     ``training``: the family's own optimizer, peak lr and weight decay (``{"optimizer": "adafactor",
     "lr": 0.05, "weight_decay": 0.0}`` for T5), the defaults the training tasks use for it.
+
+    What the training tasks and the exporter read, so that none of them names a family:
+    ``options``: :class:`FamilyOption` s, the family's own flags of the tasks they name (refused
+    with another ``--model``); ``task_defaults``: task name -> {option name: value}, the family's
+    defaults for a task's own options (``{"mlm": {"objective": "sop"}}``: ALBERT's pre-training
+    objective), used where the option is not given; ``token_ids``: the builder's keyword -> the
+    tokenizer role whose id it takes (``{"decoder_start_token_id": "bos"}``); ``special_tokens``:
+    tokenizer_config.json key -> token (``{"mask_token": "[MASK]"}``) that an exported tokenizer
+    names where its vocabulary has the token.
     """
     if training and not set(training) <= {"optimizer", "lr", "weight_decay"}:
         raise ValueError(f"register_family({model_type!r}): training takes 'optimizer', 'lr' and 'weight_decay', "
@@ -407,16 +494,21 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
                          "{'vocab_size': ..., 'context': ... or None}; images: image_size, patch_size, in_channels)")
     if model_type in _FAMILIES:
         raise ValueError(f"register_family: model_type {model_type!r} is already registered")
+    if modality not in MODALITIES:
+        raise ValueError(f"register_family({model_type!r}): unknown modality {modality!r}")
     if build_config is not None:
         params = inspect.signature(build_config).parameters
-        if modality not in MODALITIES:
-            raise ValueError(f"register_family({model_type!r}): unknown modality {modality!r}")
         absent = [n for n in MODALITIES[modality].sizes + MODEL_SIZES if n not in params]
         if absent:
             raise ValueError(f"register_family({model_type!r}): build_config lacks {', '.join(absent)}")
+    task_defaults, token_ids = dict(task_defaults or {}), dict(token_ids or {})
+    special_tokens = dict(special_tokens or {})
+    _check_family_data(f"register_family({model_type!r})", modality, build_config, tuple(options), task_defaults, token_ids,
+                       special_tokens)
     fam = Family(model_type, config_cls, None if base_rules is None else tuple(base_rules), config_from_hf,
                  config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load), training=dict(training or {}),
-                 modality=modality, limits=limits)
+                 modality=modality, limits=limits, training_options=tuple(options), task_defaults=task_defaults,
+                 token_ids=token_ids, special_tokens=special_tokens)
     _FAMILIES[model_type] = fam
     return fam
 

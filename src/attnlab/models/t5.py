@@ -350,6 +350,9 @@ T5 = register_family("t5", T5Config, base_rules=T5_WEIGHT_MAP, config_from_hf=co
                      # T5's optimizer, whose steps follow each weight's scale: the N(0, 1) shared
                      # embedding learns ~10x faster than under AdamW (attnlab.train.optim.build_optimizer);
                      # no weight decay, as T5 was trained (torch's Adafactor would scale it by the lr)
-                     training={"optimizer": "adafactor", "lr": 5e-2, "weight_decay": 0.0})
+                     training={"optimizer": "adafactor", "lr": 5e-2, "weight_decay": 0.0},
+                     # the decoder starts from the tokenizer's BOS (the translation task's target
+                     # tokenizers have one), where the original vocabulary starts from its pad id
+                     token_ids={"pad_token_id": "pad", "eos_token_id": "eos", "decoder_start_token_id": "bos"})
 T5.register("T5ForConditionalGeneration", T5ForConditionalGeneration, kind="seq2seq", head_rules=_HEAD_RULES)
 T5.register("T5EncoderModel", T5EncoderModel, kind="base")

@@ -5,7 +5,9 @@ A task (translate, lm, and the ones the model families add) is one module that d
 
 - its options: a list of :class:`Option` (name, type, default, help), shown by
   ``attnlab train TASK --help`` and nothing else's; recipes and run directories store them
-  under the same names;
+  under the same names. The model families add their own (``register_family(options=...)``,
+  each naming the tasks it is for), shown under the family's name and refused with another
+  family; a family's defaults for the task's options (``task_defaults``) fill what is not given;
 - ``prepare(settings, resume_from)``: data, tokenizers and the model (built through the model
   registry), returned as a :class:`Setup` whose ``task`` is the Trainer's Task;
 - ``train_config(settings, setup)``: the Trainer's settings with the task's defaults;
@@ -173,11 +175,11 @@ TRAINING_OPTIONS = [
            "the steps)", check=non_negative, group=_O),
     Option("accum", int, 1, "micro-batches per optimizer step", check=positive, group=_O),
     Option("clip", float, 1.0, "gradient-norm clipping (0 = off)", check=non_negative, group=_O),
-    Option("weight_decay", float, None, "decoupled weight decay, never on norms, biases, embeddings (default "
-           "0.01; the model family's, 0 for T5)", check=non_negative, group=_O),
-    Option("optimizer", str, None, "adamw, or adafactor (T5's: no momentum, steps relative to each weight's "
-           "scale; --lr caps the relative step, default 15 x the task's AdamW lr, or the family's) (default: the "
-           "model family's, adamw for all but T5)",
+    Option("weight_decay", float, None, "decoupled weight decay, never on norms, biases, embeddings (default: "
+           "the model family's own, else 0.01)", check=non_negative, group=_O),
+    Option("optimizer", str, None, "adamw, or adafactor (no momentum, steps relative to each weight's scale; "
+           "--lr caps the relative step, default 15 x the task's AdamW lr, or the family's) (default: the model "
+           "family's own, else adamw)",
            choices=("adamw", "adafactor"), group=_O),
     Option("beta2", float, None, "AdamW's second-moment decay (default: the task's)", check=fraction, group=_O),
     Option("precision", str, "auto", "arithmetic precision", choices=("auto", "fp32", "bf16", "fp16"), group=_O,
@@ -211,7 +213,75 @@ class TaskDefinition:
     data_help: ClassVar[str] = "a data file"              # what they hold, for messages
 
     def all_options(self) -> list[Option]:
-        return TRAINING_OPTIONS + self.options
+        return TRAINING_OPTIONS + self.options + self.family_options()
+
+    # ------------------------------------------------------------------ what the model families add
+    def _family_owners(self) -> dict[str, list]:
+        """Option name -> [(family, FamilyOption)] of the registered families' options for this task."""
+        from ..models.registry import families
+        own = {o.name for o in TRAINING_OPTIONS + self.options}
+        owners: dict[str, list] = {}
+        for fam in families():
+            for o in fam.options_for(self.name):
+                if o.name in own:
+                    raise ValueError(f"model family {fam.model_type!r}: its option {o.flag} is already an option of "
+                                     f"'attnlab train {self.name}'")
+                owners.setdefault(o.name, []).append((fam, o))
+        return owners
+
+    def family_options(self) -> list[Option]:
+        """The registered families' options for this task, one :class:`Option` per name (families
+        may share one), in a help group named after them. The default None stands for the family's
+        own, which the help shows and :meth:`family_sizes` writes into the settings."""
+        return [_merged_option(found) for found in self._family_owners().values()]
+
+    def family_defaults_of(self, name: str) -> dict[str, Any]:
+        """model_type -> the family's default for this task's option ``name`` (``task_defaults``)."""
+        from ..models.registry import families
+        return {f.model_type: f.task_defaults[self.name][name] for f in families()
+                if name in f.task_defaults.get(self.name, {})}
+
+    def model_family(self, settings: dict) -> str | None:
+        """The model_type of the family these settings build a model of (whose options apply), or
+        None where the model comes from elsewhere (a pretrained checkpoint)."""
+        return settings.get("model")
+
+    def model_in_use(self, settings: dict) -> str:
+        """The model the settings name, as an error message says it."""
+        return f"--model {settings.get('model')}"
+
+    def apply_family_defaults(self, settings: dict) -> None:
+        """Fill the task's options that are not given with the model family's defaults for this
+        task (``task_defaults``), before the task's own defaults; ValueError naming a bad one."""
+        from ..models.registry import family
+        name = self.model_family(settings)
+        if name is None:
+            return
+        known = {o.name: o for o in self.options}
+        for option, value in family(name).task_defaults.get(self.name, {}).items():
+            if option not in known:
+                raise ValueError(f"model family {name!r}: its task_defaults name {option!r}, which is not an option "
+                                 f"of 'attnlab train {self.name}'")
+            if settings.get(option) is None:
+                known[option].validate(value)
+                settings[option] = value
+
+    def family_sizes(self, settings: dict, tokenizer=None) -> dict:
+        """The sizing builder's keywords that the model family states for this task: its options'
+        values (one not given takes the family's default, written into ``settings`` so that
+        config.yaml holds what was built) and, with ``tokenizer``, the special ids it takes."""
+        from ..models.registry import family
+        fam = family(self.model_family(settings))
+        sizes = {} if tokenizer is None else fam.token_id_sizes(tokenizer)
+        for o in fam.options_for(self.name):
+            if settings.get(o.name) is None:
+                settings[o.name] = fam.option_default(o)
+            value = settings[o.name]
+            problem = o.check(value) if value is not None and o.check else None
+            if problem:
+                raise ValueError(f"{o.flag}: {problem}, got {value!r}")
+            sizes[o.keyword] = value
+        return sizes
 
     def defaults(self) -> dict:
         return {o.name: o.default for o in self.all_options()}
@@ -231,7 +301,14 @@ class TaskDefinition:
 
     def check(self, settings: dict) -> None:
         """Checks across options of complete settings (the model family exists, an option applies
-        to it), run before any data is read; ValueError naming the option."""
+        to it), run before any data is read; ValueError naming the option. The base refuses a
+        family's option given with a model of another family; tasks extend it."""
+        using = self.model_family(settings)
+        for name, found in self._family_owners().items():
+            owners = [f.model_type for f, _ in found]
+            if settings.get(name) is not None and using not in owners:
+                raise ValueError(f"{found[0][1].flag} applies to --model {' or '.join(owners)}, not "
+                                 f"{self.model_in_use(settings)}")
 
     def prepare(self, settings: dict, resume_from: Path | None) -> Setup:
         raise NotImplementedError
@@ -251,6 +328,23 @@ class TaskDefinition:
         """Score the model at ``path`` (``info``: :func:`attnlab.tasks.inspect_path`'s) on ``data``
         and print the result; ``settings`` holds the ``eval_options``."""
         raise NotImplementedError
+
+
+def _merged_option(found: list) -> Option:
+    """One task option for a family option that ``found`` families ([(family, FamilyOption)]) state."""
+    first, names = found[0][1], [f.model_type for f, _ in found]
+    if any(o.type is not first.type for _, o in found):
+        raise ValueError(f"{first.flag}: the families {', '.join(names)} state it with different types")
+    defaults = {f.model_type: f.option_default(o) for f, o in found}
+    if len(set(map(repr, defaults.values()))) > 1:
+        shown = " (default: " + ", ".join(f"{n} {v}" for n, v in defaults.items()) + ")"
+    else:
+        value = next(iter(defaults.values()))
+        shown = "" if value is None else f" (default: {value})"
+    same_check = all(o.check is first.check for _, o in found)     # else each family's own, when built
+    return Option(first.name, first.type, None, first.help + shown, choices=first.choices,
+                  check=first.check if same_check else None, group=f"--model {' or '.join(names)}",
+                  metavar=first.metavar)
 
 
 _TASKS: dict[str, TaskDefinition] = {}

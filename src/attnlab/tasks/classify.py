@@ -248,8 +248,9 @@ class Classify(TaskDefinition):
         Option("pooling", str, None, "how token vectors become one per text (padding excluded; default mean)",
                choices=("mean", "cls", "attention"), group=_M),
         Option("head", str, "pooling", "with --init: 'pooling' (the --pooling above and a linear layer) or "
-               "'native', the encoder family's own classifier as transformers has it (BertForSequenceClassification: "
-               "[CLS], the pooler, a linear layer), which 'attnlab export' writes as a Hugging Face directory",
+               "'native', the encoder family's own sequence classifier as transformers has it (its own summary of "
+               "the text, e.g. [CLS] and a pooler, then a linear layer), which 'attnlab export' writes as a Hugging "
+               "Face directory",
                choices=("pooling", "native"), group=_M),
         Option("text_column", str, None, "the text column or field (default: 'text', else 'sentence')",
                metavar="NAME", group=_D),
@@ -266,6 +267,13 @@ class Classify(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ defaults
+    def model_family(self, s: dict) -> str | None:
+        """The chapter's classifier from scratch; with --init the checkpoint brings its own sizes."""
+        return "text-classifier" if s["init"] is None else None
+
+    def model_in_use(self, s: dict) -> str:
+        return "a pretrained encoder (--init)" if s["init"] is not None else "the text-classifier trained from scratch"
+
     def check(self, s: dict) -> None:
         if s["head"] == "native":
             if s["init"] is None:
@@ -284,6 +292,7 @@ class Classify(TaskDefinition):
         if s["valid"] is not None and s["data"] is None:
             raise ValueError("--valid: give the training data too (--data FILE); the embedded data set has its own "
                              "validation split")
+        super().check(s)
 
     def _sizes(self, s: dict, n_texts: int) -> dict:
         if s["init"] is not None:
@@ -338,11 +347,12 @@ class Classify(TaskDefinition):
         config = fam.build_config(vocab_size=tok.vocab_size, context=s["max_len"], d_model=d["d_model"],
                                   num_heads=d["heads"], num_layers=d["layers"], d_ff=s["d_ff"],
                                   dropout=d["dropout"], num_classes=len(labels), pooling=s["pooling"],
-                                  pad_id=tok.pad_id)
+                                  pad_id=tok.pad_id, **self.family_sizes(s, tok))
         torch.manual_seed(s["seed"])
         return fam.for_kind(self.kind).build(config), tok
 
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+        self.apply_family_defaults(s)
         train, valid, test, skipped = self._data(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         d = self._sizes(s, len(train))

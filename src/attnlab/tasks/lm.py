@@ -13,9 +13,9 @@ Batches (nanoGPT's sampling). ``plan(epoch, seed)`` draws ``steps_per_epoch`` mi
 x = ids[i : i+T], y = ids[i+1 : i+T+1], T = the model's context. Only the starts are planned,
 so an epoch's plan is small whatever the corpus size.
 
-Models: any registered family of kind "causal-lm" (``--model gpt2|llama|mixtral|...``), sized
-by the task's options through the family's sizing builder; a family's own options (Mixtral's
-``--experts``) are refused for families that have no such setting.
+Models: any registered family of kind "causal-lm" (``--model NAME``), sized by the task's options
+through the family's sizing builder, with the options the family adds itself (its
+``register_family(options=...)``), which are refused with another family.
 
 Defaults (each one overridden by its flag). The embedded corpus trains a small GPT-2 for 2,000
 steps as it always has. A file's model, context and batch follow its number of training tokens
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
-from ..tokenizer import BOS_ID, EOS_ID, Tokenizer
+from ..tokenizer import Tokenizer
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
@@ -200,15 +200,10 @@ def _device(device):
     return resolve_device(device)
 
 
-def _family_options() -> dict[str, str]:
-    """This task's option name -> the sizing builder's keyword, for family-specific settings."""
-    return {"experts": "num_experts", "top_k": "top_k", "aux_coef": "router_aux_loss_coef"}
-
-
 class LanguageModeling(TaskDefinition):
     name = "lm"
     kind = "causal-lm"
-    help = "a decoder-only language model (GPT-2, LLaMA, Mixtral, ...) on text"
+    help = "a decoder-only language model (any registered causal-LM family) on text"
     example = ('attnlab train lm --steps 2000 --out runs/lm\n'
                '  attnlab train lm --config shakespeare-char --data input.txt --out runs/shakespeare')
     options = [
@@ -226,16 +221,10 @@ class LanguageModeling(TaskDefinition):
         Option("heads", int, None, "attention heads (default 4; files: by corpus size)", check=positive, group=_M),
         Option("layers", int, None, "layers (default 4; files: by corpus size, 6 for ~1M tokens)", check=positive,
                group=_M),
-        Option("d_ff", int, None, "feed-forward width (default: the family's, e.g. 4 d_model for GPT-2)",
+        Option("d_ff", int, None, "feed-forward width (default: the family's, e.g. 4 d_model)",
                check=positive, group=_M),
         Option("dropout", float, 0.0, "dropout (the shakespeare-char recipe: 0.2)",
                check=fraction, group=_M),
-        Option("experts", int, None, "mixture-of-experts families: experts per layer (Mixtral default 4)",
-               check=positive, group=_M),
-        Option("top_k", int, None, "mixture-of-experts families: experts per token (default 2)", check=positive,
-               group=_M),
-        Option("aux_coef", float, None, "mixture-of-experts families: weight of the load-balancing loss "
-               "(default 0.02)", check=non_negative, group=_M),
         Option("corpus_mb", float, 2.0, "size of the embedded corpus in MB", check=positive, group=_D),
         Option("eval_windows", int, 64, "validation windows per evaluation", check=positive, group=_D,
                resumable=True),
@@ -257,23 +246,15 @@ class LanguageModeling(TaskDefinition):
         known = sorted(f.model_type for f in families(kind=self.kind))
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} is not a registered causal-LM family ({', '.join(known)})")
-        options = family(s["model"]).options
-        not_here = [f"--{n.replace('_', '-')}" for n, kw in _family_options().items()
-                    if s[n] is not None and kw not in options]
-        if not_here:
-            raise ValueError(f"{', '.join(not_here)}: only for mixture-of-experts families, not --model {s['model']}")
+        super().check(s)
 
-    def _model(self, s: dict, vocab_size: int) -> nn.Module:
+    def _model(self, s: dict, tok) -> nn.Module:
         from ..models.registry import family
         self.check(s)
         fam = family(s["model"])
-        extra = {kw: s[name] for name, kw in _family_options().items() if s[name] is not None}
-        if "num_experts" in fam.options and "num_experts" not in extra:
-            extra["num_experts"] = 4          # CPU-sized: 4 experts (Mixtral's own 8 with --experts 8)
-        special = {k: v for k, v in (("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID)) if k in fam.options}
-        config = fam.build_config(vocab_size=vocab_size, context=s["context"], d_model=s["d_model"],
+        config = fam.build_config(vocab_size=tok.vocab_size, context=s["context"], d_model=s["d_model"],
                                   num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], **special, **extra)
+                                  dropout=s["dropout"], **self.family_sizes(s, tok))
         torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
         return fam.for_kind(self.kind).build(config)
 
@@ -281,6 +262,7 @@ class LanguageModeling(TaskDefinition):
         corpus = stdlib_corpus(int(s["corpus_mb"] * 1e6)) if s["data"] is None else text_file_corpus(s["data"],
                                                                                                       s["valid"])
         saved = None if resume_from is None else resume_point(resume_from, self.name)
+        self.apply_family_defaults(s)
         if saved is not None:               # the run's own tokenizer and model; the Trainer loads the weights
             tok = load_tokenizers(saved)["text"]
             model = build_model(saved.model_type, saved.config, saved.architecture)
@@ -299,7 +281,7 @@ class LanguageModeling(TaskDefinition):
         if not t["budget_schedule"]:        # a budget's steps are planned in training, kept in its checkpoints
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         if saved is None:
-            model, context = self._model(s, tok.vocab_size), s["context"]
+            model, context = self._model(s, tok), s["context"]
         task = LanguageModelTask(model, tok, train, valid, context=context, batch_size=s["batch_size"],
                                  eval_windows=s["eval_windows"])
         n_params = sum(p.numel() for p in model.parameters())

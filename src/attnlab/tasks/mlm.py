@@ -19,7 +19,8 @@ alone on single sentences. The loss is the masked-LM cross-entropy per masked to
 sentence loss per pair, as transformers' ``BertForPreTraining`` adds them.
 
 Models: any registered family with a "pretraining" architecture (``--model bert|albert|...``),
-or a "masked-lm" one for ``--objective none``, sized through the family's sizing builder.
+or a "masked-lm" one for ``--objective none``, sized through the family's sizing builder; a
+family states its own default objective in its registration (ALBERT's: sop).
 """
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ FILE_SIZES: list[tuple[float, dict]] = [
     (float("inf"), dict(vocab_size=30522, d_model=512, heads=8, layers=8, d_ff=2048, context=128, batch_size=32,
                         dropout=0.1, lr=2e-4, warmup=1000, steps=50000)),
 ]
-_DEFAULT_OBJECTIVE = {"albert": "sop"}          # else nsp; the family's own pre-training objective
 
 
 def read_documents(path: str | Path) -> list[list[str]]:
@@ -196,13 +196,13 @@ class LoadedMLM:
 class MaskedLanguageModeling(TaskDefinition):
     name = "mlm"
     kind = "pretraining"
-    help = "masked-language-model pre-training of an encoder (BERT with NSP, ALBERT with SOP, ...)"
+    help = "masked-language-model pre-training of an encoder, with next-sentence or sentence-order prediction"
     example = ('attnlab train mlm --out runs/mlm\n'
                '  attnlab train mlm --model albert --data documents.txt --time-budget 30')
     options = [
         Option("model", str, "bert", "architecture: a registered encoder family with a pre-training head", group=_M),
-        Option("objective", str, None, "the sentence-pair task beside masked LM (default: nsp; albert: sop; none: "
-               "masked LM alone on single sentences)", choices=("nsp", "sop", "none"), group=_M),
+        Option("objective", str, None, "the sentence-pair task beside masked LM (default: the model family's, else "
+               "nsp; none: masked LM alone on single sentences)", choices=("nsp", "sop", "none"), group=_M),
         Option("vocab_size", int, None, "WordPiece vocabulary (default 1000 embedded; files: 8000, 30522 over 2M "
                "tokens)", check=lambda v: None if v > len(BERT_SPECIAL_TOKENS) else "must exceed the 5 special "
                "tokens", group=_M),
@@ -233,6 +233,7 @@ class MaskedLanguageModeling(TaskDefinition):
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} has no {kind} architecture; families that do: "
                              f"{', '.join(known) or 'none'}")
+        super().check(s)
 
     def _sizes(self, s: dict, n_tokens: int) -> dict:
         base = EMBEDDED_SIZES if s["data"] is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
@@ -246,10 +247,9 @@ class MaskedLanguageModeling(TaskDefinition):
         from ..models.registry import family
         fam = family(s["model"])
         kind = "masked-lm" if s["objective"] == "none" else "pretraining"
-        special = {"pad_token_id": tok.pad_id} if "pad_token_id" in fam.options else {}
         config = fam.build_config(vocab_size=tok.vocab_size, context=d["context"], d_model=d["d_model"],
                                   num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"],
-                                  dropout=d["dropout"], **special)
+                                  dropout=d["dropout"], **self.family_sizes(s, tok))
         torch.manual_seed(s["seed"])
         return fam.for_kind(kind).build(config)
 
@@ -258,7 +258,8 @@ class MaskedLanguageModeling(TaskDefinition):
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:
             s["objective"] = saved.task_options["objective"]
-        s["objective"] = s["objective"] or _DEFAULT_OBJECTIVE.get(s["model"], "nsp")
+        self.apply_family_defaults(s)
+        s["objective"] = s["objective"] or "nsp"
         self.check(s)
         if s["data"] is None:
             docs = english_documents(s["corpus_size"], seed=s["seed"])

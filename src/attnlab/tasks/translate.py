@@ -196,7 +196,7 @@ class Translate(TaskDefinition):
             base = dict(EMBEDDED_SIZES, tokenizer="word", pre_norm=False)
         else:
             base = dict(next(sizes for most, sizes in FILE_SIZES if n_pairs <= most), tokenizer="bpe", pre_norm=True)
-        base.update(family_recipe(s, s["model"]))            # T5 trains with Adafactor, its own lr, no decay
+        base.update(family_recipe(s, s["model"]))            # a family's own optimizer, lr and weight decay
         if s["tokenizer"] not in (None, "bpe") or base["tokenizer"] != "bpe":
             base["vocab_size"] = None               # word and char vocabularies are what the text holds
         chosen = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
@@ -235,21 +235,22 @@ class Translate(TaskDefinition):
         known = sorted(f.model_type for f in families(kind=self.kind))
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} is not a registered encoder-decoder family ({', '.join(known)})")
+        super().check(s)
 
     def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
         """A fresh model of the chosen family through the model registry, sized by the options."""
         from ..models.registry import family
         self.check(s)
         fam = family(s["model"])
-        # what the task knows beyond the shared sizes; a family takes the options it has (T5 has no
-        # Norm choice, ties by its own rule, and needs the tokenizer's special ids to start decoding)
+        # what the task knows beyond the shared sizes; a family takes those its builder has (a family
+        # without a Norm choice or with its own tying rule has no norm_first or tie_output), and the
+        # target tokenizer's special ids it states (register_family's token_ids)
         known = dict(tgt_vocab_size=tgt_tok.vocab_size, norm_first=s["pre_norm"], tie_output=True,
-                     share_embeddings=src_tok is tgt_tok, pad_token_id=tgt_tok.pad_id, eos_token_id=tgt_tok.eos_id,
-                     decoder_start_token_id=tgt_tok.bos_id)
+                     share_embeddings=src_tok is tgt_tok)
         config = fam.build_config(
             vocab_size=src_tok.vocab_size, context=max(s["max_len"] + 2, 64), d_model=d["d_model"],
             num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"], dropout=d["dropout"],
-            **{k: v for k, v in known.items() if k in fam.options})
+            **{k: v for k, v in known.items() if k in fam.options}, **self.family_sizes(s, tgt_tok))
         torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
         return fam.for_kind(self.kind).build(config)
 
@@ -270,6 +271,7 @@ class Translate(TaskDefinition):
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
         """Data, tokenizers, model and the Trainer's task. The data-derived defaults are written
         into ``s``, so the run's saved settings hold the values it used."""
+        self.apply_family_defaults(s)
         train, valid, test, skipped = self._data(s)
         d = self._sizes(s, len(train))
         t = self._schedule(s, d)
