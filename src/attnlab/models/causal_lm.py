@@ -25,11 +25,12 @@ from torch import Tensor, nn
 
 from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
+from .pretrained import SavePretrained
 
 __all__ = ["CausalLM"]
 
 
-class CausalLM(nn.Module):
+class CausalLM(SavePretrained, nn.Module):
     """Base of the decoder-only LMs. Subclasses set ``token_embedding``, ``layers``, ``norm``,
     ``lm_head``; ``config`` must have ``vocab_size`` and ``max_seq_len``.
 
@@ -157,7 +158,7 @@ class CausalLM(nn.Module):
         averaged over the real tokens (Mixtral: each expert's share of the routing); {} by default."""
         return {}
 
-    # ------------------------------------------------------------------ generation and saving
+    # ------------------------------------------------------------------ generation
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: int | None = None, draft_model=None, **options) -> Tensor:
         """Continue ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens -> (B, T + n).
@@ -171,9 +172,3 @@ class CausalLM(nn.Module):
         from ..generate import generate
         return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, draft_model,
                         **options)
-
-    def save_pretrained(self, path) -> None:
-        """Write a Hugging Face directory (config.json + model.safetensors) for the model's registered
-        architecture; see attnlab.models.pretrained (attnlab.hub is its public face)."""
-        from .pretrained import save_pretrained      # models/pretrained.py imports the registry, not this file
-        save_pretrained(self, path)
