@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import attnlab
+from attnlab.models.pretrained import SavePretrained
 from attnlab.models.registry import register_family
 from attnlab.nn import EncoderLayer
 
@@ -21,7 +22,7 @@ class ToyEncoderConfig:
     max_seq_len: int = 32
 
 
-class ToyEncoder(nn.Module):
+class ToyEncoder(SavePretrained, nn.Module):
     """A bidirectional encoder whose forward gives the last hidden state, like BertModel."""
 
     def __init__(self, config: ToyEncoderConfig):

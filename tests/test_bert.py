@@ -92,6 +92,44 @@ def test_a_pretraining_checkpoint_naming_no_architecture_loads_as_the_bare_encod
     _close(ours.pool(got), want.pooler_output, "pooled [CLS]")
 
 
+def test_a_bert_model_saved_without_a_pooler_loads_and_equals_transformers(tmp_path):
+    """transformers' BertModel(add_pooling_layer=False) saves no pooler; no output of our bare
+    encoder's forward reads one (it is kept, not trained), so the directory loads, as transformers
+    loads it, with a warning naming the absent tensors, and gives transformers' hidden states.
+    Everything else stays required: a checkpoint without another tensor, or a classifier's
+    checkpoint without the pooler its logits read, is refused."""
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    hf = transformers.BertModel(transformers.BertConfig(**HF_SIZES), add_pooling_layer=False)
+    randomize_(hf)
+    hf.eval().save_pretrained(tmp_path / "bare")
+    assert not any(k.startswith("pooler") for k in load_file(tmp_path / "bare" / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"BertModel: the checkpoint has no pooler\.dense\.bias, "
+                                         r"pooler\.dense\.weight; no output of the model reads them"):
+        ours = attnlab.from_pretrained(tmp_path / "bare")
+    assert type(ours) is BertModel
+    ids, mask, types = _batch()
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask, token_type_ids=types)
+        want = hf(ids, attention_mask=mask.long(), token_type_ids=types).last_hidden_state
+    _close(got[mask], want[mask], "last hidden state (real tokens)")
+    # strict about the rest: one more tensor gone is refused, naming it
+    tensors = load_file(tmp_path / "bare" / "model.safetensors")
+    del tensors["embeddings.LayerNorm.weight"]
+    (tmp_path / "gap").mkdir()
+    (tmp_path / "gap" / "config.json").write_text((tmp_path / "bare" / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "gap" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing keys \(1\): embeddings\.LayerNorm\.weight"):
+        attnlab.from_pretrained(tmp_path / "gap")
+    # a classifier reads its pooler: the same absence is an error there
+    attnlab.save_pretrained(_tiny(BertForSequenceClassification), tmp_path / "cls")
+    tensors = {k: v for k, v in load_file(tmp_path / "cls" / "model.safetensors").items()
+               if not k.startswith("bert.pooler.")}
+    save_file(tensors, str(tmp_path / "cls" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing keys \(2\): bert\.pooler\.dense\.bias, bert\.pooler\.dense\.weight"):
+        attnlab.from_pretrained(tmp_path / "cls")
+
+
 def test_pretraining_heads_equal_transformers(saved):
     hf, path = saved("BertForPreTraining")
     ours = attnlab.from_pretrained(path)

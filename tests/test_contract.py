@@ -73,16 +73,19 @@ def test_presets_have_the_published_sizes(model_type, preset, parameters):
 
 
 SIZES = dict(vocab_size=50, context=24, d_model=48, num_heads=4, num_layers=2)
+MODALITY_SIZES = {"text": dict(vocab_size=50, context=24), "image": dict(image_size=16, patch_size=4, in_channels=3)}
 
 
 @pytest.mark.parametrize("fam", families(), ids=lambda f: f.model_type)
 def test_every_family_sizes_a_config_for_tasks(fam):
-    config = fam.build_config(**SIZES)
+    sizes = dict(MODALITY_SIZES[fam.modality], d_model=48, num_heads=4, num_layers=2)
+    config = fam.build_config(**sizes)
     assert isinstance(config, fam.config_cls)
     model = fam.default.build(config)
     assert sum(p.numel() for p in model.parameters()) > 0
+    assert fam.input_limits(config).keys() == MODALITY_SIZES[fam.modality].keys()
     with pytest.raises(ValueError, match=f"{fam.model_type}: unknown option\\(s\\) colour"):
-        fam.build_config(**SIZES, colour="red")
+        fam.build_config(**sizes, colour="red")
 
 
 def test_sizing_defaults_and_family_options():

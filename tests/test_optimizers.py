@@ -104,3 +104,84 @@ def test_adafactor_on_a_task_sized_for_adamw_takes_a_relative_lr():
     assert lr(optimizer="adafactor", lr=1e-2) == 1e-2                       # --lr wins
     d = dict(lr=5e-2, steps=10, optimizer="adafactor")                      # a family's own Adafactor recipe
     assert lr() == 5e-2 and lr(optimizer="adafactor") == 5e-2
+
+
+# ----------------------------------------------------------------------------- what must not decay
+def _todays_rule(model: nn.Module) -> set[str]:
+    """The names the rule before module declarations exempted, restated: parameters of torch's
+    nn.Embedding and of the norm layers, and every parameter of fewer than 2 dimensions."""
+    from attnlab.nn.norm import DyT, LayerNorm, RMSNorm
+    kinds = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, LayerNorm, RMSNorm, DyT)
+    exempt = {id(p) for m in model.modules() if isinstance(m, kinds) for p in m.parameters(recurse=False)}
+    return {n for n, p in model.named_parameters() if id(p) in exempt or p.ndim < 2}
+
+
+def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_decaying():
+    """The declarations reproduce the groups of every registered model, and add exactly the learned
+    position tables (GPT-2's, the BERT family's, DeBERTa's relative one), which the rule by
+    module type decayed though they are embeddings."""
+    import contract
+    from attnlab.models.deberta import RelativeEmbeddings
+    from attnlab.models.registry import architectures
+    from attnlab.nn.position import LearnedPositionalEmbedding
+    from attnlab.train import split_decay
+    tables_seen = 0
+    for arch in architectures():
+        model = contract.tiny(arch)
+        decay, no_decay = (set(n for n, _ in group) for group in split_decay(model))
+        tables = {f"{name}.weight" for name, m in model.named_modules()
+                  if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings))}
+        assert no_decay == _todays_rule(model) | tables, arch
+        assert decay | no_decay == {n for n, _ in model.named_parameters()} and not decay & no_decay, arch
+        tables_seen += bool(tables)
+    assert tables_seen >= 10                 # GPT-2, BERT, ELECTRA, ALBERT, DeBERTa architectures
+
+
+def test_gpt2_groups_equal_nanogpts_with_embeddings_exempt():
+    """An independent reference: the benchmark's nanoGPT groups over transformers' GPT-2 with the
+    same weights, embeddings exempt (its wte and wpe are nn.Embedding), name for name."""
+    import transformers
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from shakespeare_reference import nanogpt_param_groups
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import contract
+    from attnlab.models.convert import convert
+    from attnlab.models.registry import family
+    from attnlab.train import split_decay
+    arch = family("gpt2").default
+    ours = contract.tiny(arch)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**arch.family.config_to_hf(ours.config)))
+    hf_name = {id(p): n for n, p in hf.named_parameters()}
+    want = [{hf_name[id(p)] for p in g["params"]} for g in nanogpt_param_groups(hf, 0.1, decay_embeddings=False)]
+    got = [set(convert(dict(group), arch.weight_map, ours.config, to_hf=True)[0]) for group in split_decay(ours)]
+    assert got == want and "transformer.wpe.weight" in want[1]
+
+
+class _Scan(nn.Module):
+    """A state-space layer's shape: A_log (2-D) and D must not decay; its projection must."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(4, 8)
+        self.A_log = nn.Parameter(torch.zeros(8, 3))
+        self.D = nn.Parameter(torch.ones(8))
+
+    def no_weight_decay(self):
+        return ("A_log", "D")
+
+
+def test_a_module_declares_what_must_not_decay_and_a_wrong_name_is_refused():
+    from attnlab.train import split_decay
+    model = nn.Sequential(_Scan(), nn.Linear(8, 8))
+    decay, no_decay = (set(n for n, _ in group) for group in split_decay(model))
+    assert decay == {"0.in_proj.weight", "1.weight"}
+    assert no_decay == {"0.A_log", "0.D", "0.in_proj.bias", "1.bias"}
+
+    class Wrong(_Scan):
+        def no_weight_decay(self):
+            return ("A",)
+    with pytest.raises(ValueError, match=r"Wrong \(0\): no_weight_decay\(\) names 'A', which is not one of its "
+                                         r"parameters"):
+        split_decay(nn.Sequential(Wrong()))

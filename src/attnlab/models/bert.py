@@ -18,7 +18,8 @@ map splits it into transformers' ``query``, ``key`` and ``value`` and joins them
 
 ``BertModel`` (the bare encoder) returns the last hidden state and keeps the pooler that
 transformers' BertModel checkpoints carry, so they round-trip with no missing key:
-``model.pool(hidden)`` gives the pooled (B, E) vector. The masked-LM model has no pooler (as in
+``model.pool(hidden)`` gives the pooled (B, E) vector. No output of its forward reads the pooler,
+so a checkpoint without one (transformers' ``add_pooling_layer=False``) loads too, with a warning. The masked-LM model has no pooler (as in
 transformers); loading a pre-training checkpoint into it (bert-base-uncased's names
 BertForMaskedLM) skips the pooler and the next-sentence head, as transformers does.
 Shape letters: see :mod:`attnlab.nn.attention`.

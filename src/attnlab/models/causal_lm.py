@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
+from .pretrained import SavePretrained
 
 __all__ = ["CausalLM", "GenerationMixin"]
 
@@ -51,7 +52,7 @@ class GenerationMixin:
                         **options)
 
 
-class CausalLM(GenerationMixin, nn.Module):
+class CausalLM(GenerationMixin, SavePretrained, nn.Module):
     """Base of the decoder-only LMs. Subclasses set ``token_embedding``, ``layers``, ``norm``,
     ``lm_head``; ``config`` must have ``vocab_size`` and ``max_seq_len``.
 
@@ -182,9 +183,3 @@ class CausalLM(GenerationMixin, nn.Module):
         averaged over the real tokens (Mixtral: each expert's share of the routing); {} by default."""
         return {}
 
-    # ------------------------------------------------------------------ saving
-    def save_pretrained(self, path) -> None:
-        """Write a Hugging Face directory (config.json + model.safetensors) for the model's registered
-        architecture; see attnlab.models.pretrained (attnlab.hub is its public face)."""
-        from .pretrained import save_pretrained      # models/pretrained.py imports the registry, not this file
-        save_pretrained(self, path)

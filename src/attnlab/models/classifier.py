@@ -38,6 +38,7 @@ from ..nn.norm import make_norm
 from ..nn.pooling import POOLINGS, Pooling
 from ..nn.position import LearnedPositionalEmbedding, PositionalEncoding
 from .gpt import PRESETS as _GPT_PRESETS, GPTConfig
+from .pretrained import SavePretrained
 from .registry import architecture_of, family, register_family
 
 __all__ = ["TextClassifierConfig", "TextClassifier", "EncoderClassifierConfig", "EncoderClassifier"]
@@ -93,7 +94,7 @@ def _padding(input_ids: Tensor, attention_mask: Tensor | None, pad_id: int | Non
     return attention_mask.bool()
 
 
-class TextClassifier(nn.Module):
+class TextClassifier(SavePretrained, nn.Module):
     """The chapter's classifier, fixed (module docstring). forward(input_ids (B, T),
     attention_mask (B, T) True/1 = real token, default ``input_ids != pad_id``) -> logits (B, C)."""
 
@@ -130,6 +131,10 @@ class TextClassifier(nn.Module):
         nn.init.normal_(self.embedding.weight, std=self.config.embed_dim ** -0.5)
         if self.cls is not None:
             nn.init.normal_(self.cls, std=self.config.embed_dim ** -0.5)
+
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """The [CLS] vector is an embedding of one token: not decayed."""
+        return () if self.cls is None else ("cls",)
 
     def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """(token vectors (B, T, E) after the last layer's norm, their padding mask (B, T));
@@ -177,7 +182,7 @@ class EncoderClassifierConfig:
         return self.base_config["vocab_size"]
 
 
-class EncoderClassifier(nn.Module):
+class EncoderClassifier(SavePretrained, nn.Module):
     """A registered base model + pooling + linear head (module docstring). forward(input_ids (B, T),
     attention_mask (B, T) or None = every token real) -> logits (B, num_labels)."""
 

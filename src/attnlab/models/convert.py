@@ -1,7 +1,8 @@
 """Declarative two-way weight maps: the rule machinery every model file uses.
 
 A weight map is a list of :class:`Rule` (our key template, HF key template, :class:`Op`).
-Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n), Split(dim, n), PermuteRope(heads_attr).
+Ops have exact inverses: IDENTITY, TRANSPOSE, Fuse(dim, n or sizes=...), Split(dim, n or sizes=...),
+PermuteRope(heads_attr).
 :func:`to_hf_state_dict` / :func:`from_hf_state_dict` run a map over a model's tensors.
 This module is a leaf (torch and the standard library only): it knows no model, no registry
 and no file format, so every model file can import it without pulling anything else in.
@@ -9,6 +10,7 @@ and no file format, so every model file can import it without pulling anything e
 from __future__ import annotations
 
 import re
+import warnings
 from functools import lru_cache
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -17,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Op", "IDENTITY", "TRANSPOSE", "Fuse", "Split", "PermuteRope", "permute_rope", "unpermute_rope", "Rule",
-           "with_prefix", "split_prefix", "convert", "own_tensors", "to_hf_state_dict", "from_hf_state_dict"]
+           "with_prefix", "split_prefix", "convert", "own_tensors", "unread_tensors", "to_hf_state_dict",
+           "from_hf_state_dict"]
 
 
 # ----------------------------------------------------------------------------- tensor operations
@@ -76,28 +79,57 @@ IDENTITY, TRANSPOSE = _Identity(), _Transpose()
 
 
 class Fuse(Op):
-    """n of our tensors <-> one HF tensor: ``cat(dim)`` / ``chunk(n, dim)`` (equal parts)."""
+    """n of our tensors <-> one HF tensor: ``cat(dim)`` one way, cut along ``dim`` the other.
 
-    def __init__(self, dim: int, parts: int):
-        self.dim, self.parts, self.name = dim, parts, f"fuse(dim={dim}, parts={parts})"
+    ``Fuse(dim, parts)`` cuts into ``parts`` equal pieces (a fused Q/K/V of three equal widths);
+    ``Fuse(dim, sizes=(a, b, ...))`` into pieces of those sizes, each an int or the name of a config
+    field or property (Mamba's ``x_proj``: Δ's rank, then B's and C's state widths; Mamba-2's
+    ``in_proj``: z, x, B, C and Δ), so that one rule serves every size of a family. Both ways check
+    the sizes, so each direction is the exact inverse of the other.
+    """
+
+    def __init__(self, dim: int, parts: int | None = None, *, sizes: tuple[int | str, ...] | None = None):
+        if (parts is None) == (sizes is None):
+            raise ValueError("Fuse: give the number of equal parts or their sizes, not both")
+        if sizes is not None and (len(sizes) < 2 or not all(isinstance(n, (int, str)) for n in sizes)):
+            raise ValueError(f"Fuse: sizes must be two or more ints or config field names, got {sizes!r}")
+        self.dim, self.parts, self.sizes = dim, parts if sizes is None else len(sizes), sizes
+        self.name = f"{self._kind}(dim={dim}, " + (f"parts={parts})" if sizes is None else f"sizes={tuple(sizes)})")
+
+    _kind = "fuse"
+
+    def _widths(self, total: int, shape, config) -> list[int]:
+        """The pieces' sizes along ``dim`` of a fused tensor of ``total`` there (shape for the message)."""
+        if self.sizes is None:
+            if total % self.parts:
+                raise ValueError(f"{self.name}: dim {self.dim} of shape {tuple(shape)} is not divisible by "
+                                 f"{self.parts}")
+            return [total // self.parts] * self.parts
+        widths = [n if isinstance(n, int) else getattr(config, n) for n in self.sizes]
+        if sum(widths) != total:
+            raise ValueError(f"{self.name}: the sizes {widths} add up to {sum(widths)}, but dim {self.dim} of "
+                             f"shape {tuple(shape)} has {total}")
+        return widths
 
     def to_hf(self, tensors, config):
+        if len(tensors) != self.parts:
+            raise ValueError(f"{self.name}: expected {self.parts} tensors to fuse, got {len(tensors)}")
+        given = [t.shape[self.dim] for t in tensors]
+        want = self._widths(sum(given), tensors[0].shape, config)
+        if given != want:                 # cut back, they would not come out as they went in
+            raise ValueError(f"{self.name}: the tensors have sizes {given} along dim {self.dim}, the rule {want}")
         return [torch.cat(tensors, dim=self.dim)]
 
     def from_hf(self, tensors, config):
         (t,) = tensors
-        if t.shape[self.dim] % self.parts:
-            raise ValueError(f"{self.name}: dim {self.dim} of shape {tuple(t.shape)} is not divisible by {self.parts}")
-        return list(t.chunk(self.parts, dim=self.dim))
+        return list(t.split(self._widths(t.shape[self.dim], t.shape, config), dim=self.dim))
 
 
 class Split(Fuse):
     """One of our tensors <-> n HF tensors: :class:`Fuse` the other way round (our fused Q/K/V
-    projection, HF BERT's separate query, key and value)."""
+    projection, HF BERT's separate query, key and value), with the same ``parts`` or ``sizes``."""
 
-    def __init__(self, dim: int, parts: int):
-        super().__init__(dim, parts)
-        self.name = f"split(dim={dim}, parts={parts})"
+    _kind = "split"
 
     def to_hf(self, tensors, config):
         return super().from_hf(tensors, config)
@@ -236,12 +268,31 @@ def convert(tensors: dict[str, Tensor], rules: list[Rule], config, to_hf: bool):
 
 
 # ----------------------------------------------------------------------------- state dicts
+def warn_unread(model: nn.Module, names: list[str]) -> None:
+    """Say which tensors a checkpoint lacked that no output reads (:func:`unread_tensors`)."""
+    warnings.warn(f"{type(model).__name__}: the checkpoint has no {', '.join(names)}; no output of the model "
+                  f"reads them, so they keep their initial values", stacklevel=5)
+
+
 def own_tensors(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
     """The model's state dict without tied aliases, and the alias names."""
     every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     unique = {n for n, _ in model.named_parameters()}
     aliases = every - unique
     return {k: v for k, v in model.state_dict().items() if k not in aliases}, aliases
+
+
+def unread_tensors(model: nn.Module) -> set[str]:
+    """The state-dict keys of the tensors that no output of the model's forward reads, as the
+    modules holding them declare in an ``unread_weights()`` method (names relative to the module;
+    the bare encoders' kept pooler). A checkpoint may lack them: loading warns and keeps their
+    initial values, as transformers does; every other tensor is required."""
+    found = set()
+    for prefix, module in model.named_modules():
+        declare = getattr(module, "unread_weights", None)
+        if callable(declare):
+            found.update(f"{prefix}.{name}" if prefix else name for name in declare())
+    return found
 
 
 def to_hf_state_dict(model: nn.Module, rules: list[Rule]) -> dict[str, Tensor]:
@@ -258,7 +309,8 @@ def from_hf_state_dict(model: nn.Module, hf: dict[str, Tensor], rules: list[Rule
                        ignore: tuple[str, ...] = ()) -> dict[str, Tensor]:
     """Checkpoint tensors -> our state dict, strictly: raises ValueError listing unexpected
     checkpoint keys, missing ones (by their checkpoint names) and shape mismatches. ``ignore``:
-    regexes of checkpoint keys to skip (non-persistent buffers some writers store)."""
+    regexes of checkpoint keys to skip (non-persistent buffers some writers store). Tensors of
+    :func:`unread_tensors` may be missing: a warning names them and they are not returned."""
     rules = list(rules)
     skip = [re.compile(p) for p in ignore]
     hf = {k: v for k, v in hf.items() if not any(p.search(k) for p in skip)}
@@ -267,6 +319,7 @@ def from_hf_state_dict(model: nn.Module, hf: dict[str, Tensor], rules: list[Rule
     unexpected = sorted(unmatched) + sorted(k for key in ours if key not in own and key not in aliases
                                             for k in sources[key])
     absent = {k: v for k, v in own.items() if k not in ours}
+    unread = {k: absent.pop(k) for k in sorted(unread_tensors(model) & set(absent))}
     absent_hf, _, unnamed, partial = convert(absent, rules, model.config, to_hf=True) if absent else ({}, {}, [], [])
     missing = sorted(set(incomplete) | set(absent_hf) | set(unnamed) | set(partial))
     shapes = [f"{k}: checkpoint {tuple(ours[k].shape)} vs model {tuple(v.shape)}"
@@ -280,4 +333,6 @@ def from_hf_state_dict(model: nn.Module, hf: dict[str, Tensor], rules: list[Rule
         problems.append(f"shape mismatches: {'; '.join(shapes)}")
     if problems:
         raise ValueError(f"{type(model).__name__}: checkpoint does not match the model: " + "; ".join(problems))
+    if unread:
+        warn_unread(model, sorted(convert(unread, rules, model.config, to_hf=True)[0]) or sorted(unread))
     return {k: v for k, v in ours.items() if k in own}

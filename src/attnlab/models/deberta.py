@@ -113,6 +113,10 @@ class RelativeEmbeddings(nn.Module):
         self.norm = LayerNorm(d_model, eps) if norm else None
         self.dropout = nn.Dropout(dropout)
 
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """A position table, like the absolute ones: not decayed (its norm declares its own)."""
+        return ("weight",)
+
     def forward(self) -> Tensor:
         return self.dropout(self.weight if self.norm is None else self.norm(self.weight))
 

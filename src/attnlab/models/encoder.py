@@ -32,6 +32,7 @@ from ..nn.norm import LayerNorm
 from ..nn.packing import Packing
 from ..nn.position import LearnedPositionalEmbedding
 from .convert import Rule
+from .pretrained import SavePretrained
 
 __all__ = ["ACT_FROM_HF", "ACT_TO_HF", "check_config", "check_inputs", "init_weights", "BertEmbeddings",
            "EMBEDDING_RULES", "layer_rules", "Encoder", "BertEncoder", "Pooler", "MaskedLMHead", "mlm_head_rules",
@@ -177,7 +178,7 @@ def layer_rules(*pairs: tuple[str, str]) -> list[Rule]:
         ("ff.linear1", "intermediate.dense"), ("ff.linear2", "output.dense"), ("ff_norm", "output.LayerNorm")]]
 
 
-class Encoder(nn.Module):
+class Encoder(SavePretrained, nn.Module):
     """The base of every bidirectional encoder: a subclass builds ``embeddings`` (called as
     ``embeddings(input_ids, token_type_ids, positions)``), the layers :meth:`stack` yields in
     order (default ``self.layers``) and ``pooler`` (a :class:`Pooler` or None), then its heads.
@@ -232,12 +233,6 @@ class Encoder(nn.Module):
                 x = layer(x, None, key_mask, packing=packing, first_only=first)
         return x if packing is None else packing.unpack(x)
 
-    def save_pretrained(self, path) -> None:
-        """Write a Hugging Face directory for the model's registered architecture (see
-        attnlab.models.pretrained; attnlab.hub is its public face)."""
-        from .pretrained import save_pretrained
-        save_pretrained(self, path)
-
 
 class BertEncoder(Encoder):
     """BERT's and ELECTRA's :class:`Encoder`: :class:`BertEmbeddings` (of width ``embedding_size``,
@@ -280,7 +275,9 @@ class Pooler(nn.Module):
 
     ``trainable`` False keeps W and b as buffers: loaded and saved with the checkpoint, never
     trained. The bare encoders do that: their forward returns the hidden state, so nothing it
-    computes reaches the pooler, yet transformers' BertModel and AlbertModel checkpoints carry one."""
+    computes reaches the pooler, yet transformers' BertModel and AlbertModel checkpoints carry one.
+    Such a kept pooler says so in :meth:`unread_weights`, so a checkpoint without one (transformers'
+    ``BertModel(add_pooling_layer=False)``) loads too, with a warning."""
 
     def __init__(self, d_model: int, trainable: bool = True):
         super().__init__()
@@ -297,6 +294,11 @@ class Pooler(nn.Module):
         if kind not in (None, "kept", "trained"):
             raise ValueError(f"{who}: pooler must be None, 'kept' or 'trained', got {kind!r}")
         return None if kind is None else cls(d_model, trainable=kind == "trained")
+
+    def unread_weights(self) -> tuple[str, ...]:
+        """The tensors of this module that no output of the model's forward reads: a loader may
+        go without them (see :func:`attnlab.models.convert.unread_tensors`)."""
+        return () if isinstance(self.weight, nn.Parameter) else ("weight", "bias")
 
     def forward(self, hidden: Tensor) -> Tensor:
         return torch.tanh(F.linear(hidden[:, 0], self.weight, self.bias))

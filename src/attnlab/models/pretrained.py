@@ -9,7 +9,9 @@ face) so that ``model.save_pretrained(dir)`` needs nothing above the models laye
 
 Loading is strict: checkpoint keys no rule claims, model tensors no key provides and shape
 mismatches raise one ValueError listing them (an architecture's ``ignore_on_load`` patterns,
-non-persistent buffers such as GPT-2's ``attn.bias``, are skipped). Tied weights are stored
+non-persistent buffers such as GPT-2's ``attn.bias``, are skipped). The one exception is what
+the model declares that no output reads (:func:`attnlab.models.convert.unread_tensors`, the bare
+encoders' kept pooler): a checkpoint without it loads with a warning naming it. Tied weights are stored
 once: a tied output head is omitted on save and, if present in a checkpoint, ignored on load.
 Weights are read from safetensors (single file or shards with an index) or from a
 ``pytorch_model.bin`` with ``torch.load(weights_only=True)``; they are written as safetensors.
@@ -30,7 +32,7 @@ from . import convert
 from .registry import Architecture, architecture_of, family
 
 __all__ = ["to_hf_state_dict", "from_hf_state_dict", "read_weights", "read_config", "from_pretrained",
-           "save_pretrained"]
+           "save_pretrained", "SavePretrained"]
 
 
 # ----------------------------------------------------------------------------- state dicts
@@ -64,8 +66,9 @@ def from_hf_state_dict(model: nn.Module, tensors: dict[str, Tensor], rules=None,
 def _native_state_dict(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     own, aliases = convert.own_tensors(model)
     given = {k: v for k, v in tensors.items() if k not in aliases}
+    unread = sorted(convert.unread_tensors(model) & (set(own) - set(given)))
     problems = []
-    if missing := sorted(set(own) - set(given)):
+    if missing := sorted(set(own) - set(given) - set(unread)):
         problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
     if unexpected := sorted(set(given) - set(own)):
         problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
@@ -74,6 +77,8 @@ def _native_state_dict(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str
         problems.append(f"shape mismatches: {'; '.join(shapes)}")
     if problems:
         raise ValueError(f"{type(model).__name__}: checkpoint does not match the model: " + "; ".join(problems))
+    if unread:
+        convert.warn_unread(model, unread)
     return given
 
 
@@ -210,3 +215,15 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
     (path / _SAFE).write_bytes(save(tensors, metadata={"format": "pt"}))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
+
+
+class SavePretrained:
+    """``model.save_pretrained(dir)``, as transformers' models have it, for every model class: the
+    base every registered model class lists beside ``nn.Module``, so that a model file knows
+    nothing of directories and file formats (:func:`save_pretrained` does that, through the
+    registry)."""
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``path``/config.json and ``path``/model.safetensors (see :func:`save_pretrained`);
+        returns ``path``."""
+        return save_pretrained(self, path)

@@ -38,6 +38,8 @@ from ..nn.mlp import FeedForward, GatedMLP
 from ..nn.norm import RMSNorm
 from ..nn.position import T5RelativePositionBias
 from .convert import Rule
+from .keywords import either, padding_mask
+from .pretrained import SavePretrained
 from .registry import register_family
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "T5EncoderModel", "T5_WEIGHT_MAP", "T5", "build_config"]
@@ -103,7 +105,7 @@ def _attention(c: T5Config, causal: bool = False) -> MultiHeadAttention:
                               scale=1.0)
 
 
-class _T5Encoder(nn.Module):
+class _T5Encoder(SavePretrained, nn.Module):
     """The shared embedding and the encoder stack, which both architectures have."""
 
     def __init__(self, config: T5Config):
@@ -168,7 +170,8 @@ class T5ForConditionalGeneration(_T5Encoder):
     ``forward(src (B, S), tgt (B, T), src_key_padding_mask=None, tgt_key_padding_mask=None) ->
     logits (B, T, V)``; ``tgt`` is the shifted-right target (it starts with the decoder's start
     id). Padding masks are True (or 1) for real tokens; None means no padding, as in transformers,
-    which takes the source mask as ``attention_mask`` (accepted under that name too).
+    whose names are accepted too: ``input_ids``, ``attention_mask``, ``decoder_input_ids``,
+    ``decoder_attention_mask`` (:mod:`attnlab.models.keywords`).
     ``encode`` / ``decode`` / ``new_cache`` drive :mod:`attnlab.generate`.
     """
 
@@ -219,13 +222,18 @@ class T5ForConditionalGeneration(_T5Encoder):
             x = x * c.d_model ** -0.5
         return self.lm_head(x)
 
-    def forward(self, src: Tensor, tgt: Tensor, src_key_padding_mask: Tensor | None = None,
-                tgt_key_padding_mask: Tensor | None = None, *, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, src: Tensor | None = None, tgt: Tensor | None = None,
+                src_key_padding_mask: Tensor | None = None, tgt_key_padding_mask: Tensor | None = None, *,
+                input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                decoder_input_ids: Tensor | None = None, decoder_attention_mask: Tensor | None = None) -> Tensor:
         """Ids src (B, S), tgt (B, T) -> logits (B, T, V) (see the class docstring)."""
-        if attention_mask is not None:
-            if src_key_padding_mask is not None:
-                raise ValueError("T5: give the source mask once, as src_key_padding_mask or attention_mask")
-            src_key_padding_mask = attention_mask
+        who = "T5"
+        src = either(who, "src", src, "input_ids", input_ids, required=True)
+        tgt = either(who, "tgt", tgt, "decoder_input_ids", decoder_input_ids, required=True)
+        src_key_padding_mask = either(who, "src_key_padding_mask", src_key_padding_mask, "attention_mask",
+                                      padding_mask(who, "attention_mask", attention_mask))
+        tgt_key_padding_mask = either(who, "tgt_key_padding_mask", tgt_key_padding_mask, "decoder_attention_mask",
+                                      padding_mask(who, "decoder_attention_mask", decoder_attention_mask))
         memory = self.encode(src, src_key_padding_mask)
         return self.decode(tgt, memory, src_key_padding_mask, tgt_key_padding_mask)
 

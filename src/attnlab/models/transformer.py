@@ -15,6 +15,9 @@ Masks take ``torch.nn.Transformer``'s names and order, with attnlab's one conven
   torch's (True = ignore): pass ``~torch_mask``. ``memory_key_padding_mask`` defaults to the
   source's, so cross-attention ignores padded source positions without being told.
 
+transformers' keyword names are accepted too (``input_ids``, ``attention_mask``,
+``decoder_input_ids``, ``decoder_attention_mask``, with transformers' masks: 1 = real token).
+
 The decoder's self-attention is always causal; a ``tgt_mask`` is applied on top of the
 causal triangle (a mask that only repeats it costs nothing: the fused kernel's causal flag is
 used). ``encode`` / ``decode`` split the model so that a decoder can run one token at a time
@@ -33,6 +36,8 @@ from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import make_norm
 from ..nn.position import PositionalEncoding
+from .keywords import either, padding_mask
+from .pretrained import SavePretrained
 from .registry import register_family
 
 __all__ = ["TransformerConfig", "Transformer", "TRANSFORMER", "build_config"]
@@ -72,7 +77,7 @@ class TransformerConfig:
             self.final_norm = self.norm_first
 
 
-class Transformer(nn.Module):
+class Transformer(SavePretrained, nn.Module):
     """Encoder-decoder Transformer; the constructor takes the chapter's arguments.
 
     forward(src (B, S), tgt (B, T), src_mask=None, tgt_mask=None, memory_mask=None,
@@ -236,11 +241,23 @@ class Transformer(nn.Module):
         """An empty cache for step-by-step decoding with :meth:`decode`."""
         return LayerCaches(len(self.decoder_layers), cross=True)
 
-    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
-                memory_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
-                tgt_key_padding_mask: Tensor | None = None,
-                memory_key_padding_mask: Tensor | None = None) -> Tensor:
-        """Ids src (B, S), tgt (B, T) -> logits (B, T, V); the masks as in the module docstring."""
+    def forward(self, src: Tensor | None = None, tgt: Tensor | None = None, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None, memory_mask: Tensor | None = None,
+                src_key_padding_mask: Tensor | None = None, tgt_key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None, *, input_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None, decoder_input_ids: Tensor | None = None,
+                decoder_attention_mask: Tensor | None = None) -> Tensor:
+        """Ids src (B, S), tgt (B, T) -> logits (B, T, V); the masks as in the module docstring.
+        transformers' names are taken too: ``input_ids`` for src, ``decoder_input_ids`` for tgt,
+        ``attention_mask`` / ``decoder_attention_mask`` (1 = real token, any dtype) for the two
+        padding masks (:mod:`attnlab.models.keywords`)."""
+        who = "Transformer"
+        src = either(who, "src", src, "input_ids", input_ids, required=True)
+        tgt = either(who, "tgt", tgt, "decoder_input_ids", decoder_input_ids, required=True)
+        src_key_padding_mask = either(who, "src_key_padding_mask", src_key_padding_mask, "attention_mask",
+                                      padding_mask(who, "attention_mask", attention_mask))
+        tgt_key_padding_mask = either(who, "tgt_key_padding_mask", tgt_key_padding_mask, "decoder_attention_mask",
+                                      padding_mask(who, "decoder_attention_mask", decoder_attention_mask))
         src_key_padding_mask = self._padding(src, src_key_padding_mask, "src_key_padding_mask")
         memory = self.encode(src, src_key_padding_mask, src_mask=src_mask)
         if memory_key_padding_mask is None:

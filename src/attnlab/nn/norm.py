@@ -46,6 +46,10 @@ class LayerNorm(nn.Module):
             return F.layer_norm(x.float(), (self.d,), self.weight.float(), bias, self.eps).to(x.dtype)
         return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
 
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """Every parameter: the gain and shift set the output's scale, which decay would pull to 0."""
+        return tuple(name for name, _ in self.named_parameters(recurse=False))
+
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}, bias={self.bias is not None}"
 
@@ -74,6 +78,10 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """Every parameter: the gain and shift set the output's scale, which decay would pull to 0."""
+        return tuple(name for name, _ in self.named_parameters(recurse=False))
+
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
 
@@ -100,6 +108,10 @@ class DyT(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         _check_width("DyT", self.d, x)
         return (self.weight * torch.tanh(self.alpha * x) + self.bias).to(x.dtype)
+
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """Every parameter: the gain and shift set the output's scale, which decay would pull to 0."""
+        return tuple(name for name, _ in self.named_parameters(recurse=False))
 
     def extra_repr(self) -> str:
         return f"{self.d}"

@@ -110,6 +110,10 @@ class LearnedPositionalEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
         self.dropout = nn.Dropout(dropout)
 
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """The table is an embedding: rows of positions seldom seen (the long ones) would only shrink."""
+        return ("weight",)
+
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         rows = _rows(self.weight, x.size(1), offset, positions, "LearnedPositionalEmbedding")
         return self.dropout(x + rows.to(x.dtype))

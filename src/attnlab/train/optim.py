@@ -1,34 +1,57 @@
 """The optimizers (AdamW, or Adafactor for T5) with the parameter groups every attnlab model trains
-with: decay on matrices only."""
+with: decay on matrices only, and never on what a module declares must not decay."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..nn.norm import DyT, LayerNorm, RMSNorm
-
-__all__ = ["split_decay", "param_groups", "build_optimizer", "OPTIMIZERS"]
+__all__ = ["split_decay", "no_decay_parameters", "param_groups", "build_optimizer", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adamw", "adafactor")
 
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, LayerNorm, RMSNorm, DyT)
+# torch's own tables and norms, which cannot declare no_weight_decay(): their parameters never decay
+_TORCH_EXEMPT: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm,
+                                   nn.modules.batchnorm._NormBase)
 if hasattr(nn, "RMSNorm"):
-    _NORMS += (nn.RMSNorm,)
+    _TORCH_EXEMPT += (nn.RMSNorm,)
+
+
+def no_decay_parameters(model: nn.Module) -> set[int]:
+    """The ids of the parameters that must not decay, as their modules declare them.
+
+    A module declares them with a ``no_weight_decay()`` method returning the names of its
+    parameters (relative to the module), as timm's models do: attnlab's norms (their gains and
+    shifts set the scale of what they normalise; pulling them towards 0 fights that), learned
+    position tables, class and distillation tokens, a state-space model's ``A_log`` and ``D``
+    (decaying them drags the dynamics towards a fixed decay rate). torch's embeddings and norms,
+    which cannot declare, are exempt whole. A declared name the module lacks is an error.
+    """
+    exempt: set[int] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, _TORCH_EXEMPT):
+            exempt.update(id(p) for p in module.parameters(recurse=False))
+        declare = getattr(module, "no_weight_decay", None)
+        if not callable(declare):
+            continue
+        for name in declare():
+            try:
+                exempt.add(id(module.get_parameter(name)))
+            except AttributeError:
+                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): no_weight_decay() names "
+                                 f"{name!r}, which is not one of its parameters") from None
+    return exempt
 
 
 def split_decay(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """(decayed, not decayed) trainable parameters, each listed once (pitfall 16).
+    """(decayed, not decayed) trainable parameters, each listed once.
 
-    Not decayed: parameters of embeddings and norm layers (nn.Embedding, torch's and
-    attnlab's LayerNorm/RMSNorm/DyT, GroupNorm, BatchNorm) and every parameter with
-    fewer than 2 dimensions (biases, gains, scalars). A weight tied between an embedding and
-    a linear layer is one parameter, listed once, not decayed (the embedding wins).
+    Not decayed: what :func:`no_decay_parameters` collects (each module's ``no_weight_decay()``,
+    torch's embeddings and norms) and every parameter with fewer than 2 dimensions (biases,
+    gains, scalars). A weight tied between an embedding and a linear layer is one parameter,
+    listed once, not decayed: the embedding exempts it, and decaying it through the head would
+    shrink the embedding as well.
     """
-    exempt: set[int] = set()
-    for module in model.modules():
-        owned = module.parameters(recurse=False)
-        if isinstance(module, (nn.Embedding, *_NORMS)):
-            exempt.update(id(p) for p in owned)
+    exempt = no_decay_parameters(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():  # remove_duplicate=True: a tied weight appears once
         if p.requires_grad:
