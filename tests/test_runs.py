@@ -54,6 +54,7 @@ def _as_format_1(ckpt, dest):
     """A copy of a checkpoint as the previous attnlab wrote it: lm.json / translation.json, other
     tokenizer file names, and the blocks' norms under sub1/sub2/sub3."""
     shutil.copytree(ckpt, dest)
+    (dest / "manifest.json").unlink()                  # format 1 wrote no manifest
     meta = json.loads((dest / "run.json").read_text())
     (dest / "run.json").unlink()
     state = load_file(str(dest / "model.safetensors"))
