@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import attnlab.train.checkpoint as ckpt_mod
 from attnlab.tasks.run import find_checkpoint, open_run
@@ -196,6 +197,63 @@ def test_a_truncated_safetensors_file_is_one_line_naming_it(tmp_path):
     path = CheckpointManager(tmp_path).save(1, model, opt, {"step": 1})
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
+    damaged = r"model.safetensors: truncated or damaged since it was written \(100 bytes, \d+ then\)"
+    with pytest.raises(ValueError, match=damaged) as e:
+        load_checkpoint(tmp_path, _model_and_optimizer(1)[0])
+    assert "\n" not in str(e.value)
+    (path / "manifest.json").unlink()                 # as an older attnlab wrote it: safetensors finds it out
     with pytest.raises(ValueError, match="model.safetensors: cannot be loaded") as e:
         load_checkpoint(tmp_path, _model_and_optimizer(1)[0])
     assert "\n" not in str(e.value)
+
+
+def _disk_full_after(monkeypatch, name: str, calls: int) -> None:
+    """Make the ``calls``-th call of checkpoint.py's ``name`` (the optimizer's safetensors writer, or
+    ``open``) run out of space, as the real ones do: safetensors raises its own error naming the OS
+    error in its text, a JSON write an OSError without a file name."""
+    original = builtins.open if name == "open" else getattr(ckpt_mod, name)
+    writes = [0]
+
+    def full(*args, **kwargs):
+        target = args[1] if name == "save_file" else args[0]
+        if name == "open" and "w" not in (args[1] if len(args) > 1 else kwargs.get("mode", "r")):
+            return original(*args, **kwargs)                 # reading (checksums) needs no space
+        writes[0] += 1
+        if writes[0] != calls:
+            return original(*args, **kwargs)
+        Path(target).write_bytes(b"\0" * 64)                 # what fitted
+        if name == "save_file":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt_mod, name, full, raising=False)
+
+
+@pytest.mark.parametrize("writer,calls", [("save_file", 2), ("open", 5)], ids=["optimizer-safetensors", "state-json"])
+def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes(tmp_path, monkeypatch, capsys, writer,
+                                                                                calls):
+    from attnlab.cli import main
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    run = tmp_path / "run"
+    args = ["train", "lm", "--data", str(tmp_path / "text.txt"), "--out", str(run), "--d-model", "16", "--heads", "2",
+            "--layers", "1", "--context", "16", "--batch-size", "4", "--sample-tokens", "0", "--no-progress",
+            "--eval-every", "3", "--save-every", "1"]
+    with monkeypatch.context() as m:
+        _disk_full_after(m, writer, calls)   # the save of step 2 runs out of space (config.yaml and step 1's
+                                             # trainer_state.json, manifest and latest are the first 4 writes)
+        assert main([*args, "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0] == (f"attnlab train: error: {run}: no space left on the device while saving the checkpoint of "
+                        f"step 2; nothing is lost: {run}/step-0000001 is intact, and --resume (resume=True) "
+                        "continues from it once there is room")
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp")]    # the half-written save is gone
+    assert main([*args, "--steps", "3", "--resume"]) == 0
+    assert load_checkpoint(run, _model_for(run))["step"] == 3
+
+
+def _model_for(run: Path):
+    from attnlab.tasks.run import build_model, read_run
+    info = read_run(resolve_checkpoint(run))
+    return build_model(info.model_type, info.config, info.architecture)

@@ -47,6 +47,7 @@ def _as_format_2(ckpt, dest):
     """A copy of a checkpoint as run format 2 wrote it: "tokenizers" (role -> file) in place of
     "processors"."""
     shutil.copytree(ckpt, dest)
+    (dest / "manifest.json").unlink()                  # run.json changes below: the copy goes unchecked
     meta = json.loads((dest / "run.json").read_text())
     meta.update(format=2, tokenizers={role: p["file"] for role, p in meta.pop("processors").items()})
     (dest / "run.json").write_text(json.dumps(meta))
@@ -66,7 +67,8 @@ def test_runs_of_format_2_load_and_resume(runs, tmp_path):
 def test_runs_of_the_first_format_are_refused_in_one_line(runs, tmp_path, capsys):
     old = tmp_path / "old-lm"
     shutil.copytree(runs / "lm" / "best", old)
-    (old / "run.json").unlink()
+    for name in ("run.json", "manifest.json"):          # the first format wrote neither
+        (old / name).unlink()
     (old / "lm.json").write_text(json.dumps({"task": "lm", "format": 1}))
     assert main(["generate", str(old), "--prompt", "the"]) == 2
     err = capsys.readouterr().err.strip()

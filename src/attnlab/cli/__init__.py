@@ -25,7 +25,12 @@ lists them. Anything else is a bug and keeps its traceback. Which is which:
   means attnlab passed something it should not have (a JSON or safetensors error that attnlab
   wants to show as one line is caught where the file is read and re-raised naming the file);
 - an OSError naming a file (permission denied, disk full, no such file) is the environment's,
-  shown as one line wherever it was raised.
+  shown as one line wherever it was raised;
+- a run directory another training holds (:class:`attnlab.train.lock.RunDirectoryBusy`) is one
+  line naming the holder.
+
+A loader that uses another checkpoint than the one asked for (a run whose best is damaged)
+says so in one line, ``attnlab COMMAND: warning: ...``, once per command.
 
 ``attnlab --debug COMMAND ...`` (or ``ATTNLAB_DEBUG=1``) shows the traceback of every error.
 Ctrl-C exits 130; during training the Trainer first saves a checkpoint (cli/train.py).
@@ -39,6 +44,8 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import __version__
@@ -108,7 +115,8 @@ def is_user_error(e: BaseException) -> bool:
     traceback (a bug); see the module docstring."""
     from ..data.files import DataFormatError
     from ..tasks.run import RunError
-    if isinstance(e, (UserError, RunError, DataFormatError)):
+    from ..train.lock import RunDirectoryBusy
+    if isinstance(e, (UserError, RunError, DataFormatError, RunDirectoryBusy)):
         return True
     if isinstance(e, OSError) and e.filename is not None:
         return True
@@ -153,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     debug = args.debug or os.environ.get("ATTNLAB_DEBUG", "") not in ("", "0")
     try:
-        return int(args._run(args) or 0)
+        with _checkpoint_warnings(args.command):
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -165,6 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
         print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+@contextmanager
+def _checkpoint_warnings(command: str):
+    """Show a :class:`attnlab.train.checkpoint.CheckpointWarning` as one line on stderr, once;
+    other warnings as Python shows them."""
+    from ..train.checkpoint import CheckpointWarning
+    with warnings.catch_warnings():
+        plain = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, CheckpointWarning):
+                print(f"attnlab {command}: warning: {message}", file=sys.stderr)
+            else:
+                plain(message, category, filename, lineno, file, line)
+
+        warnings.simplefilter("default", CheckpointWarning)
+        warnings.showwarning = show
+        yield
 
 
 def open_model_path(path: str, command: str, kinds: tuple[str, ...]):

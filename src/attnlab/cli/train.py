@@ -11,6 +11,9 @@ often to evaluate and save, what is shown: :class:`attnlab.tasks.Option`'s ``res
 the model, its tokenizers and the data come from the run, and a silently ignored flag, or a
 vocabulary rebuilt from other data, would train something else than asked. The data files'
 size and SHA-256 are saved beside the settings, so a data file changed in place is refused too.
+
+One training at a time per directory: from its settings on, a run holds the lock of its
+directory (:mod:`attnlab.train.lock`), and a second one into it is refused naming the holder.
 """
 from __future__ import annotations
 
@@ -183,13 +186,19 @@ def _check_paths(settings: dict, task) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..tasks import get_task
-    from ..train import TrainConfig, Trainer
-    from ..train.trainer import TrainingInterrupted
+    from ..train.lock import lock_run
     if not args.task:
         raise ValueError("name a task: attnlab train TASK (see attnlab train --help)")
     task = get_task(args.task)
     settings, out = resolve_settings(task, args)
     _check_paths(settings, task)
+    with lock_run(out):                 # a second run into out is refused here, before it prepares data
+        return _train(args, task, settings, out)
+
+
+def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
+    from ..train import TrainConfig, Trainer
+    from ..train.trainer import TrainingInterrupted
     print(f"preparing data ({settings['data'] or 'the embedded data set'}) ...", file=sys.stderr)
     setup = task.prepare(settings, out if args.resume else None)
     for line in setup.description:

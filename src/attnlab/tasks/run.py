@@ -21,13 +21,15 @@ or architecture and name the command that takes a checkpoint of another kind.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 from torch import Tensor, nn
 
 from ..tokenizer import Tokenizer
-from ..train.checkpoint import resolve_best, resolve_checkpoint
+from ..train.checkpoint import (BEST, OPTIMIZER_FILE, CheckpointDamaged, CheckpointWarning, resolve_best,
+                                resolve_checkpoint, resolve_resume, verify_checkpoint)
 
 __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "model_context", "write_run", "read_run", "find_checkpoint",
            "open_run",
@@ -163,19 +165,56 @@ def _has_meta(d: Path) -> bool:
     return (d / RUN_FILE).is_file() or any((d / f).is_file() for f in _FORMAT_1_FILES)
 
 
+def _verified(ckpt: Path) -> Path:
+    """``ckpt``, its files (all but the optimizer state, which inference does not read) checked
+    against its manifest; RunError naming the damaged file."""
+    try:
+        verify_checkpoint(ckpt, skip=(OPTIMIZER_FILE,))
+    except CheckpointDamaged as e:
+        raise RunError(str(e)) from None
+    return ckpt
+
+
 def find_checkpoint(path: str | Path) -> Path | None:
     """The checkpoint a run directory stands for: the directory itself if it is one, else its
     best checkpoint (:func:`attnlab.train.checkpoint.resolve_best`), else the one its ``latest`` file
-    names; None if there is none."""
+    names, else its newest other ``step-*``; None if there is none. Each is checked against its
+    manifest: a checkpoint named directly must be intact (RunError), while a run directory whose
+    best is damaged or missing gives the next intact one with a :class:`CheckpointWarning` saying
+    which and why (RunError if none is intact)."""
     path = Path(path)
-    for candidate in (path, resolve_best(path)):
-        if candidate is not None and _has_meta(candidate):
-            return candidate
+    if _has_meta(path):
+        return _verified(path)
+    order: list[Path | str] = []           # in the order of preference; a str says why one is unusable
+    best = resolve_best(path)
+    if best is not None:
+        order.append(best)
+    elif (path / BEST).is_symlink() or (path / BEST).exists():
+        order.append(f"{path / BEST} names no complete checkpoint")
     try:
-        ckpt = resolve_checkpoint(path)
-    except FileNotFoundError:
-        return None
-    return ckpt if ckpt is not None and _has_meta(ckpt) else None
+        order.append(resolve_checkpoint(path))
+    except FileNotFoundError as e:
+        order.append(str(e))
+    order += sorted((p for p in path.glob("step-*") if p.is_dir()), reverse=True) if path.is_dir() else []
+    problems, damaged = [], []
+    for candidate in dict.fromkeys(c for c in order if c is not None):
+        if isinstance(candidate, str):
+            problems.append(candidate)
+            continue
+        if not _has_meta(candidate):
+            continue
+        try:
+            _verified(candidate)
+        except RunError as e:
+            problems.append(str(e))
+            damaged.append(str(e))
+            continue
+        if problems:
+            warnings.warn(f"{'; '.join(problems)}; using {candidate} instead", CheckpointWarning)
+        return candidate
+    if damaged:
+        raise RunError(f"{damaged[0]}; {path} holds no intact checkpoint")
+    return None
 
 
 def open_run(path: str | Path) -> RunInfo:
@@ -191,8 +230,8 @@ def resume_point(run_dir: str | Path, task: str) -> RunInfo | None:
     """The checkpoint ``--resume`` continues from (the one ``latest`` names, not best/), or None
     for a directory without one. RunError if it is another task's run or of the old format."""
     try:
-        ckpt = resolve_checkpoint(run_dir)
-    except FileNotFoundError as e:
+        ckpt, _ = resolve_resume(run_dir)          # damaged checkpoints passed over: the Trainer says which
+    except (FileNotFoundError, CheckpointDamaged) as e:
         raise RunError(str(e)) from None
     if ckpt is None:
         return None
@@ -250,6 +289,7 @@ def load_model(run: RunInfo) -> nn.Module:
     file = run.path / "model.safetensors"
     if not file.is_file():
         raise RunError(f"{run.path}: no model.safetensors")
+    _verified(run.path)                          # already hashed if find_checkpoint chose it: not again
     try:
         state = load_file(str(file))
     except Exception as e:                    # safetensors raises its own error types on a damaged file

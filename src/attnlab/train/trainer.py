@@ -48,10 +48,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..nn.precision import asked_bf16, native_bf16
-from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_checkpoint, restore_rng_state
+from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
 from .interrupt import TrainingInterrupted, catch_stop_signals
+from .lock import lock_run
 from .metrics import plot_metrics
 from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
 from .schedules import SCHEDULES, BudgetFactor, BudgetPlanner, make_schedule
@@ -279,6 +280,9 @@ class Trainer:
         self._planner = BudgetPlanner(config.time_budget_s, config.budget_measure, config.budget_reserve,
                                       config.budget_evals, config.steps) if config.budget_schedule else None
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        # one run per directory, from before the manager's clean-up (which would sweep away another
+        # run's half-written checkpoint) until close(); see attnlab.train.lock
+        self._lock = lock_run(config.out_dir) if self.env.is_main else None
         self.checkpoints = CheckpointManager(config.out_dir, config.keep_last) if self.env.is_main else None
         self.metrics_path = Path(config.out_dir) / "metrics.jsonl"
         self.step = self.epoch = self.batch_pos = 0
@@ -302,7 +306,9 @@ class Trainer:
     # ------------------------------------------------------------------ resume / save
     def _resume(self, resume: bool | str | Path) -> None:
         where = self.config.out_dir if resume is True else Path(resume)
-        ckpt = resolve_checkpoint(where)
+        ckpt, skipped = resolve_resume(where)
+        for damaged, why in skipped if self.env.is_main else ():
+            log.warning("resume: skipped %s, damaged (%s); resuming from %s", damaged.name, why, ckpt.name)
         if ckpt is None:
             if resume is not True:
                 raise FileNotFoundError(f"Trainer: nothing to resume at {where} (no checkpoint, no 'latest' file)")
@@ -325,6 +331,7 @@ class Trainer:
         self._window = _Window(**state["log_window"])
         self.last_checkpoint = ckpt
         log.info("resuming from %s (step %d, epoch %d)", ckpt, self.step, self.epoch)
+        barrier(self.env)        # every rank has read the checkpoint before rank 0 removes what follows it
         if self.env.is_main:
             if ckpt.parent.resolve() == self.checkpoints.out_dir.resolve():
                 self.checkpoints.discard_after(self.step)  # the abandoned future of a killed run
@@ -599,5 +606,7 @@ class Trainer:
         return value < self.best["value"] if self.config.best_mode == "min" else value > self.best["value"]
 
     def close(self) -> None:
-        """Leave the process group if this Trainer created it."""
+        """Leave the process group if this Trainer created it, and let go of the run directory."""
         shutdown(self.env)
+        if self._lock is not None:
+            self._lock.release()
