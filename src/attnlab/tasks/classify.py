@@ -39,14 +39,15 @@ from torch import Tensor, nn
 from ..data.batching import plan_batches
 from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
 from ..tokenizer import PAD_ID, Tokenizer
+from ..train.metrics import classification_scores, format_scores
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, positive,
                    register_task, training_schedule)
+from .pretrained import load_base, native_classifier
 from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context,
                   resume_point, write_run)
 
-__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "native_classifier",
-           "encode_texts",
-           "pad_batch", "classification_scores", "format_scores"]
+__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "encode_texts", "pad_batch",
+           "text_batches", "model_length"]
 
 _M, _D = "model", "data and evaluation"
 
@@ -93,7 +94,8 @@ def pad_batch(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
     return input_ids, mask
 
 
-def _batches(ids: list[list[int]], batch_size: int, max_len: int, **plan) -> list[list[int]]:
+def text_batches(ids: list[list[int]], batch_size: int, max_len: int, **plan) -> list[list[int]]:
+    """Index lists of at most ``batch_size`` texts of similar length (:func:`attnlab.data.batching.plan_batches`)."""
     return plan_batches([len(x) for x in ids], batch_size * max_len, max_examples=batch_size, **plan)
 
 
@@ -123,7 +125,7 @@ class ClassificationTask:
 
     def plan(self, epoch: int, seed: int) -> list[dict]:
         return [self._collate(self.train_ids, self.train_y, b)
-                for b in _batches(self.train_ids, self.batch_size, self.max_len, seed=seed, epoch=epoch)]
+                for b in text_batches(self.train_ids, self.batch_size, self.max_len, seed=seed, epoch=epoch)]
 
     def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -136,7 +138,7 @@ class ClassificationTask:
     def evaluate(self, model: nn.Module) -> dict:
         device = next(model.parameters()).device
         nll, correct = 0.0, 0
-        for b in _batches(self.valid_ids, self.batch_size * 4, self.max_len, shuffle=False):
+        for b in text_batches(self.valid_ids, self.batch_size * 4, self.max_len, shuffle=False):
             batch = self._collate(self.valid_ids, self.valid_y, b)
             logits = model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).float()
             y = batch["labels"].to(device)
@@ -164,7 +166,7 @@ class LoadedClassifier:
         ids = encode_texts(self.tokenizer, texts, self.max_len)
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else PAD_ID
         device = next(self.model.parameters()).device
-        for b in _batches(ids, batch_size, self.max_len, shuffle=False):
+        for b in text_batches(ids, batch_size, self.max_len, shuffle=False):
             input_ids, mask = pad_batch([ids[i] for i in b], pad)
             yield b, input_ids.to(device), mask.to(device)
 
@@ -175,35 +177,6 @@ class LoadedClassifier:
         for b, input_ids, mask in self._runs(texts, batch_size):
             out[b] = torch.softmax(self.model(input_ids, attention_mask=mask).float(), -1).cpu()
         return out
-
-
-def classification_scores(gold: Sequence[int], pred: Sequence[int], num_classes: int) -> dict:
-    """Accuracy and macro-F1 in %, per-class precision, recall and F1 (in %, 0 for a class never
-    predicted or never present) and the confusion matrix (row = true class, column = predicted)."""
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
-    for g, p in zip(gold, pred):
-        confusion[g, p] += 1
-    tp = confusion.diag().double()
-    predicted, actual = confusion.sum(0).double(), confusion.sum(1).double()
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12),
-                     torch.zeros_like(tp))
-    n = int(confusion.sum())
-    return {"n": n, "accuracy": 100.0 * float(tp.sum()) / max(n, 1), "macro_f1": 100.0 * float(f1.mean()),
-            "precision": (100 * precision).tolist(), "recall": (100 * recall).tolist(), "f1": (100 * f1).tolist(),
-            "support": actual.long().tolist(), "confusion": confusion}
-
-
-def format_scores(scores: dict, labels: Sequence[str]) -> str:
-    """The scores as ``attnlab eval`` prints them: a summary line and a per-class table."""
-    width = max(8, *(len(x) for x in labels))
-    rows = [f"accuracy {scores['accuracy']:.2f}%  macro-F1 {scores['macro_f1']:.2f}",
-            f"  {'class':<{width}}  precision  recall     F1  support"]
-    for i, label in enumerate(labels):
-        rows.append(f"  {label:<{width}}  {scores['precision'][i]:9.2f}  {scores['recall'][i]:6.2f}  "
-                    f"{scores['f1'][i]:5.2f}  {scores['support'][i]:7d}")
-    return "\n".join(rows)
 
 
 def _device(device):
@@ -362,7 +335,7 @@ class Classify(TaskDefinition):
             labels = sort_labels(y for _, y in train)
             model, tok = (self._pretrained(s, labels) if s["init"] is not None
                           else self._scratch(s, d, [x for x, _ in train], labels))
-        max_len = min(s["max_len"], _context(model))
+        max_len = min(s["max_len"], model_length(model))
         task = ClassificationTask(model, tok, labels, train, valid, batch_size=d["batch_size"], max_len=max_len)
         lines = [f"data: {'the embedded sentiment reviews' if s['data'] is None else s['data']}: {len(train):,} "
                  f"training texts, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")
@@ -439,96 +412,9 @@ class Classify(TaskDefinition):
 CLASSIFY = register_task(Classify())
 
 
-def _context(model: nn.Module) -> int:
+def model_length(model: nn.Module) -> int:
     """The longest input the model takes (its position table; no limit: a very large number)."""
     return model_context(model) or 1 << 30
-
-
-def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
-    """(a pretrained model of kind "base", its tokenizer) from a Hugging Face model directory or an
-    attnlab run. A checkpoint with a head (BertForMaskedLM, GPT2LMHeadModel) gives its family's
-    base architecture with the weights under the head architecture's prefix; a fine-tuned
-    EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
-    from ..hub import from_pretrained
-    from ..models.classifier import EncoderClassifier
-    from ..models.pretrained import read_config, read_weights, to_hf_state_dict
-    from ..models.registry import architecture_of
-    from ..tokenizer import load_tokenizer
-    info = inspect_path(path)
-    where = f"{flag} {path}: {info.describe()}".lstrip()
-    if info.kind == "run":
-        model = load_model(info.run)
-        toks = load_tokenizers(info.run)
-        tok = toks.get("text") or next(iter(toks.values()))
-        if isinstance(model, EncoderClassifier):
-            return model.encoder, tok
-        arch = architecture_of(model)
-        if arch.kind == "base":
-            return model, tok
-        return _base_from(arch, model.config, to_hf_state_dict(model) if arch.family.hf else {}, where), tok
-    arch, config, _ = read_config(path)
-    tok = load_tokenizer(path)
-    if arch.kind == "base":
-        return from_pretrained(path).train(), tok
-    return _base_from(arch, config, read_weights(path), where), tok
-
-
-def native_classifier(base: nn.Module, labels: Sequence[str], dropout: float | None = None) -> nn.Module:
-    """``base``'s family's own sequence classifier (kind "classifier": transformers' layout, such as
-    BertForSequenceClassification) holding ``base``'s weights, with a new head for ``labels``
-    (saved in the config as ``id2label``) and ``dropout`` before it."""
-    from dataclasses import fields, replace
-    from ..models.registry import architecture_of
-    arch = architecture_of(base)
-    head = next((a for a in arch.family.architectures.values() if a.kind == "classifier"), None)
-    if head is None:
-        raise RunError(f"--head native: the {arch.model_type} family has no sequence-classification model; "
-                       "use --head pooling")
-    names = {f.name for f in fields(base.config)}
-    changes = {k: v for k, v in (("num_labels", len(labels)), ("id2label", dict(enumerate(labels))),
-                                 ("classifier_dropout", dropout)) if k in names and v is not None}
-    if "num_labels" not in changes:
-        raise RunError(f"--head native: {head.name}'s configuration takes no number of labels; use --head pooling")
-    model = head.build(replace(base.config, **changes))
-    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
-    fresh = {n for n, _ in model.named_parameters()} - set(base.state_dict())
-    if unexpected or not set(missing) <= fresh:
-        raise RunError(f"--head native: {arch.name}'s weights do not fit {head.name} "
-                       f"(unexpected {sorted(unexpected)[:3]}, missing {sorted(set(missing) - fresh)[:3]})")
-    return model
-
-
-def _base_from(arch, config, checkpoint: dict[str, Tensor], where: str) -> nn.Module:
-    """The family's base architecture built from ``config``, with the base's weights from a
-    checkpoint of ``arch`` (a model with a head, whose base keys sit under ``arch.prefix``).
-    Weights the checkpoint lacks keep their fresh initialisation only if the base's output does
-    not depend on them (a pooler that a masked-LM checkpoint leaves out, as transformers allows);
-    any other missing weight is an error."""
-    from ..models.convert import convert
-    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
-    base_arch = next((a for a in arch.family.architectures.values() if a.kind == "base"), None)
-    if base_arch is None or not arch.prefix:
-        raise RunError(f"{where}, whose family has no base encoder to fine-tune (a registered architecture of "
-                       f"kind 'base')")
-    base = base_arch.build(config)
-    tensors = {k[len(arch.prefix):]: v for k, v in checkpoint.items() if k.startswith(arch.prefix)}
-    fill = {k: v for k, v in to_hf_state_dict(base).items() if k not in tensors}
-    if fill:
-        needed = sorted(set(convert(fill, base_arch.weight_map, base.config, to_hf=False)[0]) & _used(base))
-        if needed:
-            raise RunError(f"{where}: the checkpoint lacks weights its encoder uses: {', '.join(needed[:5])}")
-    state = from_hf_state_dict(base, {**fill, **tensors}, base_arch.load_rules, base_arch.skip_on_load)
-    base.load_state_dict(state, strict=False)
-    return base
-
-
-def _used(model: nn.Module) -> set[str]:
-    """The names of the parameters that the model's output depends on (those a gradient reaches)."""
-    model.zero_grad(set_to_none=True)
-    model(torch.zeros(1, 2, dtype=torch.long)).float().sum().backward()
-    used = {name for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return used
 
 
 def load_classifier(path: str | Path, device: str | torch.device | None = None) -> LoadedClassifier:
