@@ -157,12 +157,14 @@ def _write_saved(out: Path, task, settings: dict) -> None:
     write_text_atomic(out / CONFIG_FILE, f"# the resolved settings of this run (attnlab train {task.name})\n{text}")
 
 
-def _check_paths(settings: dict) -> None:
+def _check_paths(settings: dict, task) -> None:
     for key in ("data", "valid"):
         path = settings.get(key)
         if path is None:
             continue
         if Path(path).is_dir():
+            if task.reads_directories:
+                continue
             raise ValueError(f"--{key} {path}: a directory; give a file")
         if not Path(path).is_file():
             raise FileNotFoundError(f"--{key} {path}: no such file")
@@ -184,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("name a task: attnlab train TASK (see attnlab train --help)")
     task = get_task(args.task)
     settings, out = resolve_settings(task, args)
-    _check_paths(settings)
+    _check_paths(settings, task)
     print(f"preparing data ({settings['data'] or 'the embedded data set'}) ...", file=sys.stderr)
     setup = task.prepare(settings, out if args.resume else None)
     for line in setup.description:

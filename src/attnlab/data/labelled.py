@@ -222,8 +222,9 @@ def _table_examples(path: str, fmt: str, text_column, label_column, out: Example
         text_at, label_at = _headerless_columns(path, rows, width, text_column, label_column)
         values = len({f[label_at].strip() for _, f in rows if isinstance(f, list) and len(f) == width})
         texts = ", ".join(str(i + 1) for i in text_at)
+        plural = "s" if len(text_at) > 1 else ""
         out.layout = (f"no header line (its first line names no column, so it is data): column {label_at + 1} is the "
-                      f"label ({values} values), column{'s' if len(text_at) > 1 else ''} {texts} the text")
+                      f"label ({values} distinct), column{plural} {texts} the text")
     for number, fields in rows:
         if fields is None or isinstance(fields, DataFormatError):
             if fields is not None:

@@ -207,6 +207,7 @@ class TaskDefinition:
     kind: ClassVar[str]                           # the model kind it trains, as the model registry says it
     options: ClassVar[list[Option]] = []
     eval_options: ClassVar[list[Option] | None] = None     # None: `attnlab eval` does not take this task
+    reads_directories: ClassVar[bool] = False     # --data/--valid may name a directory (its usual file names)
 
     def all_options(self) -> list[Option]:
         return TRAINING_OPTIONS + self.options

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.batching import plan_batches
+from ..data.sniff import data_directory, describe_file, scored_file
 from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
 from ..tokenizer import PAD_ID, Tokenizer
 from ..train.metrics import classification_scores, format_scores
@@ -68,6 +69,7 @@ EMBEDDED_SIZES = dict(tokenizer="word", vocab_size=None, d_model=64, heads=4, la
 INIT_SIZES = dict(dropout=0.1, batch_size=32, lr=5e-5, warmup=200, steps=None)
 BUDGET_EVALS = 4
 BUDGET_MEASURE_STEPS = 100   # steps whose speed sizes a --time-budget schedule
+DATA_EXTENSIONS = (".tsv", ".csv", ".jsonl", ".json")
 _SCRATCH_ONLY = ("tokenizer", "vocab_size", "d_model", "heads", "layers", "d_ff")
 
 
@@ -199,6 +201,7 @@ def read_examples(path: str, s: dict, labels: list[str] | None = None) -> Exampl
 class Classify(TaskDefinition):
     name = "classify"
     kind = "classifier"
+    reads_directories = True          # --data DIR: its train.tsv and dev.tsv (see data_directory)
     help = "a text classifier: the chapter's self-attention classifier from scratch, or a fine-tuned encoder"
     example = ("attnlab train classify --steps 300 --out runs/sentiment\n"
                "  attnlab train classify --data train.tsv --valid dev.tsv --time-budget 14\n"
@@ -257,6 +260,7 @@ class Classify(TaskDefinition):
         if s["valid"] is not None and s["data"] is None:
             raise ValueError("--valid: give the training data too (--data FILE); the embedded data set has its own "
                              "validation split")
+        s["data"], s["valid"] = data_directory(s["data"], s["valid"], DATA_EXTENSIONS)
 
     def _sizes(self, s: dict, n_texts: int) -> dict:
         if s["init"] is not None:
@@ -278,21 +282,32 @@ class Classify(TaskDefinition):
         return dict(t, budget_measure=BUDGET_MEASURE_STEPS)
 
     # ------------------------------------------------------------------ data and model
-    def _data(self, s: dict) -> tuple[list, list, list, int]:
+    def _data(self, s: dict) -> tuple[list, list, list, list[str]]:
+        """(train, valid, test) (text, label) lists and what to say about them: how each file was
+        read and what was skipped."""
         if s["data"] is None:
             train, valid, test = sentiment_corpus(seed=s["seed"])
-            return train, valid, test, 0
+            return train, valid, test, []
         ex = read_examples(s["data"], s)
-        train = list(zip(ex.texts, ex.labels))
+        labels = sort_labels(ex.labels)
+        if len(labels) < 2:
+            raise ValueError(f"{s['data']}: every one of its {len(ex):,} examples has the label {labels[0]!r}; a "
+                             f"classifier needs two labels or more ({ex.layout}; name the label column with "
+                             "--label-column)")
+        train, notes = list(zip(ex.texts, ex.labels)), [f"{s['data']}: {ex.layout}"]
+        skipped = ex.skipped
         if s["valid"]:
-            labels = sort_labels(ex.labels)
             v = read_examples(s["valid"], s, labels)
-            return train, list(zip(v.texts, v.labels)), [], ex.skipped + v.skipped
+            notes.append(f"{s['valid']}: {v.layout}")
+            return train, list(zip(v.texts, v.labels)), [], notes + _skipped(skipped + v.skipped)
+        if len(train) < 2:
+            raise ValueError(f"{s['data']}: {len(train)} example: too few to hold out validation examples and train; "
+                             "give --valid FILE")
         order = list(range(len(train)))
         random.Random(s["seed"]).shuffle(order)
         held = set(order[:min(2000, max(1, len(train) // 20))])
         return ([p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held],
-                [], ex.skipped)
+                [], notes + _skipped(skipped))
 
     def _pretrained(self, s: dict, labels: list[str]) -> tuple[nn.Module, Tokenizer]:
         """The ``--init`` encoder with a new head, and its tokenizer."""
@@ -316,7 +331,7 @@ class Classify(TaskDefinition):
         return fam.for_kind(self.kind).build(config), tok
 
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
-        train, valid, test, skipped = self._data(s)
+        train, valid, test, notes = self._data(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         d = self._sizes(s, len(train))
         if s["init"] is None:
@@ -339,9 +354,7 @@ class Classify(TaskDefinition):
         task = ClassificationTask(model, tok, labels, train, valid, batch_size=d["batch_size"], max_len=max_len)
         lines = [f"data: {'the embedded sentiment reviews' if s['data'] is None else s['data']}: {len(train):,} "
                  f"training texts, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")
-                 + f"; labels: {', '.join(labels)}"]
-        if skipped:
-            lines.append(f"skipped {skipped} malformed lines")
+                 + f"; labels: {', '.join(labels)}", *notes]
         lines.append(self._describe_model(s, d, model, tok, saved))
         lines += [f"batches: {d['batch_size']} texts of similar length, at most {max_len} tokens each",
                   describe_training(s, t)]
@@ -398,11 +411,19 @@ class Classify(TaskDefinition):
             raise RunError(f"{path}: {info.describe()}; 'attnlab eval' scores a classify run, which knows its label "
                            f"names (fine-tune this model with: attnlab train classify --init {path} --data FILE)")
         clf = self.load(info.run, device, dtype)
-        ex = read_examples(data, settings, clf.labels)
+        data = scored_file(data, DATA_EXTENSIONS)
+        try:
+            ex = read_examples(data, settings, clf.labels)
+        except ValueError as e:
+            shape = describe_file(data)
+            if shape.kind != "pairs" or "does not occur in the training data" not in str(e):
+                raise
+            raise ValueError(f"{data}: {shape.description}, which a translation run reads ('attnlab eval' of a "
+                             f"translate run); this classify run scores texts labelled {', '.join(clf.labels)}") from None
         texts, labels = ex.texts[: settings["limit"]], ex.labels[: settings["limit"]]
         pred = clf.probabilities(texts).argmax(-1).tolist()
         scores = classification_scores([clf.labels.index(y) for y in labels], pred, len(clf.labels))
-        print(f"{data}: {len(texts)} texts")
+        print(f"{data}: {len(texts)} texts ({ex.layout})")
         print(format_scores(scores, clf.labels))
         if settings["plot"]:
             from ..viz.confusion import plot_confusion
@@ -410,6 +431,10 @@ class Classify(TaskDefinition):
 
 
 CLASSIFY = register_task(Classify())
+
+
+def _skipped(n: int) -> list[str]:
+    return [f"skipped {n} malformed lines"] if n else []
 
 
 def model_length(model: nn.Module) -> int:
