@@ -9,7 +9,7 @@ File formats, chosen by the file's extension:
 A TSV or CSV may start with a header line. The first row is a header only if it names the
 columns: it holds one of :data:`TEXT_COLUMNS` or :data:`LABEL_COLUMNS`, or the name given as
 ``text_column`` / ``label_column``. Otherwise it is data (AG News and many other sets come
-without a header): the label is the column with the fewest distinct values (the last of equals),
+without a header): the label is the column with the fewest distinct values (of equals, the shorter),
 the text is the other columns joined by a space, and ``text_column`` / ``label_column`` may name
 columns by their 1-based number instead. :attr:`Examples.layout` says which reading was chosen.
 
@@ -239,13 +239,14 @@ def _table_examples(path: str, fmt: str, text_column, label_column, out: Example
 
 def _headerless_columns(path: str, rows: list, width: int, text_column, label_column) -> tuple[list[int], int]:
     """(text columns, label column) of a headerless file: as numbered, else the label is the column
-    with the fewest distinct values (the last of equals) and the text the others."""
+    with the fewest distinct values (of equals, the shorter, then the last) and the text the others."""
     label_at = _index(path, label_column, width, "label")
     text_given = _index(path, text_column, width, "text")
     if label_at is None:
         whole = [f for _, f in rows if isinstance(f, list) and len(f) == width]
         candidates = [i for i in range(width) if i != text_given]
-        label_at = min(reversed(candidates), key=lambda i: len({f[i].strip() for f in whole}))
+        label_at = min(reversed(candidates), key=lambda i: (len({f[i].strip() for f in whole}),
+                                                             sum(len(f[i]) for f in whole)))
     text_at = [text_given] if text_given is not None else [i for i in range(width) if i != label_at]
     if label_at in text_at:
         raise ValueError(f"{path}: --text-column and --label-column name the same column, {label_at + 1}")
