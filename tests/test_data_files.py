@@ -81,9 +81,11 @@ def test_the_data_shapes_users_bring_all_train(tmp_path, capsys):
     (tmp_path / "ag.tsv").write_text("".join(f"{t}\t{y}\n" for t, y in NEWS * 4))
     with open(tmp_path / "multi.csv", "w", newline="") as out:
         csv.writer(out).writerows([["text", "label"]] + [[f"{t}\nmore", y] for t, y in NEWS * 4])
-    (tmp_path / "big.csv").write_text("text,label\n" + "x" * 140_000 + ",1\n" + "".join(f"{t},{y}\n" for t, y in NEWS * 4))
+    rows = "".join(f"{t},{y}\n" for t, y in NEWS * 4)
+    (tmp_path / "big.csv").write_text("text,label\n" + "x" * 140_000 + ",1\n" + rows)
     for name in ("ag.tsv", "multi.csv", "big.csv"):
-        code, out = _cli(capsys, "train", "classify", "--data", tmp_path / name, "--out", tmp_path / name[:3], *TINY_CLS)
+        code, out = _cli(capsys, "train", "classify", "--data", tmp_path / name, "--out", tmp_path / name[:3],
+                         *TINY_CLS)
         assert code == 0, out
         assert "labels: 1, 2, 3, 4" in out
     assert "no header line" in _cli(capsys, "eval", tmp_path / "ag.", "--data", tmp_path / "ag.tsv")[1]
@@ -101,7 +103,9 @@ def test_eval_names_the_task_whose_file_it_was_given(tmp_path, capsys):
     pairs.write_text("".join(f"{a} cat\tcat {a}\n" for a in ("one", "two", "three", "four")) * 3)
     labelled = tmp_path / "labelled.tsv"
     labelled.write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in NEWS * 50))
-    assert _cli(capsys, "train", "translate", "--data", pairs, "--valid", pairs, "--out", tmp_path / "tr", *TINY_TR)[0] == 0
+    code, out = _cli(capsys, "train", "translate", "--data", pairs, "--valid", pairs, "--out", tmp_path / "tr",
+                     *TINY_TR)
+    assert code == 0, out
     code, out = _cli(capsys, "eval", tmp_path / "tr", "--data", labelled)
     assert code == 2 and "labelled texts (a header line naming the columns sentence, label)" in out
     assert "which a classify run reads" in out and "BLEU" not in out
@@ -153,7 +157,8 @@ def test_a_directory_gives_its_usual_split_files(tmp_path):
     (tmp_path / "notes.md").write_text("")
     assert split_files(tmp_path, (".tsv",)) == {"train": str(tmp_path / "train.de-en.tsv"),
                                                 "valid": str(tmp_path / "dev.tsv"), "test": str(tmp_path / "test.tsv")}
-    assert data_directory(str(tmp_path), None, (".tsv",)) == (str(tmp_path / "train.de-en.tsv"), str(tmp_path / "dev.tsv"))
+    assert data_directory(str(tmp_path), None, (".tsv",)) == (str(tmp_path / "train.de-en.tsv"),
+                                                              str(tmp_path / "dev.tsv"))
     assert data_directory(str(tmp_path), "mine.tsv", (".tsv",))[1] == "mine.tsv"
     (tmp_path / "train.tsv").write_text("a\tb\n")
     with pytest.raises(ValueError, match=r"2 train files \(train.de-en.tsv, train.tsv\)"):

@@ -113,7 +113,8 @@ def text_file_corpus(path: str, valid: str | None = None, valid_fraction: float 
 
 
 def _directory_corpus(directory: str, valid: str | None, valid_fraction: float) -> TextCorpus:
-    names = sorted(n for n in os.listdir(directory) if n.endswith(".txt") and os.path.isfile(os.path.join(directory, n)))
+    names = sorted(n for n in os.listdir(directory)
+                   if n.endswith(".txt") and os.path.isfile(os.path.join(directory, n)))
     if not names:
         raise ValueError(f"--data {directory}: a directory without a .txt file")
     split = {n: next((k for k, stems in SPLIT_NAMES.items() if n.split(".")[0].lower() in stems), "train")
@@ -130,7 +131,10 @@ def _directory_corpus(directory: str, valid: str | None, valid_fraction: float) 
         held = train[5::10] or train[-1:]
         train = [n for n in train if n not in held]
     texts = {n: read_text_file(os.path.join(directory, n)) for n in train + held}
-    valid_texts, valid_names = ([read_text_file(valid)], [valid]) if valid is not None else ([texts[n] for n in held], held)
+    if valid is not None:
+        valid_texts, valid_names = [read_text_file(valid)], [valid]
+    else:
+        valid_texts, valid_names = [texts[n] for n in held], held
     left = [n for n in names if split[n] == "test"]
     source = (f"{directory}: {len(train)} training file(s) ({_listed(train)}), validation {_listed(valid_names)}"
               + (f", left out {_listed(left)}" if left else ""))

@@ -419,7 +419,8 @@ class Classify(TaskDefinition):
             if shape.kind != "pairs" or "does not occur in the training data" not in str(e):
                 raise
             raise ValueError(f"{data}: {shape.description}, which a translation run reads ('attnlab eval' of a "
-                             f"translate run); this classify run scores texts labelled {', '.join(clf.labels)}") from None
+                             f"translate run); this classify run scores texts labelled "
+                             f"{', '.join(clf.labels)}") from None
         texts, labels = ex.texts[: settings["limit"]], ex.labels[: settings["limit"]]
         pred = clf.probabilities(texts).argmax(-1).tolist()
         scores = classification_scores([clf.labels.index(y) for y in labels], pred, len(clf.labels))
