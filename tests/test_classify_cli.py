@@ -12,7 +12,8 @@ import torch
 from attnlab.cli import main
 from attnlab.data.labelled import read_labelled, sort_labels
 from attnlab.tasks import open_run
-from attnlab.tasks.classify import classification_scores, load_classifier
+from attnlab.tasks.classify import load_classifier
+from attnlab.train.metrics import classification_scores
 from _toy_encoder import REVIEWS, pretrained_dir, toy_encoder_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--no-progress"]

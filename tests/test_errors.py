@@ -133,7 +133,11 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         (Path("tr/best").resolve() / "run.json").write_text("[1,")
         return cli("translate", "tr", "one cat")
     if name == "data-dir":
-        return cli("train", "lm", "--data", ".", "--out", "r")
+        return cli("train", "mlm", "--data", ".", "--out", "r")
+    if name == "data-dir-no-split":
+        Path("notes").mkdir()
+        Path("notes/readme.md").write_text("notes")
+        return cli("train", "classify", "--data", "notes", "--out", "r")
     if name == "data-missing":
         return cli("train", "lm", "--data", "missing.txt", "--out", "r")
     if name == "data-unreadable":
@@ -152,6 +156,8 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
     if name == "tsv-malformed":
         Path("bad.tsv").write_text("one cat\tcat one\nno tab here\n")
         return cli("eval", "tr", "--data", "bad.tsv")
+    if name.startswith(("eval-labelled", "eval-pairs", "translate-header", "translate-one", "translate-over")):
+        return _file_probe(name, cli)
     if name.startswith(("classify-", "init-", "embed-", "head-", "export-")):
         return _classify_probe(name, cli)
     if name == "mlm-no-sentences":
@@ -237,11 +243,17 @@ def _classify_probe(name: str, cli) -> tuple[int, str, str]:
              "classify-jsonl-array": ("list.jsonl", "[1, 2]\n"),
              "classify-fields": ("ragged.tsv", "text\tlabel\ngood\tpos\nbad\tneg\textra\n"),
              "classify-empty-text": ("blank.csv", 'text,label\n"",pos\n'),
-             "classify-format": ("reviews.txt", "good\tpos\n")}
+             "classify-format": ("reviews.txt", "good\tpos\n"),
+             "classify-headerless": ("ag.tsv", "".join(f"{w} news story {i}\t{i % 4 + 1}\n" for i, w in
+                                                        enumerate(["world", "sport", "trade", "tech"] * 3))),
+             "classify-csv-line-break": ("multi.csv", 'text,label\n"a great\nfilm",pos\n"dull, slow",neg\n' * 4),
+             "classify-csv-big-field": ("big.csv", "text,label\n" + "great " * 34_000 + "film,pos\n"
+                                       + "great film,pos\ndull,neg\n" * 4),
+             "classify-one-label": ("one.tsv", "text\tlabel\n" + "a great film\tpos\n" * 4)}
     if name in files:
         file, content = files[name]
         Path(file).write_text(content)
-        return cli("train", "classify", "--data", file, "--out", "r")
+        return cli("train", "classify", "--data", file, "--out", "r", *TINY_CLS)
     if name == "classify-unknown-column":
         return cli("train", "classify", "--data", "reviews.tsv", "--label-column", "stars", "--out", "r")
     if name == "classify-valid-label":
@@ -277,6 +289,26 @@ def _classify_probe(name: str, cli) -> tuple[int, str, str]:
         return cli("embed", "cls", "a text", "--out", "vectors.txt")
     if name == "embed-translation":
         return cli("embed", "tr", "a text")
+    raise AssertionError(f"docs/errors.md names the probe {name!r}, which tests/test_errors.py does not run")
+
+
+def _file_probe(name: str, cli) -> tuple[int, str, str]:
+    """Another task's file given to 'attnlab eval', and training files that leave no training pair."""
+    if name == "eval-labelled-as-pairs":
+        return cli("eval", "tr", "--data", "reviews.tsv")
+    if name == "eval-pairs-as-labelled":
+        return cli("eval", "cls", "--data", "pairs.tsv")
+    if name == "eval-labelled-as-text":
+        return cli("eval", "lm", "--data", "reviews.tsv")
+    if name == "translate-header-only":
+        Path("header.tsv").write_text("source\ttarget\n")
+        return cli("train", "translate", "--data", "header.tsv", "--out", "r", *TINY_TR)
+    if name == "translate-one-long-line":
+        Path("huge.tsv").write_text("x" * 10_000_000 + "\ty\n")
+        return cli("train", "translate", "--data", "huge.tsv", "--out", "r", *TINY_TR)
+    if name == "translate-over-max-len":
+        return cli("train", "translate", "--data", "pairs.tsv", "--valid", "pairs.tsv", "--max-len", "1", "--out", "r",
+                   *TINY_TR)
     raise AssertionError(f"docs/errors.md names the probe {name!r}, which tests/test_errors.py does not run")
 
 

@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run directory or checkpoint, or a Hugging Face model directory")
     p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
                    "source<TAB>reference; language model: a UTF-8 text file; classifier: a TSV, CSV or JSON-lines file "
-                   "with the run's text and label columns; masked LM: documents separated by blank lines)")
+                   "with the run's text and label columns; masked LM: documents separated by blank lines); for a "
+                   "translation or classify run also a directory, whose test.tsv (else its dev or valid file) is "
+                   "scored. A file of another task's layout is refused, naming the task that reads it")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default=None,
                    help="precision of the large Linear layers' products (bf16 weight copies, fp32 activations); "

@@ -8,7 +8,10 @@ for validation, so training and validation share no file. It is deterministic fo
 version (another version has another standard library). Each file is one document: an EOS
 token follows it. A text file (``--data``) is one document, split as nanoGPT splits
 Shakespeare: the first 90% of its characters train, the last 10% validate (or a separate
-``valid`` file).
+``valid`` file). A directory (``--data DIR``) is its ``*.txt`` files, sorted by name, each one
+document: ``valid.txt`` (or ``dev.txt``, ``validation.txt``) validates, ``test.txt`` is left out,
+the rest train; without a validation file every 10th training file validates, and a lone file
+is split as above.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .files import DataFormatError
+from .sniff import SPLIT_NAMES
 
 __all__ = ["TextCorpus", "stdlib_corpus", "read_text_file", "text_file_corpus", "encode_documents"]
 
@@ -94,7 +98,10 @@ def read_text_file(path: str | os.PathLike) -> str:
 
 
 def text_file_corpus(path: str, valid: str | None = None, valid_fraction: float = 0.1) -> TextCorpus:
-    """One text file: its last ``valid_fraction`` of characters validate, unless ``valid`` names a file."""
+    """One text file: its last ``valid_fraction`` of characters validate, unless ``valid`` names a
+    file; a directory: its text files (module docstring)."""
+    if os.path.isdir(path):
+        return _directory_corpus(path, valid, valid_fraction)
     text = read_text_file(path)
     if not text.strip():
         raise ValueError(f"{path}: the file is empty")
@@ -103,6 +110,39 @@ def text_file_corpus(path: str, valid: str | None = None, valid_fraction: float 
     cut = int(len(text) * (1.0 - valid_fraction))
     return TextCorpus([text[:cut]], [text[cut:]], [path], [f"{path} (last {valid_fraction:.0%})"],
                       path, eos_between=False)
+
+
+def _directory_corpus(directory: str, valid: str | None, valid_fraction: float) -> TextCorpus:
+    names = sorted(n for n in os.listdir(directory)
+                   if n.endswith(".txt") and os.path.isfile(os.path.join(directory, n)))
+    if not names:
+        raise ValueError(f"--data {directory}: a directory without a .txt file")
+    split = {n: next((k for k, stems in SPLIT_NAMES.items() if n.split(".")[0].lower() in stems), "train")
+             for n in names}
+    train = [n for n in names if split[n] == "train"]
+    held = [n for n in names if split[n] == "valid"]
+    if not train:
+        raise ValueError(f"--data {directory}: no training text (its .txt files are {', '.join(names)})")
+    if valid is None and not held:
+        if len(train) == 1:
+            corpus = text_file_corpus(os.path.join(directory, train[0]), None, valid_fraction)
+            return TextCorpus(corpus.train, corpus.valid, corpus.train_names, corpus.valid_names,
+                              f"{directory}: {corpus.source}", eos_between=False)
+        held = train[5::10] or train[-1:]
+        train = [n for n in train if n not in held]
+    texts = {n: read_text_file(os.path.join(directory, n)) for n in train + held}
+    if valid is not None:
+        valid_texts, valid_names = [read_text_file(valid)], [valid]
+    else:
+        valid_texts, valid_names = [texts[n] for n in held], held
+    left = [n for n in names if split[n] == "test"]
+    source = (f"{directory}: {len(train)} training file(s) ({_listed(train)}), validation {_listed(valid_names)}"
+              + (f", left out {_listed(left)}" if left else ""))
+    return TextCorpus([texts[n] for n in train], valid_texts, train, valid_names, source, eos_between=True)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def encode_documents(tokenizer, documents: Sequence[str], eos_between: bool) -> Tensor:

@@ -210,6 +210,7 @@ class TaskDefinition:
     options: ClassVar[list[Option]] = []
     eval_options: ClassVar[list[Option] | None] = None     # None: `attnlab eval` does not take this task
     data_paths: ClassVar[tuple[str, ...]] = ("file",)     # what --data / --valid name: "file", "directory"
+                                                          # (a directory: its usual file names)
     data_help: ClassVar[str] = "a data file"              # what they hold, for messages
 
     def all_options(self) -> list[Option]:

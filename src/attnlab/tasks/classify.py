@@ -37,16 +37,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.batching import plan_batches
+from ..data.sniff import data_directory, describe_file, scored_file
 from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
 from ..tokenizer import PAD_ID, Tokenizer
+from ..train.metrics import classification_scores, format_scores
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, positive,
                    register_task, training_schedule)
+from .pretrained import load_base, native_classifier
 from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context,
                   resume_point, write_run)
 
-__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "load_base", "native_classifier",
-           "encode_texts",
-           "pad_batch", "classification_scores", "format_scores"]
+__all__ = ["ClassificationTask", "Classify", "LoadedClassifier", "load_classifier", "encode_texts", "pad_batch",
+           "text_batches", "model_length"]
 
 _M, _D = "model", "data and evaluation"
 
@@ -67,6 +69,7 @@ EMBEDDED_SIZES = dict(tokenizer="word", vocab_size=None, d_model=64, heads=4, la
 INIT_SIZES = dict(dropout=0.1, batch_size=32, lr=5e-5, warmup=200, steps=None)
 BUDGET_EVALS = 4
 BUDGET_MEASURE_STEPS = 100   # steps whose speed sizes a --time-budget schedule
+DATA_EXTENSIONS = (".tsv", ".csv", ".jsonl", ".json")
 _SCRATCH_ONLY = ("tokenizer", "vocab_size", "d_model", "heads", "layers", "d_ff")
 
 
@@ -93,7 +96,8 @@ def pad_batch(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
     return input_ids, mask
 
 
-def _batches(ids: list[list[int]], batch_size: int, max_len: int, **plan) -> list[list[int]]:
+def text_batches(ids: list[list[int]], batch_size: int, max_len: int, **plan) -> list[list[int]]:
+    """Index lists of at most ``batch_size`` texts of similar length (:func:`attnlab.data.batching.plan_batches`)."""
     return plan_batches([len(x) for x in ids], batch_size * max_len, max_examples=batch_size, **plan)
 
 
@@ -123,7 +127,7 @@ class ClassificationTask:
 
     def plan(self, epoch: int, seed: int) -> list[dict]:
         return [self._collate(self.train_ids, self.train_y, b)
-                for b in _batches(self.train_ids, self.batch_size, self.max_len, seed=seed, epoch=epoch)]
+                for b in text_batches(self.train_ids, self.batch_size, self.max_len, seed=seed, epoch=epoch)]
 
     def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -136,7 +140,7 @@ class ClassificationTask:
     def evaluate(self, model: nn.Module) -> dict:
         device = next(model.parameters()).device
         nll, correct = 0.0, 0
-        for b in _batches(self.valid_ids, self.batch_size * 4, self.max_len, shuffle=False):
+        for b in text_batches(self.valid_ids, self.batch_size * 4, self.max_len, shuffle=False):
             batch = self._collate(self.valid_ids, self.valid_y, b)
             logits = model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).float()
             y = batch["labels"].to(device)
@@ -164,7 +168,7 @@ class LoadedClassifier:
         ids = encode_texts(self.tokenizer, texts, self.max_len)
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else PAD_ID
         device = next(self.model.parameters()).device
-        for b in _batches(ids, batch_size, self.max_len, shuffle=False):
+        for b in text_batches(ids, batch_size, self.max_len, shuffle=False):
             input_ids, mask = pad_batch([ids[i] for i in b], pad)
             yield b, input_ids.to(device), mask.to(device)
 
@@ -175,35 +179,6 @@ class LoadedClassifier:
         for b, input_ids, mask in self._runs(texts, batch_size):
             out[b] = torch.softmax(self.model(input_ids, attention_mask=mask).float(), -1).cpu()
         return out
-
-
-def classification_scores(gold: Sequence[int], pred: Sequence[int], num_classes: int) -> dict:
-    """Accuracy and macro-F1 in %, per-class precision, recall and F1 (in %, 0 for a class never
-    predicted or never present) and the confusion matrix (row = true class, column = predicted)."""
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
-    for g, p in zip(gold, pred):
-        confusion[g, p] += 1
-    tp = confusion.diag().double()
-    predicted, actual = confusion.sum(0).double(), confusion.sum(1).double()
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12),
-                     torch.zeros_like(tp))
-    n = int(confusion.sum())
-    return {"n": n, "accuracy": 100.0 * float(tp.sum()) / max(n, 1), "macro_f1": 100.0 * float(f1.mean()),
-            "precision": (100 * precision).tolist(), "recall": (100 * recall).tolist(), "f1": (100 * f1).tolist(),
-            "support": actual.long().tolist(), "confusion": confusion}
-
-
-def format_scores(scores: dict, labels: Sequence[str]) -> str:
-    """The scores as ``attnlab eval`` prints them: a summary line and a per-class table."""
-    width = max(8, *(len(x) for x in labels))
-    rows = [f"accuracy {scores['accuracy']:.2f}%  macro-F1 {scores['macro_f1']:.2f}",
-            f"  {'class':<{width}}  precision  recall     F1  support"]
-    for i, label in enumerate(labels):
-        rows.append(f"  {label:<{width}}  {scores['precision'][i]:9.2f}  {scores['recall'][i]:6.2f}  "
-                    f"{scores['f1'][i]:5.2f}  {scores['support'][i]:7d}")
-    return "\n".join(rows)
 
 
 def _device(device):
@@ -226,6 +201,7 @@ def read_examples(path: str, s: dict, labels: list[str] | None = None) -> Exampl
 class Classify(TaskDefinition):
     name = "classify"
     kind = "classifier"
+    data_paths = ("file", "directory")     # --data DIR: its train.tsv and dev.tsv (see data_directory)
     help = "a text classifier: the chapter's self-attention classifier from scratch, or a fine-tuned encoder"
     example = ("attnlab train classify --steps 300 --out runs/sentiment\n"
                "  attnlab train classify --data train.tsv --valid dev.tsv --time-budget 14\n"
@@ -293,6 +269,7 @@ class Classify(TaskDefinition):
             raise ValueError("--valid: give the training data too (--data FILE); the embedded data set has its own "
                              "validation split")
         super().check(s)
+        s["data"], s["valid"] = data_directory(s["data"], s["valid"], DATA_EXTENSIONS)
 
     def _sizes(self, s: dict, n_texts: int) -> dict:
         if s["init"] is not None:
@@ -314,21 +291,32 @@ class Classify(TaskDefinition):
         return dict(t, budget_measure=BUDGET_MEASURE_STEPS)
 
     # ------------------------------------------------------------------ data and model
-    def _data(self, s: dict) -> tuple[list, list, list, int]:
+    def _data(self, s: dict) -> tuple[list, list, list, list[str]]:
+        """(train, valid, test) (text, label) lists and what to say about them: how each file was
+        read and what was skipped."""
         if s["data"] is None:
             train, valid, test = sentiment_corpus(seed=s["seed"])
-            return train, valid, test, 0
+            return train, valid, test, []
         ex = read_examples(s["data"], s)
-        train = list(zip(ex.texts, ex.labels))
+        labels = sort_labels(ex.labels)
+        if len(labels) < 2:
+            raise ValueError(f"{s['data']}: every one of its {len(ex):,} examples has the label {labels[0]!r}; a "
+                             f"classifier needs two labels or more ({ex.layout}; name the label column with "
+                             "--label-column)")
+        train, notes = list(zip(ex.texts, ex.labels)), [f"{s['data']}: {ex.layout}"]
+        skipped = ex.skipped
         if s["valid"]:
-            labels = sort_labels(ex.labels)
             v = read_examples(s["valid"], s, labels)
-            return train, list(zip(v.texts, v.labels)), [], ex.skipped + v.skipped
+            notes.append(f"{s['valid']}: {v.layout}")
+            return train, list(zip(v.texts, v.labels)), [], notes + _skipped(skipped + v.skipped)
+        if len(train) < 2:
+            raise ValueError(f"{s['data']}: {len(train)} example: too few to hold out validation examples and train; "
+                             "give --valid FILE")
         order = list(range(len(train)))
         random.Random(s["seed"]).shuffle(order)
         held = set(order[:min(2000, max(1, len(train) // 20))])
         return ([p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held],
-                [], ex.skipped)
+                [], notes + _skipped(skipped))
 
     def _pretrained(self, s: dict, labels: list[str]) -> tuple[nn.Module, Tokenizer]:
         """The ``--init`` encoder with a new head, and its tokenizer."""
@@ -353,7 +341,7 @@ class Classify(TaskDefinition):
 
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
         self.apply_family_defaults(s)
-        train, valid, test, skipped = self._data(s)
+        train, valid, test, notes = self._data(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         d = self._sizes(s, len(train))
         if s["init"] is None:
@@ -372,13 +360,11 @@ class Classify(TaskDefinition):
             labels = sort_labels(y for _, y in train)
             model, tok = (self._pretrained(s, labels) if s["init"] is not None
                           else self._scratch(s, d, [x for x, _ in train], labels))
-        max_len = min(s["max_len"], _context(model))
+        max_len = min(s["max_len"], model_length(model))
         task = ClassificationTask(model, tok, labels, train, valid, batch_size=d["batch_size"], max_len=max_len)
         lines = [f"data: {'the embedded sentiment reviews' if s['data'] is None else s['data']}: {len(train):,} "
                  f"training texts, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")
-                 + f"; labels: {', '.join(labels)}"]
-        if skipped:
-            lines.append(f"skipped {skipped} malformed lines")
+                 + f"; labels: {', '.join(labels)}", *notes]
         lines.append(self._describe_model(s, d, model, tok, saved))
         lines += [f"batches: {d['batch_size']} texts of similar length, at most {max_len} tokens each",
                   describe_training(s, t)]
@@ -435,11 +421,20 @@ class Classify(TaskDefinition):
             raise RunError(f"{path}: {info.describe()}; 'attnlab eval' scores a classify run, which knows its label "
                            f"names (fine-tune this model with: attnlab train classify --init {path} --data FILE)")
         clf = self.load(info.run, device, dtype)
-        ex = read_examples(data, settings, clf.labels)
+        data = scored_file(data, DATA_EXTENSIONS)
+        try:
+            ex = read_examples(data, settings, clf.labels)
+        except ValueError as e:
+            shape = describe_file(data)
+            if shape.kind != "pairs" or "does not occur in the training data" not in str(e):
+                raise
+            raise ValueError(f"{data}: {shape.description}, which a translation run reads ('attnlab eval' of a "
+                             f"translate run); this classify run scores texts labelled "
+                             f"{', '.join(clf.labels)}") from None
         texts, labels = ex.texts[: settings["limit"]], ex.labels[: settings["limit"]]
         pred = clf.probabilities(texts).argmax(-1).tolist()
         scores = classification_scores([clf.labels.index(y) for y in labels], pred, len(clf.labels))
-        print(f"{data}: {len(texts)} texts")
+        print(f"{data}: {len(texts)} texts ({ex.layout})")
         print(format_scores(scores, clf.labels))
         if settings["plot"]:
             from ..viz.confusion import plot_confusion
@@ -449,96 +444,13 @@ class Classify(TaskDefinition):
 CLASSIFY = register_task(Classify())
 
 
-def _context(model: nn.Module) -> int:
+def _skipped(n: int) -> list[str]:
+    return [f"skipped {n} malformed lines"] if n else []
+
+
+def model_length(model: nn.Module) -> int:
     """The longest input the model takes (its position table; no limit: a very large number)."""
     return model_context(model) or 1 << 30
-
-
-def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
-    """(a pretrained model of kind "base", its tokenizer) from a Hugging Face model directory or an
-    attnlab run. A checkpoint with a head (BertForMaskedLM, GPT2LMHeadModel) gives its family's
-    base architecture with the weights under the head architecture's prefix; a fine-tuned
-    EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
-    from ..hub import from_pretrained
-    from ..models.classifier import EncoderClassifier
-    from ..models.pretrained import read_config, read_weights, to_hf_state_dict
-    from ..models.registry import architecture_of
-    from ..tokenizer import load_tokenizer
-    info = inspect_path(path)
-    where = f"{flag} {path}: {info.describe()}".lstrip()
-    if info.kind == "run":
-        model = load_model(info.run)
-        toks = load_tokenizers(info.run)
-        tok = toks.get("text") or next(iter(toks.values()))
-        if isinstance(model, EncoderClassifier):
-            return model.encoder, tok
-        arch = architecture_of(model)
-        if arch.kind == "base":
-            return model, tok
-        return _base_from(arch, model.config, to_hf_state_dict(model) if arch.family.hf else {}, where), tok
-    arch, config, _ = read_config(path)
-    tok = load_tokenizer(path)
-    if arch.kind == "base":
-        return from_pretrained(path).train(), tok
-    return _base_from(arch, config, read_weights(path), where), tok
-
-
-def native_classifier(base: nn.Module, labels: Sequence[str], dropout: float | None = None) -> nn.Module:
-    """``base``'s family's own sequence classifier (kind "classifier": transformers' layout, such as
-    BertForSequenceClassification) holding ``base``'s weights, with a new head for ``labels``
-    (saved in the config as ``id2label``) and ``dropout`` before it."""
-    from dataclasses import fields, replace
-    from ..models.registry import architecture_of
-    arch = architecture_of(base)
-    head = next((a for a in arch.family.architectures.values() if a.kind == "classifier"), None)
-    if head is None:
-        raise RunError(f"--head native: the {arch.model_type} family has no sequence-classification model; "
-                       "use --head pooling")
-    names = {f.name for f in fields(base.config)}
-    changes = {k: v for k, v in (("num_labels", len(labels)), ("id2label", dict(enumerate(labels))),
-                                 ("classifier_dropout", dropout)) if k in names and v is not None}
-    if "num_labels" not in changes:
-        raise RunError(f"--head native: {head.name}'s configuration takes no number of labels; use --head pooling")
-    model = head.build(replace(base.config, **changes))
-    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
-    fresh = {n for n, _ in model.named_parameters()} - set(base.state_dict())
-    if unexpected or not set(missing) <= fresh:
-        raise RunError(f"--head native: {arch.name}'s weights do not fit {head.name} "
-                       f"(unexpected {sorted(unexpected)[:3]}, missing {sorted(set(missing) - fresh)[:3]})")
-    return model
-
-
-def _base_from(arch, config, checkpoint: dict[str, Tensor], where: str) -> nn.Module:
-    """The family's base architecture built from ``config``, with the base's weights from a
-    checkpoint of ``arch`` (a model with a head, whose base keys sit under ``arch.prefix``).
-    Weights the checkpoint lacks keep their fresh initialisation only if the base's output does
-    not depend on them (a pooler that a masked-LM checkpoint leaves out, as transformers allows);
-    any other missing weight is an error."""
-    from ..models.convert import convert
-    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
-    base_arch = next((a for a in arch.family.architectures.values() if a.kind == "base"), None)
-    if base_arch is None or not arch.prefix:
-        raise RunError(f"{where}, whose family has no base encoder to fine-tune (a registered architecture of "
-                       f"kind 'base')")
-    base = base_arch.build(config)
-    tensors = {k[len(arch.prefix):]: v for k, v in checkpoint.items() if k.startswith(arch.prefix)}
-    fill = {k: v for k, v in to_hf_state_dict(base).items() if k not in tensors}
-    if fill:
-        needed = sorted(set(convert(fill, base_arch.weight_map, base.config, to_hf=False)[0]) & _used(base))
-        if needed:
-            raise RunError(f"{where}: the checkpoint lacks weights its encoder uses: {', '.join(needed[:5])}")
-    state = from_hf_state_dict(base, {**fill, **tensors}, base_arch.load_rules, base_arch.skip_on_load)
-    base.load_state_dict(state, strict=False)
-    return base
-
-
-def _used(model: nn.Module) -> set[str]:
-    """The names of the parameters that the model's output depends on (those a gradient reaches)."""
-    model.zero_grad(set_to_none=True)
-    model(torch.zeros(1, 2, dtype=torch.long)).float().sum().backward()
-    used = {name for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return used
 
 
 def load_classifier(path: str | Path, device: str | torch.device | None = None) -> LoadedClassifier:

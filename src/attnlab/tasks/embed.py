@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from ..nn.pooling import mean_pool
 from ..tokenizer import PAD_ID, Tokenizer
-from .classify import _batches, _context, encode_texts, load_base, pad_batch
+from .classify import encode_texts, model_length, pad_batch, text_batches
+from .pretrained import load_base
 from .run import inspect_path, load_model, load_tokenizers, resolve_device
 
 __all__ = ["Embedder", "load_embedder"]
@@ -50,7 +51,7 @@ class Embedder:
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else PAD_ID
         device = next(self.model.parameters()).device
         out: Tensor | None = None
-        for b in _batches(ids, batch_size, self.max_len, shuffle=False):
+        for b in text_batches(ids, batch_size, self.max_len, shuffle=False):
             input_ids, mask = pad_batch([ids[i] for i in b], pad)
             x, m = self._hidden(input_ids.to(device), mask.to(device))
             v = mean_pool(x.float(), m).cpu()
@@ -83,4 +84,4 @@ def load_embedder(path: str | Path, device: str | torch.device | None = None) ->
     if model is None:
         model, tok = load_base(str(path), flag="")
     model = model.to(resolve_device(device)).eval()
-    return Embedder(model, tok, Path(path), min(512, _context(model)))
+    return Embedder(model, tok, Path(path), min(512, model_length(model)))

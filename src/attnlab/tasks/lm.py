@@ -203,6 +203,7 @@ def _device(device):
 class LanguageModeling(TaskDefinition):
     name = "lm"
     kind = "causal-lm"
+    data_paths = ("file", "directory")     # --data DIR: every .txt file in it (attnlab.data.text)
     help = "a decoder-only language model (any registered causal-LM family) on text"
     example = ('attnlab train lm --steps 2000 --out runs/lm\n'
                '  attnlab train lm --config shakespeare-char --data input.txt --out runs/shakespeare')
@@ -344,7 +345,13 @@ class LanguageModeling(TaskDefinition):
 
     def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
                       dtype: str = "auto") -> None:
+        from ..data.sniff import describe_file
         from ..data.text import read_text_file
+        shape = describe_file(data)
+        if data.lower().endswith((".tsv", ".csv", ".jsonl", ".json")) and shape.kind != "text":
+            reader = "a translation run" if shape.kind == "pairs" else "a classify run"
+            raise ValueError(f"{data}: {shape.description}, which {reader} reads ('attnlab eval' of such a run); a "
+                             "language model scores a plain text file")
         text = read_text_file(data)
         lm = load_lm(path, device, dtype)
         lm.warn_unknown(lm.tokenizer.encode(text), data)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from ..data.batching import collate, pair_lengths, plan_batches
 from ..data.files import read_tsv
 from ..data.numbers import number_corpus
+from ..data.sniff import data_directory, describe_file, scored_file
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
@@ -152,6 +153,7 @@ def _device(device):
 class Translate(TaskDefinition):
     name = "translate"
     kind = "seq2seq"
+    data_paths = ("file", "directory")     # --data DIR: its train.tsv and valid.tsv (attnlab.data.sniff.data_directory)
     help = "an encoder-decoder Transformer translating one language into another"
     example = ("attnlab train translate --steps 400 --out runs/numbers\n"
                "  attnlab train translate --data train.de-en.tsv --valid valid.de-en.tsv --time-budget 30")
@@ -236,6 +238,7 @@ class Translate(TaskDefinition):
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} is not a registered encoder-decoder family ({', '.join(known)})")
         super().check(s)
+        s["data"], s["valid"] = data_directory(s["data"], s["valid"], (".tsv",))
 
     def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
         """A fresh model of the chosen family through the model registry, sized by the options."""
@@ -262,6 +265,9 @@ class Translate(TaskDefinition):
         if s["valid"]:
             valid, more = read_pairs(s["valid"], s["skip_malformed"])
             return train, valid, [], skipped + more
+        if len(train) < 2:
+            raise ValueError(f"{s['data']}: {len(train)} sentence pair: too few to hold out validation pairs and "
+                             "train; give --valid FILE")
         order = list(range(len(train)))                  # hold out a deterministic 2% (at most 1000 pairs)
         random.Random(s["seed"]).shuffle(order)
         held = set(order[:min(1000, max(1, len(train) // 50))])
@@ -288,9 +294,9 @@ class Translate(TaskDefinition):
                                                 shared=not s["separate_vocab"], vocab_size=d["vocab_size"] or 8000)
             model = self._model(s, d, src_tok, tgt_tok)
         encoded = [(src_tok.encode(a), tgt_tok.encode(b)) for a, b in train]
-        keep = [i for i, n in enumerate(pair_lengths(encoded)) if n <= s["max_len"]]
-        skipped += len(encoded) - len(keep)
-        encoded = [encoded[i] for i in keep]
+        kept = _within(encoded, s["max_len"], s["data"])
+        skipped += len(encoded) - len(kept)
+        encoded = kept
         embedded = s["data"] is None
         task = TranslationTask(model, src_tok, tgt_tok, encoded, valid, max_tokens=d["max_tokens"],
                                label_smoothing=s["label_smoothing"], eval_size=s["eval_size"])
@@ -337,6 +343,11 @@ class Translate(TaskDefinition):
 
     def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
                       dtype: str = "fp32") -> None:
+        data = scored_file(data, (".tsv",))
+        shape = describe_file(data)
+        if shape.kind in ("labelled", "jsonl"):
+            raise ValueError(f"{data}: {shape.description}, which a classify run reads ('attnlab eval' of a classify "
+                             "run); a translation run scores source<TAB>reference lines")
         pairs, _ = read_pairs(data, settings["skip_malformed"])
         pairs = pairs[: settings["limit"]]
         translator = self.load(info.run, device, dtype)
@@ -347,6 +358,16 @@ class Translate(TaskDefinition):
 
 
 TRANSLATE = register_task(Translate())
+
+
+def _within(encoded: list[tuple[list[int], list[int]]], max_len: int, data: str | None) -> list:
+    """The encoded pairs of at most ``max_len`` tokens a side; ValueError naming the file if none is."""
+    lengths = pair_lengths(encoded)
+    kept = [p for p, n in zip(encoded, lengths) if n <= max_len]
+    if encoded and not kept:
+        raise ValueError(f"{data or 'the embedded corpus'}: every one of its {len(encoded):,} training pairs is longer "
+                         f"than --max-len {max_len} tokens (the shortest has {min(lengths):,}); raise --max-len")
+    return kept
 
 
 def load_translator(path: str | Path, device: str | torch.device | None = None):

@@ -1,10 +1,14 @@
-"""The metrics file a training run writes (metrics.jsonl) and the loss plot drawn from it."""
+"""The metrics file a training run writes (metrics.jsonl) and the loss plot drawn from it, and the
+classification scores every task that predicts classes reports."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
-__all__ = ["read_metrics", "plot_metrics"]
+import torch
+
+__all__ = ["read_metrics", "plot_metrics", "classification_scores", "format_scores"]
 
 def read_metrics(jsonl: str | Path) -> list[dict]:
     """The records of a metrics.jsonl file (a torn last line, from a crash, is skipped)."""
@@ -50,3 +54,32 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     fig.savefig(tmp, dpi=100)
     tmp.replace(png)
     return png
+
+
+def classification_scores(gold: Sequence[int], pred: Sequence[int], num_classes: int) -> dict:
+    """Accuracy and macro-F1 in %, per-class precision, recall and F1 (in %, 0 for a class never
+    predicted or never present) and the confusion matrix (row = true class, column = predicted)."""
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    for g, p in zip(gold, pred):
+        confusion[g, p] += 1
+    tp = confusion.diag().double()
+    predicted, actual = confusion.sum(0).double(), confusion.sum(1).double()
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12),
+                     torch.zeros_like(tp))
+    n = int(confusion.sum())
+    return {"n": n, "accuracy": 100.0 * float(tp.sum()) / max(n, 1), "macro_f1": 100.0 * float(f1.mean()),
+            "precision": (100 * precision).tolist(), "recall": (100 * recall).tolist(), "f1": (100 * f1).tolist(),
+            "support": actual.long().tolist(), "confusion": confusion}
+
+
+def format_scores(scores: dict, labels: Sequence[str]) -> str:
+    """The scores as ``attnlab eval`` prints them: a summary line and a per-class table."""
+    width = max(8, *(len(x) for x in labels))
+    rows = [f"accuracy {scores['accuracy']:.2f}%  macro-F1 {scores['macro_f1']:.2f}",
+            f"  {'class':<{width}}  precision  recall     F1  support"]
+    for i, label in enumerate(labels):
+        rows.append(f"  {label:<{width}}  {scores['precision'][i]:9.2f}  {scores['recall'][i]:6.2f}  "
+                    f"{scores['f1'][i]:5.2f}  {scores['support'][i]:7d}")
+    return "\n".join(rows)
