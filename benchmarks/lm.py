@@ -1,7 +1,8 @@
 """Language-model speed: attnlab's GPT against transformers' GPT2LMHeadModel, with the same weights.
 
 The reference is built first (``GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")``,
-its own N(0, 0.02) initialisation with GPT-2's scaled residual projections, pitfall 23), written
+its own N(0, 0.02) initialisation with GPT-2's scaled residual projections, which keeps its CPU
+backward free of denormals), written
 with ``save_pretrained`` to a temporary directory and loaded by ``attnlab.from_pretrained``: both
 models hold the same numbers, which the script checks (same loss and gradients, same logits)
 before timing. All contenders of a table are timed in one process, round-robin (a, b, c, a, ...),

@@ -24,7 +24,8 @@ with the same parameter count (asserted). Both are initialised alike: attnlab's
 reset_parameters (xavier-uniform for every matrix, embeddings included) and the same
 weights copied into the reference; before timing, the script checks that both give the
 same logits, loss and gradients (dropout off). A N(0, 1) embedding init would make a
-model artificially slow on CPU through denormals (PITFALLS.md, pitfall 23).
+model artificially slow on CPU through denormals (huge logits from an N(0, 1) embedding
+tied to the output make the backward pass fill with denormal floats).
 
 Usage:
   python benchmarks/seq2seq.py                   # the default shape on CPU, 10 timed steps each

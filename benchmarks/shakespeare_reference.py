@@ -55,7 +55,8 @@ class _Logits(nn.Module):
 def nanogpt_param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = True) -> list[dict]:
     """nanoGPT's AdamW groups: every matrix decayed (the tied embedding/head and the position table
     included), biases and LayerNorm gains not; ``decay_embeddings=False`` exempts the embeddings
-    as well, which is what attnlab's optimizer does (pitfall 16)."""
+    as well, which is what attnlab's optimizer does (decaying them pulls
+    them towards zero for no gain)."""
     exempt = set() if decay_embeddings else \
         {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in exempt]

@@ -11,11 +11,12 @@ cache, the checks, initialisation and the auxiliary-loss interface; ``generate``
 Masks and positions (shape letters as in :mod:`attnlab.nn.attention`; P = cached tokens,
 S = P + T): ``attention_mask`` (B, S) is True/1 for real tokens and covers the cached tokens
 too; it is combined with the causal triangle inside attention. Without padding and without a
-cache the fused SDPA kernel runs with ``is_causal`` (pitfall 24). Without a mask, positions
+cache the fused SDPA kernel runs with ``is_causal`` (1.2-1.5x faster on CPU than the same
+triangle passed as a boolean mask). Without a mask, positions
 are ``P + arange(T)``; with one, every slot's position is ``cumsum(mask) - 1`` clamped at 0,
 for the queries and for the keys: a left-padded row's first real token is position 0, and
 the False slots a speculative decoder leaves for rejected drafts are not counted, so ALiBi
-and the T5 bias see true distances (pitfalls 9 and 11).
+and the T5 bias see true distances, and a padded batch decodes as each row alone.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         return []
 
     def reset_parameters(self) -> None:
-        """Matrices ~ N(0, init_std), biases 0; norms keep their own init (pitfall 23: PyTorch's
+        """Matrices ~ N(0, init_std), biases 0; norms keep their own init (PyTorch's
         N(0, 1) embedding tied to the head gives huge logits and a denormal-filled, slow CPU backward)."""
         for name, p in self.named_parameters():
             if p.dim() >= 2:

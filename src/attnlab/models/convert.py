@@ -28,7 +28,7 @@ def permute_rope(w: Tensor, heads: int) -> Tensor:
     """Rows of a q/k projection (or its bias), per head, from the interleaved RoPE layout (pairs
     (2i, 2i+1), Meta's original checkpoints) to the half-split one (pairs (i, i + D/2), Hugging
     Face). ``heads`` is the number of heads *of that projection*: the kv-head count for k under
-    grouped-query attention (pitfall 7). w: (heads * D, ...) -> same shape."""
+    grouped-query attention (permuting with the query-head count scrambles k). w: (heads * D, ...) -> same shape."""
     rows = w.shape[0]
     if rows % heads or (rows // heads) % 2:
         raise ValueError(f"permute_rope: {rows} rows do not split into {heads} heads of even size")

@@ -7,7 +7,8 @@
 Attention projects Q, K, V with one fused matrix (``qkv_proj``, HF's ``c_attn``); the MLP is
 E -> 4E -> E with GELU's tanh approximation. Every matrix starts at N(0, 0.02) and the two
 projections that write into the residual stream (attention ``out_proj``, MLP ``linear2``) at
-N(0, 0.02 / sqrt(2 N)), GPT-2's scaled residual initialisation (pitfall 23).
+N(0, 0.02 / sqrt(2 N)), GPT-2's scaled residual initialisation (PyTorch's default N(0, 1)
+embedding, tied to the head, gives huge logits and a CPU backward slowed by denormal floats).
 Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations

@@ -9,7 +9,8 @@ No biases; H query heads share G key/value heads (H % G == 0). RoPE rotates q an
 their absolute positions with base ``rope_theta``; ``rope_scaling`` {"type": "linear",
 "factor": f} stretches the positions by f (position interpolation).
 
-RoPE layout (pitfall 7): Hugging Face checkpoints use the half-split layout (channel i pairs
+RoPE layout (the wrong one loads without error and gives wrong logits): Hugging Face checkpoints
+use the half-split layout (channel i pairs
 with i + D/2), which is ours by default, so their q/k weights load as they are. Meta's original
 checkpoints use the interleaved layout (channels 2i, 2i+1): set ``rope_interleaved=True`` and
 the weight map converts q/k rows with :func:`attnlab.hub.permute_rope` (per head, with the

@@ -7,7 +7,8 @@ The router ``gate`` scores X experts per token; the k best (renormalised softmax
 run, so a token costs k expert passes, not X. Everything else is :mod:`attnlab.models.llama`.
 ``forward`` returns logits only, like every causal LM; each layer's router keeps the routing
 of the last forward, and :meth:`Mixtral.aux_loss` turns it into the load-balancing loss
-(pitfall 20), :meth:`Mixtral.aux_stats` into each expert's share of the routing.
+(the fraction of tokens per expert divided by k, the router probabilities averaged over all
+experts, padding left out), :meth:`Mixtral.aux_stats` into each expert's share of the routing.
 
 Weights: Hugging Face writes Mixtral checkpoints with one tensor per expert
 (``block_sparse_moe.experts.{e}.w1/w3/w2`` = gate/up/down), while transformers 5.x keeps

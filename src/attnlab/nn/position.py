@@ -7,7 +7,8 @@ Absolute, added to the (B, T, E) embeddings: :func:`sinusoidal_table`, :class:`P
 :class:`T5RelativePositionBias` and :class:`ALiBi` add a (·, H, T, S) bias to the scores.
 
 Positions are absolute token indices. With a KV cache the new queries start at the cache
-length, not at 0 (pitfall 9); the absolute modules take ``offset=`` or ``positions=``, the
+length, not at 0 (counting from 0 again would give every new token the first position); the
+absolute modules take ``offset=`` or ``positions=``, the
 relative ones query and key positions. Shape letters: see :mod:`attnlab.nn.attention`.
 """
 from __future__ import annotations
@@ -83,7 +84,8 @@ class PositionalEncoding(nn.Module):
     after the addition (section 5.4 of the paper).
 
     ``forward(x (B, T, E), offset=0, positions=None) -> (B, T, E)``. The (T, E) rows are
-    added along the *sequence* axis and broadcast over the batch (pitfall 10). ``offset``
+    added along the *sequence* axis and broadcast over the batch (broadcast over the
+    first axis of a batch-first tensor, a table would add row b to every token of sample b). ``offset``
     shifts the rows (cached decoding); ``positions`` (T,) or (B, T) picks them explicitly
     (left-padded batches). Positions beyond ``max_len`` raise ValueError.
     """
@@ -136,14 +138,16 @@ class RotaryEmbedding(AttentionPosition):
         interleaved: channel layout of the pairs. False: half-split, pair i = (x_i, x_{i+d/2})
             (Hugging Face LLaMA's ``rotate_half``). True: interleaved, pair i = (x_{2i}, x_{2i+1})
             (RoFormer, Meta's complex-number code). The two differ by a permutation of the q/k
-            projection rows, per head (pitfall 7).
+            projection rows, per head: a checkpoint in the other layout loads without error and gives
+            wrong logits, so conversion permutes the rows (attnlab.models.convert).
         scaling: None; ``{"type": "linear", "factor": f}`` divides theta_i by f (position
             interpolation, Chen et al. 2023); ``{"type": "ntk", "factor": f}`` uses
             base * f^(d/(d-2)) ("NTK-aware" scaling, bloc97 2023).
 
     ``transform(q (B, H, T, D), k (B, G, T', D), q_pos (T,) or (B, T), k_pos=None)`` returns
     rotated q, k in their dtype. Frequencies, angles, cos/sin and the rotation are computed in
-    fp32 (pitfall 8); cos/sin are cached for the largest position seen so far.
+    fp32 (bf16 angles lose whole radians at positions in the thousands); cos/sin are cached for
+    the largest position seen so far.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = False,
@@ -242,7 +246,7 @@ class T5RelativePositionBias(AttentionPosition):
     ``position_bias(q_pos (T,) or (B, T), k_pos (S,) or (B, S))`` -> (1, H, T, S) or (B, H, T, S)
     (the attention hook ``bias`` returns it, ignoring q and k).
     For **self-attention only**: T5's cross-attention has no position bias, so never pass
-    this module to a cross-attention layer (pitfall 9, transformers PR#8518). T5 computes it
+    this module to a cross-attention layer (transformers PR#8518 fixed that mistake there). T5 computes it
     in the first layer and shares it with the others; share the module to do the same.
     """
 
@@ -269,7 +273,8 @@ def alibi_slopes(num_heads: int) -> Tensor:
     """(H,) float32 ALiBi slopes. For H a power of two: 2^(-8/H), 2^(-16/H), ..., 2^(-8).
     Otherwise, with n the largest power of two below H: the n slopes for n heads, then every
     other slope of the 2n sequence (1st, 3rd, ...) for the remaining H - n heads.
-    Press et al. 2022, section 3 (pitfall 9).
+    Press et al. 2022, section 3 (the rule for H not a power of two is theirs; the naive
+    2^(-8k/H) differs from it).
     """
     if num_heads <= 0:
         raise ValueError(f"alibi_slopes: num_heads must be positive, got {num_heads}")

@@ -4,7 +4,7 @@ Layout of a run directory (``TrainConfig.out_dir``)::
 
     latest                  text file: the name of the newest complete checkpoint
     step-0000100/           one checkpoint (the last ``keep_last`` are kept)
-        model.safetensors       weights; tied tensors stored once (pitfall 21)
+        model.safetensors       weights; tied tensors stored once (safetensors refuses shared storage)
         optimizer.safetensors   every optimizer state tensor, key "state.<param index>.<name>"
         trainer_state.json      step, epoch, position in the epoch, scheduler, optimizer
                                 param groups, RNG states, GradScaler, best metric, config,

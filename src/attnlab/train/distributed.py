@@ -7,7 +7,8 @@ Rank 0 alone logs and writes checkpoints; the others wait at barriers.
 
 Every rank must run the same number of optimizer steps, or the gradient all-reduce hangs:
 :func:`shard_plan` gives each rank exactly ``len(plan) // world_size`` entries even when a
-length-bucketed plan does not divide evenly (pitfall 19, NeMo Automodel PR#3473).
+length-bucketed plan does not divide evenly (NeMo Automodel PR#3473
+met the hang that uneven shards cause).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ the one-hot target is mixed with the uniform distribution over the V classes,
 
 which is what ``torch.nn.functional.cross_entropy(label_smoothing=eps)`` computes. Targets
 equal to ``ignore_index`` (padding) contribute nothing, neither to the likelihood term nor
-to the smoothing term, and are not counted by the mean (pitfall 14, pytorch#73205).
+to the smoothing term, and are not counted by the mean (smoothing over padding targets would train the model
+towards predicting padding; pytorch#73205).
 """
 from __future__ import annotations
 
