@@ -24,30 +24,31 @@ import torch
 from torch import Tensor, nn
 
 from ..tokenizer import Tokenizer
-from .run import RunError, inspect_path, load_model, load_tokenizers
+from .run import RunError, inspect_path, load_model, load_processors
 
-__all__ = ["load_base", "native_classifier", "base_from_checkpoint", "used_parameters"]
+__all__ = ["load_base", "native_classifier", "base_from_checkpoint"]
 
 # what a family's classifier configuration must carry for a new head, as transformers' configs do
 _LABEL_FIELDS = ("num_labels", "id2label")
 
 
 def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
-    """(a pretrained model of kind "base", its tokenizer) from a Hugging Face model directory or an
-    attnlab run. A checkpoint with a head (BertForMaskedLM, GPT2LMHeadModel) gives its family's
+    """(a pretrained model of kind "base", its processor: the tokenizer of a text model) from a
+    Hugging Face model directory or an attnlab run, each read as the model's modality says
+    (:func:`attnlab.processors.load_processor`). A checkpoint with a head (BertForMaskedLM, GPT2LMHeadModel) gives its family's
     base architecture with the weights under the head architecture's prefix; a fine-tuned
     EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
     from ..hub import from_pretrained
     from ..models.classifier import EncoderClassifier
     from ..models.pretrained import read_config, read_weights, to_hf_state_dict
     from ..models.registry import architecture_of
-    from ..tokenizer import load_tokenizer
+    from ..processors import load_processor
     info = inspect_path(path)
     where = f"{flag} {path}: {info.describe()}".lstrip()
     if info.kind == "run":
         model = load_model(info.run)
-        toks = load_tokenizers(info.run)
-        tok = toks.get("text") or next(iter(toks.values()))
+        processors = load_processors(info.run)
+        tok = processors.get("text") or next(iter(processors.values()))
         if isinstance(model, EncoderClassifier):
             return model.encoder, tok
         arch = architecture_of(model)
@@ -55,7 +56,7 @@ def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
             return model, tok
         return base_from_checkpoint(arch, model.config, to_hf_state_dict(model) if arch.family.hf else {}, where), tok
     arch, config, _ = read_config(path)
-    tok = load_tokenizer(path)
+    tok = load_processor(path, arch.family.modality)
     if arch.kind == "base":
         return from_pretrained(path).train(), tok
     return base_from_checkpoint(arch, config, read_weights(path), where), tok
@@ -100,10 +101,10 @@ def native_classifier(base: nn.Module, labels: Sequence[str], dropout: float | N
 def base_from_checkpoint(arch, config, checkpoint: dict[str, Tensor], where: str) -> nn.Module:
     """The family's base architecture built from ``config``, with the base's weights from a
     checkpoint of ``arch`` (a model with a head, whose base keys sit under ``arch.prefix``).
-    Weights the checkpoint lacks keep their fresh initialisation only if the base's output does
-    not depend on them (a pooler that a masked-LM checkpoint leaves out, as transformers allows);
-    any other missing weight is an error."""
-    from ..models.convert import convert
+    Weights the checkpoint lacks keep their fresh initialisation only if the base declares that
+    no output reads them (``unread_weights``: the pooler a masked-LM checkpoint leaves out, as
+    transformers allows); any other missing parameter is an error."""
+    from ..models.convert import convert, unread_tensors
     from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
     base_arch = next((a for a in arch.family.architectures.values() if a.kind == "base"), None)
     if base_arch is None or not arch.prefix:
@@ -113,19 +114,11 @@ def base_from_checkpoint(arch, config, checkpoint: dict[str, Tensor], where: str
     tensors = {k[len(arch.prefix):]: v for k, v in checkpoint.items() if k.startswith(arch.prefix)}
     fill = {k: v for k, v in to_hf_state_dict(base).items() if k not in tensors}
     if fill:
-        needed = sorted(set(convert(fill, base_arch.weight_map, base.config, to_hf=False)[0]) & used_parameters(base))
+        parameters = {name for name, _ in base.named_parameters()}
+        missing = set(convert(fill, base_arch.weight_map, base.config, to_hf=False)[0])
+        needed = sorted((missing & parameters) - unread_tensors(base))
         if needed:
             raise RunError(f"{where}: the checkpoint lacks weights its encoder uses: {', '.join(needed[:5])}")
     state = from_hf_state_dict(base, {**fill, **tensors}, base_arch.load_rules, base_arch.skip_on_load)
     base.load_state_dict(state, strict=False)
     return base
-
-
-def used_parameters(model: nn.Module) -> set[str]:
-    """The names of the parameters that the model's output depends on (those a gradient reaches
-    from a two-token input)."""
-    model.zero_grad(set_to_none=True)
-    model(torch.zeros(1, 2, dtype=torch.long)).float().sum().backward()
-    used = {name for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return used
