@@ -113,10 +113,9 @@ def base_from_checkpoint(arch, config, checkpoint: dict[str, Tensor], where: str
     base = base_arch.build(config)
     tensors = {k[len(arch.prefix):]: v for k, v in checkpoint.items() if k.startswith(arch.prefix)}
     fill = {k: v for k, v in to_hf_state_dict(base).items() if k not in tensors}
-    if fill:
-        parameters = {name for name, _ in base.named_parameters()}
-        missing = set(convert(fill, base_arch.weight_map, base.config, to_hf=False)[0])
-        needed = sorted((missing & parameters) - unread_tensors(base))
+    if fill:                              # what the checkpoint's own tensors give, in our names
+        given = set(convert(tensors, base_arch.weight_map, base.config, to_hf=False)[0])
+        needed = sorted({name for name, _ in base.named_parameters()} - given - unread_tensors(base))
         if needed:
             raise RunError(f"{where}: the checkpoint lacks weights its encoder uses: {', '.join(needed[:5])}")
     state = from_hf_state_dict(base, {**fill, **tensors}, base_arch.load_rules, base_arch.skip_on_load)
