@@ -55,7 +55,21 @@ def _check_new(who: str, tokens: Tensor, rows: int) -> Tensor:
     return tokens.long()
 
 
-class CausalState:
+class _Rewinding:
+    """What both adaptors say of rewinding: the model's state decides (no state: the history is
+    recomputed each call, so anything can be forgotten)."""
+    cache = None
+
+    @property
+    def can_rewind(self) -> bool:
+        return self.cache is None or bool(self.cache.can_rewind)
+
+    def mark(self, start: int) -> None:
+        if self.cache is not None:
+            self.cache.mark(start)
+
+
+class CausalState(_Rewinding):
     """A causal LM decoding N rows (``model(ids, attention_mask=, cache=) -> (N, T, V)``).
 
     ``seq`` (N, L) holds every *slot* of a row: its prompt with left padding, generated tokens
@@ -105,14 +119,6 @@ class CausalState:
         if self.cache is not None:
             self.cache.reorder(index)
 
-    @property
-    def can_rewind(self) -> bool:
-        return self.cache is None or bool(self.cache.can_rewind)
-
-    def mark(self, start: int) -> None:
-        if self.cache is not None:
-            self.cache.mark(start)
-
     def rewind(self, start: int, keep: Tensor) -> None:
         """Row i keeps its slots up to ``start + keep[i]``; the rest up to ``start + max(keep)``
         become holes (rejected drafts, kept so that all rows keep one length), the rest go."""
@@ -128,7 +134,7 @@ _NO_HOLES = ("Seq2SeqState: an encoder-decoder state cannot hold holes (decoder 
              "decode rows that may accept different numbers of draft tokens one at a time")
 
 
-class Seq2SeqState:
+class Seq2SeqState(_Rewinding):
     """The decoder side of an encoder-decoder model during generation, N rows at a time.
 
     The model is anything with ``decode(tgt, memory, src_padding_mask, cache=) -> logits
@@ -182,14 +188,6 @@ class Seq2SeqState:
             self.src_padding_mask = self.src_padding_mask.index_select(0, index)
         if self.cache is not None:
             self.cache.reorder(index)
-
-    @property
-    def can_rewind(self) -> bool:
-        return self.cache is None or bool(self.cache.can_rewind)
-
-    def mark(self, start: int) -> None:
-        if self.cache is not None:
-            self.cache.mark(start)
 
     def rewind(self, start: int, keep: Tensor) -> None:
         """Keep the first ``start + keep[0]`` tokens (BOS included); every row must keep as many."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["either", "padding_mask"]
+__all__ = ["either", "padding_mask", "seq2seq_arguments"]
 
 
 def either(who: str, ours: str, mine, theirs: str, hers, required: bool = False):
@@ -34,3 +34,16 @@ def padding_mask(who: str, name: str, mask: Tensor | None) -> Tensor | None:
         raise ValueError(f"{who}: {name} must hold 1 for real tokens and 0 for padding (as transformers' does), got "
                          f"{getattr(mask, 'dtype', type(mask).__name__)} values other than 0 and 1")
     return mask != 0
+
+
+def seq2seq_arguments(who: str, src, tgt, src_key_padding_mask, tgt_key_padding_mask, input_ids, attention_mask,
+                      decoder_input_ids, decoder_attention_mask) -> tuple:
+    """An encoder-decoder's (src, tgt, src_key_padding_mask, tgt_key_padding_mask), each given under
+    the chapter's name or transformers' (``input_ids``, ``decoder_input_ids``, ``attention_mask``,
+    ``decoder_attention_mask``); src and tgt are required."""
+    return (either(who, "src", src, "input_ids", input_ids, required=True),
+            either(who, "tgt", tgt, "decoder_input_ids", decoder_input_ids, required=True),
+            either(who, "src_key_padding_mask", src_key_padding_mask, "attention_mask",
+                   padding_mask(who, "attention_mask", attention_mask)),
+            either(who, "tgt_key_padding_mask", tgt_key_padding_mask, "decoder_attention_mask",
+                   padding_mask(who, "decoder_attention_mask", decoder_attention_mask)))

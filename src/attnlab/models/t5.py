@@ -38,7 +38,7 @@ from ..nn.mlp import FeedForward, GatedMLP
 from ..nn.norm import RMSNorm
 from ..nn.position import T5RelativePositionBias
 from .convert import Rule
-from .keywords import either, padding_mask
+from .keywords import seq2seq_arguments
 from .pretrained import SavePretrained
 from .registry import register_family
 
@@ -228,12 +228,9 @@ class T5ForConditionalGeneration(_T5Encoder):
                 decoder_input_ids: Tensor | None = None, decoder_attention_mask: Tensor | None = None) -> Tensor:
         """Ids src (B, S), tgt (B, T) -> logits (B, T, V) (see the class docstring)."""
         who = "T5"
-        src = either(who, "src", src, "input_ids", input_ids, required=True)
-        tgt = either(who, "tgt", tgt, "decoder_input_ids", decoder_input_ids, required=True)
-        src_key_padding_mask = either(who, "src_key_padding_mask", src_key_padding_mask, "attention_mask",
-                                      padding_mask(who, "attention_mask", attention_mask))
-        tgt_key_padding_mask = either(who, "tgt_key_padding_mask", tgt_key_padding_mask, "decoder_attention_mask",
-                                      padding_mask(who, "decoder_attention_mask", decoder_attention_mask))
+        src, tgt, src_key_padding_mask, tgt_key_padding_mask = seq2seq_arguments(
+            who, src, tgt, src_key_padding_mask, tgt_key_padding_mask, input_ids, attention_mask, decoder_input_ids,
+            decoder_attention_mask)
         memory = self.encode(src, src_key_padding_mask)
         return self.decode(tgt, memory, src_key_padding_mask, tgt_key_padding_mask)
 

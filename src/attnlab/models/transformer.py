@@ -36,7 +36,7 @@ from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import make_norm
 from ..nn.position import PositionalEncoding
-from .keywords import either, padding_mask
+from .keywords import seq2seq_arguments
 from .pretrained import SavePretrained
 from .registry import register_family
 
@@ -252,12 +252,9 @@ class Transformer(SavePretrained, nn.Module):
         ``attention_mask`` / ``decoder_attention_mask`` (1 = real token, any dtype) for the two
         padding masks (:mod:`attnlab.models.keywords`)."""
         who = "Transformer"
-        src = either(who, "src", src, "input_ids", input_ids, required=True)
-        tgt = either(who, "tgt", tgt, "decoder_input_ids", decoder_input_ids, required=True)
-        src_key_padding_mask = either(who, "src_key_padding_mask", src_key_padding_mask, "attention_mask",
-                                      padding_mask(who, "attention_mask", attention_mask))
-        tgt_key_padding_mask = either(who, "tgt_key_padding_mask", tgt_key_padding_mask, "decoder_attention_mask",
-                                      padding_mask(who, "decoder_attention_mask", decoder_attention_mask))
+        src, tgt, src_key_padding_mask, tgt_key_padding_mask = seq2seq_arguments(
+            who, src, tgt, src_key_padding_mask, tgt_key_padding_mask, input_ids, attention_mask, decoder_input_ids,
+            decoder_attention_mask)
         src_key_padding_mask = self._padding(src, src_key_padding_mask, "src_key_padding_mask")
         memory = self.encode(src, src_key_padding_mask, src_mask=src_mask)
         if memory_key_padding_mask is None:
