@@ -177,6 +177,10 @@ def test_an_image_folder_that_is_wrong_is_named(tmp_path, capsys):
     assert main(["train", "image", "--model", "toy-vit", "--data", str(tmp_path / "flat"), "--steps", "1",
                  "--out", str(tmp_path / "r")]) == 2
     assert "no class folders" in capsys.readouterr().err
+    assert main(["train", "image", "--model", "toy-vit", "--data", str(tmp_path / "flat" / "a.png"), "--steps", "1",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "a.png: a file; give a directory (an image folder: one sub-folder of images per class)" in \
+        capsys.readouterr().err
     _write_images(tmp_path / "one", per_class=3)
     for label in ("green", "red"):
         for f in (tmp_path / "one" / label).iterdir():
