@@ -52,7 +52,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import UserError, open_model_path
+    from . import open_model_path
     from ..tasks.lm import load_lm
     _check_options(args)
     open_model_path(args.checkpoint, "generate", ("causal-lm",))
@@ -71,9 +71,6 @@ def run(args: argparse.Namespace) -> int:
                       "of weights", file=sys.stderr)
     ids = lm.encode_prompt(args.prompt, draft)
     lm.warn_unknown(ids if args.prompt else [], "the prompt")
-    context = min(m.context for m in (lm, draft) if m is not None)
-    if len(ids) >= context:
-        raise UserError(f"--prompt: {len(ids)} tokens fill the context of {context} tokens; give a shorter one")
     if args.quantize == "none" and "bfloat16" in lm.precision:      # said only when it changes the arithmetic
         print(lm.precision, file=sys.stderr)
 
