@@ -178,7 +178,7 @@ def test_the_planner_replans_only_when_the_projection_drifts():
     for step in range(1, 6):
         planner.observe(step, 5.0 if step == 1 else 1.0)    # the first step is not timed
     plan = planner.decide(5, 9.0)
-    assert plan["steps"] == 5 + math.floor(100 * 0.98 - 9.0)   # the target is the budget less the tolerance
+    assert plan["steps"] == 5 + math.floor(100 * 0.99 - 9.0)   # the target: the budget less half the tolerance
     for step in range(6, 30):
         planner.observe(step, 1.01)                            # a 1 % drift: within the tolerance
         assert planner.decide(step, 9.0 + (step - 5) * 1.01) is None

@@ -8,7 +8,7 @@ to the steps that fit in the budget, and from then on it projects when the run w
     end = elapsed + (steps left) x (mean step time over the last ``measure`` steps)
           + (evaluations and checkpoints left) x (their mean time so far)
 
-Whenever that projection misses the target (the budget less ``tolerance``) by more than
+Whenever that projection misses the target (the budget less half the ``tolerance``) by more than
 ``tolerance`` of the budget, and ``measure`` steps have passed since the last plan (or an
 evaluation or checkpoint has been timed since), it plans again from the current step. A machine that is slow for the first minute (another process, cold
 caches) or slows down midway therefore still ends with the budget. Until an evaluation or a
@@ -66,7 +66,7 @@ class BudgetPlanner:
     :meth:`decide`, which returns a new plan or None. A plan is a dict: ``steps`` (in all, at most
     ``cap``), ``at_step``, ``measured_s_per_step`` and, with ``evals`` > 0, ``eval_at``: the steps
     before the last that evaluate and save, so that ``evals`` evaluations (the last step's
-    included) are spread over the run, those still to come evenly over the steps left; without
+    included) are spread evenly over the run; without
     ``evals`` the fixed ``intervals`` (eval_every, save_every) are counted in the projection.
     """
 
@@ -77,8 +77,9 @@ class BudgetPlanner:
                              f"0 < tolerance < 0.5; got {budget_s}, {measure}, {reserve}, {evals}, {tolerance}")
         self.budget_s, self.measure, self.reserve, self.evals, self.cap = budget_s, measure, reserve, evals, cap
         self.intervals, self.tolerance = intervals, tolerance
-        # aim a little short: a run that would overshoot is cut by the hard stop before its decay ends
-        self.target_s = budget_s * (1.0 - tolerance)
+        # aim a little short, as a run that would overshoot is cut by the hard stop before its decay
+        # ends; but only a little, as the last evaluation's time (after the last plan) is a guess
+        self.target_s = budget_s * (1.0 - tolerance / 2)
         self.window: deque[float] = deque(maxlen=measure)
         self.stops, self.stop_s = 0, 0.0
         self.plan: dict | None = None
@@ -101,9 +102,10 @@ class BudgetPlanner:
 
     # ------------------------------------------------------------------ the plan
     def _evals_ahead(self, step: int, total: int) -> list[int]:
-        """With ``evals``: the steps after ``step`` and before ``total`` that evaluate (and save)."""
-        left = max(1, self.evals - self.stops)          # the last step's evaluation included
-        return sorted({step + round((total - step) * k / left) for k in range(1, left)} - {step, total})
+        """With ``evals``: the steps after ``step`` and before ``total`` that evaluate (and save):
+        the k-th of those not yet done at k / evals of the run, or at once if the run has grown past it."""
+        at = {max(step + 1, round(total * k / self.evals)) for k in range(self.stops + 1, self.evals)}
+        return sorted(at - {total})
 
     def _overhead(self, step: int, total: int) -> float:
         """Seconds the evaluations and checkpoints after ``step`` will take, up to ``total``."""

@@ -442,8 +442,9 @@ class Trainer:
         else:
             seed_everything(cfg.seed + self.env.rank)
         start = mark = self.clock()       # mark: the end of the previous step, its evaluation and save included
-        bar = progress_bar(cfg.steps, initial=self.step, desc="train", enabled=cfg.progress and self.env.is_main,
-                           clock=self.clock)
+        unplanned = self._planner is not None and self.budget_plan is None     # the step count is only a cap
+        bar = progress_bar(None if unplanned else cfg.steps, initial=self.step, desc="train",
+                           enabled=cfg.progress and self.env.is_main, clock=self.clock)
         self.ddp_model.train()
         stopped = False
         self.interrupted = None
