@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 HELP = "continue a prompt with a language model (an LM run or a Hugging Face directory), streaming the text"
@@ -33,11 +34,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(attnlab.quantize; default none)")
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Every option's range, before anything loads or prints: an error must not land after the
+    echoed prompt, on the same line."""
+    from . import UserError
+    problems = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "at least 1"),
+                ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
+                 "a number >= 0"),
+                ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, "at least 1"),
+                ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "in (0, 1]"),
+                ("--repetition-penalty", args.repetition_penalty,
+                 math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0, "a number > 0"),
+                ("--num-draft-tokens", args.num_draft_tokens, args.num_draft_tokens >= 1, "at least 1")]
+    for flag, value, ok, want in problems:
+        if not ok:
+            raise UserError(f"{flag}: must be {want}, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
-    from . import UserError, open_model_path
+    from . import open_model_path
     from ..tasks.lm import load_lm
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    _check_options(args)
     open_model_path(args.checkpoint, "generate", ("causal-lm",))
     lm = load_lm(args.checkpoint, args.device, args.dtype)
     if args.draft:

@@ -143,9 +143,9 @@ def describe_training(s: dict, t: dict) -> str:
     """The line ``attnlab train`` prints about the schedule, from the settings ``s`` and the task's
     ``train_config`` ``t``."""
     if t["budget_schedule"]:
-        length = (f"as many steps as the first {t['budget_measure']} predict fit in the {s['time_budget']:g}-minute "
-                  "budget (measured again at the warmup's end), " + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else
-                                f"evaluation every {t['eval_every']}"))
+        length = (f"as many steps as fit in the {s['time_budget']:g}-minute budget at the speed of the last "
+                  f"{t['budget_measure']} (planned again whenever it drifts), "
+                  + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else f"evaluation every {t['eval_every']}"))
     else:
         length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
             f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")

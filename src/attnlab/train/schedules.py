@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["noam", "NoamFactor", "CosineFactor", "ConstantFactor", "BudgetFactor", "noam_schedule",
-           "cosine_schedule", "constant_schedule", "make_schedule", "steps_for_budget", "BudgetPlanner", "SCHEDULES"]
+           "cosine_schedule", "constant_schedule", "make_schedule", "SCHEDULES"]
 
 SCHEDULES = ("noam", "cosine", "constant")
 
@@ -84,90 +84,67 @@ class ConstantFactor:
 
 
 class BudgetFactor:
-    """A schedule whose length is fixed by a time budget: the steps the first ones predict.
+    """A schedule whose length a time budget fixes while it runs
+    (:class:`attnlab.train.budget.BudgetPlanner` decides the lengths).
 
-    Until :meth:`plan` is called (after the first ``measure`` steps, whose speed predicts how
-    many steps fit in the budget), the factor is the warmup ramp ``s / warmup``. ``plan(total)``
-    fixes the total; from then on the factor is ``inner``'s ("cosine": warmup then cosine decay
-    to ``min_lr_ratio`` at ``total``; "constant": warmup then 1), with the warmup shortened to
-    a tenth of the total when the budget is too short for the asked one (never below ``measure``,
-    so the steps already taken keep their place on the ramp). Once planned, the factor is a
-    function of the step alone: a resumed run that restores ``state()`` repeats it exactly.
+    Until the first :meth:`plan` the factor is the asked warmup's ramp ``s / warmup`` (then 1).
+    ``plan(total, at_step)``, after ``at_step`` steps, makes the schedule end at ``total``:
+    ``inner``'s shape ("cosine": warmup then half a cosine down to ``min_lr_ratio`` at ``total``;
+    "constant": warmup then 1), re-fitted from ``at_step`` on so that the lr stays continuous:
+
+    - the cosine's progress p (0 at the start of the decay, 1 at its end) is piecewise linear in
+      the step: a plan starts a new piece at ``at_step`` from the progress reached there, running
+      to 1 at the new total;
+    - within the warmup, a total too short for the asked warmup shortens it to a tenth of the
+      total (but never to less than twice the steps taken: the ramp ahead climbs at most twice
+      as fast as the ramp behind), and the ramp goes on from the lr reached to 1 at its new end.
+
+    The factor is a function of the step and :meth:`state` alone: a resumed run that restores the
+    state repeats it exactly.
     """
 
-    def __init__(self, inner: str, warmup: int, measure: int, min_lr_ratio: float = 0.0):
-        if inner not in ("cosine", "constant") or warmup < 0 or measure < 1 or not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(f"BudgetFactor: need a cosine or constant inner schedule, warmup >= 0, measure >= 1, "
-                             f"0 <= min_lr_ratio <= 1; got {inner!r}, {warmup}, {measure}, {min_lr_ratio}")
-        self.inner, self.asked_warmup, self.measure, self.min_lr_ratio = inner, warmup, measure, min_lr_ratio
+    def __init__(self, inner: str, warmup: int, min_lr_ratio: float = 0.0):
+        if inner not in ("cosine", "constant") or warmup < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"BudgetFactor: need a cosine or constant inner schedule, warmup >= 0 and "
+                             f"0 <= min_lr_ratio <= 1; got {inner!r}, {warmup}, {min_lr_ratio}")
+        self.inner, self.asked_warmup, self.min_lr_ratio = inner, warmup, min_lr_ratio
         self.warmup, self.total_steps = warmup, None
+        self.ramp = (0, 0.0)          # (step, factor there): the warmup rises linearly from here to 1
+        self.knot = (warmup, 0.0)     # (step, decay progress there): the decay's current piece starts here
 
-    def plan(self, total_steps: int) -> None:
-        """Fix the schedule's length (at the step that measured the speed, >= ``measure``)."""
-        total_steps = max(int(total_steps), self.measure + 1)
-        self.total_steps = total_steps
-        self.warmup = min(self.asked_warmup, max(self.measure, total_steps // 10))
+    def plan(self, total_steps: int, at_step: int) -> None:
+        """End the schedule at ``total_steps`` (``at_step`` steps taken)."""
+        if at_step < self.warmup:
+            warmup = min(self.asked_warmup, max(int(total_steps) // 10, 2 * at_step))
+            if warmup != self.warmup:
+                self.ramp, self.warmup = (at_step, self(at_step - 1)), warmup
+            self.knot = (self.warmup, 0.0)
+        elif at_step > self.knot[0]:
+            self.knot = (at_step, 0.0 if self.total_steps is None else self.progress(at_step))
+        self.total_steps = max(int(total_steps), self.knot[0] + 1)
 
-    def replan(self, total_steps: int) -> None:
-        """Change the length once more, at the end of the warmup (a longer measurement of the
-        speed): the warmup stays, so every step taken keeps its lr; only the decay moves."""
-        self.total_steps = max(int(total_steps), self.warmup + 1)
+    def progress(self, s: int) -> float:
+        """Where step ``s`` (after the warmup) is on the decay: 0 at its start, 1 at its end."""
+        start, p = self.knot
+        return p + (1.0 - p) * min(1.0, (s - start) / (self.total_steps - start))
 
     def state(self) -> dict:
-        return {"total_steps": self.total_steps, "warmup": self.warmup}
+        return {"total_steps": self.total_steps, "warmup": self.warmup, "ramp": list(self.ramp),
+                "knot": list(self.knot)}
 
     def load_state(self, state: dict) -> None:
         self.total_steps, self.warmup = state["total_steps"], state["warmup"]
+        self.ramp, self.knot = tuple(state["ramp"]), tuple(state["knot"])
 
     def __call__(self, k: int) -> float:
         s = k + 1
-        if self.total_steps is None or s <= self.measure:       # the measured steps: the asked warmup's ramp
-            return 1.0 if s >= self.asked_warmup else s / self.asked_warmup
-        if self.inner == "constant":
-            return ConstantFactor(self.warmup)(k)
-        return CosineFactor(self.warmup, self.total_steps, self.min_lr_ratio)(k)
-
-
-def steps_for_budget(step: int, elapsed_s: float, seconds_per_step: float, budget_s: float,
-                     reserve: float = 0.0) -> int:
-    """The total number of optimizer steps that ends training with the budget: ``step`` done
-    after ``elapsed_s`` seconds, then ``seconds_per_step`` each, keeping a ``reserve`` share of
-    the budget for evaluations and checkpoints."""
-    if seconds_per_step <= 0 or budget_s <= 0 or not 0.0 <= reserve < 1.0:
-        raise ValueError(f"steps_for_budget: need positive speed and budget and 0 <= reserve < 1, got "
-                         f"{seconds_per_step}, {budget_s}, {reserve}")
-    left = budget_s * (1.0 - reserve) - elapsed_s
-    return step + max(0, math.floor(left / seconds_per_step))
-
-
-class BudgetPlanner:
-    """Decides how many steps fit in a time budget from the speed of the first ones.
-
-    Call :meth:`speed` after every optimizer step with the seconds since training (re)started:
-    the first call marks the start of the measurement (the first step warms allocators and
-    kernels up and is not counted), and after ``measure`` more steps it returns the seconds per
-    step (None before). :meth:`plan` turns that into the schedule's length (at most ``cap``)
-    and, with ``evals`` > 0, the interval that spreads that many evaluations and checkpoints.
-    """
-
-    def __init__(self, budget_s: float, measure: int, reserve: float = 0.0, evals: int = 0, cap: int | None = None):
-        self.budget_s, self.measure, self.reserve, self.evals, self.cap = budget_s, measure, reserve, evals, cap
-        self._mark: tuple[int, float] | None = None
-
-    def speed(self, step: int, elapsed_s: float) -> float | None:
-        if self._mark is None:
-            self._mark = (step, elapsed_s)
-            return None
-        done = step - self._mark[0]
-        return (elapsed_s - self._mark[1]) / done if done >= self.measure else None
-
-    def plan(self, step: int, elapsed_s: float, seconds_per_step: float) -> dict:
-        total = steps_for_budget(step, elapsed_s, max(seconds_per_step, 1e-9), self.budget_s, self.reserve)
-        total = max(min(total, self.cap or total), step + 1)
-        plan = {"steps": total, "measured_s_per_step": seconds_per_step, "at_step": step}
-        if self.evals:
-            plan["eval_every"] = plan["save_every"] = max(1, math.ceil(total / self.evals))
-        return plan
+        if s <= self.warmup:
+            start, v = self.ramp
+            return v + (1.0 - v) * (s - start) / (self.warmup - start)
+        if self.inner == "constant" or self.total_steps is None:
+            return 1.0
+        m = self.min_lr_ratio
+        return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * self.progress(s)))
 
 
 def noam_schedule(optimizer: Optimizer, d_model: int, warmup: int) -> LambdaLR:
@@ -186,14 +163,13 @@ def constant_schedule(optimizer: Optimizer, warmup: int = 0) -> LambdaLR:
 
 
 def make_schedule(name: str, optimizer: Optimizer, *, warmup: int, total_steps: int | None, min_lr_ratio: float = 0.0,
-                  d_model: int | None = None, measure: int = 20) -> LambdaLR:
+                  d_model: int | None = None) -> LambdaLR:
     """Build a schedule by name: "noam" (needs ``d_model``) | "cosine" | "constant".
 
     ``total_steps=None``: the length comes from a time budget later; a cosine or constant
-    schedule is then a :class:`BudgetFactor` measuring the first ``measure`` steps (noam does
-    not depend on the total)."""
+    schedule is then a :class:`BudgetFactor` (noam does not depend on the total)."""
     if total_steps is None and name in ("cosine", "constant"):
-        return LambdaLR(optimizer, BudgetFactor(name, warmup, measure, min_lr_ratio))
+        return LambdaLR(optimizer, BudgetFactor(name, warmup, min_lr_ratio))
     if name == "noam":
         if d_model is None:
             raise ValueError("make_schedule: the noam schedule needs d_model")

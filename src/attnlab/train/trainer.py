@@ -4,7 +4,7 @@
     cfg = TrainConfig(out_dir="runs/x", steps=1000, lr=3e-4, schedule="cosine", warmup_steps=100)
     Trainer(task, cfg, resume=True).fit()     # resume=True continues from runs/x/latest if any
 
-Loss normalisation (pitfall 15). ``Task.loss`` returns the SUM of the loss over a
+Loss normalisation (accumulation and ranks train as one large batch). ``Task.loss`` returns the SUM of the loss over a
 micro-batch's target tokens and their number. Each optimizer step runs ``accum_steps``
 micro-batches per rank and backpropagates the sums; then the gradients are multiplied by
 ``W / N``, N being the total target tokens of the step over all micro-batches and all W
@@ -12,7 +12,7 @@ ranks (DDP has already averaged over ranks, hence the W). The update is therefor
 gradient of the mean loss per target token over the whole global batch, whatever the
 split: one batch of B, or accumulation, or W ranks.
 
-Exact resume (pitfall 18). Checkpoints are written only at optimizer-step boundaries and
+Exact resume (weights bit-identical to an uninterrupted run). Checkpoints are written only at optimizer-step boundaries and
 hold the step, the epoch, the position in the epoch's plan, optimizer, scheduler,
 GradScaler and every RNG state (per rank). The plan of an epoch is regenerated from
 (epoch, seed) and already-done micro-batches are skipped; RNG states are restored last,
@@ -38,16 +38,16 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..nn.precision import asked_bf16, native_bf16
+from .budget import BudgetPlanner, fit_schedule
 from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume, restore_rng_state
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
@@ -55,7 +55,8 @@ from .interrupt import TrainingInterrupted, catch_stop_signals
 from .lock import lock_run
 from .metrics import plot_metrics
 from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
-from .schedules import SCHEDULES, BudgetFactor, BudgetPlanner, make_schedule
+from .progress import LogWindow, progress_bar
+from .schedules import SCHEDULES, make_schedule
 
 __all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
            "isolated_rng", "PRECISIONS"]
@@ -120,12 +121,12 @@ class TrainConfig:
     progress: bool = True
     device: str | None = None             # None: cuda:LOCAL_RANK if available, else cpu
     find_unused_parameters: bool = False  # DDP option for models that skip parameters
-    # A schedule sized by the time budget: ``steps`` is then only a cap; the speed of the first
-    # ``budget_measure`` steps predicts how many fit in ``time_budget_s`` (less a ``budget_reserve``
-    # share for evaluations and checkpoints), which fixes the schedule's length (measured once more
-    # over the steps from there to the warmup's end, which keeps its lrs; recorded in the
-    # checkpoints, so a resumed run keeps it) and, if ``budget_evals`` > 0, spreads that many
-    # evaluations and checkpoints over it instead of ``eval_every`` / ``save_every``.
+    # A schedule sized by the time budget (attnlab.train.budget): ``steps`` is then only a cap; the
+    # mean time of the last ``budget_measure`` steps, and of the evaluations and checkpoints so far
+    # (a ``budget_reserve`` share of the budget until one is timed), predicts how many steps fit in
+    # ``time_budget_s``, planned again whenever the prediction drifts (every plan recorded in the
+    # checkpoints, so a resumed run repeats them); ``budget_evals`` > 0 spreads that many
+    # evaluations and checkpoints over the schedule instead of ``eval_every`` / ``save_every``.
     budget_schedule: bool = False
     budget_measure: int = 20
     budget_reserve: float = 0.1
@@ -238,25 +239,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-@dataclass
-class _Window:
-    """Sums since the last log line."""
-    loss: float = 0.0
-    tokens: float = 0.0
-    seconds: float = 0.0
-    extras: dict = field(default_factory=dict)
-
-
 # ----------------------------------------------------------------------------- the trainer
 class Trainer:
     """Trains ``task.model`` on ``task``'s plan; see the module docstring for the guarantees.
 
     ``resume``: False (start afresh), True (continue from ``out_dir/latest`` if it exists,
     else start afresh) or a path (a checkpoint directory or a run directory; must exist).
+    ``clock``: seconds as a float (default ``time.perf_counter``), read for the time budget,
+    tokens/s and progress; tests give one whose steps take known times.
     """
 
-    def __init__(self, task: Task, config: TrainConfig, resume: bool | str | Path = False):
+    def __init__(self, task: Task, config: TrainConfig, resume: bool | str | Path = False, clock=None):
         self.task, self.config = task, config
+        self.clock = clock or time.perf_counter
         self.env = init_distributed(config.device)
         self.device = self.env.device
         self.precision, self.precision_reason = _resolve_precision(config.precision, self.device, task.model)
@@ -273,12 +268,10 @@ class Trainer:
             raise ValueError("TrainConfig: the noam schedule needs d_model (the model has no config.d_model)")
         self.scheduler = make_schedule(config.schedule, self.optimizer, warmup=config.warmup_steps,
                                        total_steps=None if config.budget_schedule else config.steps,
-                                       min_lr_ratio=config.min_lr_ratio, d_model=d_model,
-                                       measure=config.budget_measure)
-        self.budget_plan: dict | None = None     # the schedule's length once the budget has sized it
-        self._first_plan: tuple[int, float] | None = None   # (step, elapsed) of this session's first plan
+                                       min_lr_ratio=config.min_lr_ratio, d_model=d_model)
         self._planner = BudgetPlanner(config.time_budget_s, config.budget_measure, config.budget_reserve,
-                                      config.budget_evals, config.steps) if config.budget_schedule else None
+                                      config.budget_evals, config.steps, (config.eval_every, config.save_every)
+                                      ) if config.budget_schedule else None
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         # one run per directory, from before the manager's clean-up (which would sweep away another
         # run's half-written checkpoint) until close(); see attnlab.train.lock
@@ -291,7 +284,7 @@ class Trainer:
         self.elapsed_before = 0.0
         self.last_checkpoint: Path | None = None
         self._rng_to_restore: dict | None = None
-        self._window = _Window()   # sums since the last log line
+        self._window = LogWindow()   # sums since the last log line
         self.interrupted: int | None = None     # the signal received during fit, if any
         if resume:
             self._resume(resume)
@@ -321,14 +314,16 @@ class Trainer:
         if state["step"] > self.config.steps:
             raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
                              f"for (--steps); give at least {state['step']} to resume it")
-        self._restore_budget_plan(state.get("budget_plan"), resumed=True)
+        if self._planner is not None and state.get("budget_plan"):
+            self._planner.load_state(state["budget_plan"])
+            self._apply_budget_plan(resumed=True)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_pos = state["step"], state["epoch"], state["batch_pos"]
         self.best, self.records, self.elapsed_before = state["best"], state["metrics"], state["elapsed_s"]
         self._rng_to_restore = state["rng"][self.env.rank]
-        self._window = _Window(**state["log_window"])
+        self._window = LogWindow(**state["log_window"])
         self.last_checkpoint = ckpt
         log.info("resuming from %s (step %d, epoch %d)", ckpt, self.step, self.epoch)
         barrier(self.env)        # every rank has read the checkpoint before rank 0 removes what follows it
@@ -364,7 +359,8 @@ class Trainer:
                 "world_size": self.env.world_size, "scheduler": sched, "precision": self.precision,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng, "best": self.best, "config": self.config.to_json(), "metrics": self.records,
-                "log_window": asdict(self._window), "elapsed_s": elapsed, "budget_plan": self.budget_plan}
+                "log_window": asdict(self._window), "elapsed_s": elapsed,
+                "budget_plan": self._planner.state() if self._planner is not None else None}
 
     def save(self, elapsed: float, is_best: bool = False) -> None:
         """Checkpoint the current step (collective: every rank calls it; rank 0 writes)."""
@@ -391,7 +387,7 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             sync = self.ddp_model.no_sync() if self.env.active and not last else nullcontext()
-            with sync:  # DDP all-reduces every gradient in the last backward (pitfall 19)
+            with sync:  # DDP all-reduces every gradient in the last backward, so all stay in sync
                 with self._autocast():
                     loss, n, extra = self.task.loss(self.ddp_model, to_device(batch, self.device))
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -443,9 +439,10 @@ class Trainer:
             self._rng_to_restore = None
         else:
             seed_everything(cfg.seed + self.env.rank)
-        start = time.perf_counter()
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (cfg.progress and self.env.is_main),
-                   desc="train", dynamic_ncols=True)
+        start = mark = self.clock()       # mark: the end of the previous step, its evaluation and save included
+        unplanned = self._planner is not None and self.budget_plan is None     # the step count is only a cap
+        bar = progress_bar(None if unplanned else cfg.steps, initial=self.step, desc="train",
+                           enabled=cfg.progress and self.env.is_main, clock=self.clock)
         self.ddp_model.train()
         stopped = False
         self.interrupted = None
@@ -454,7 +451,7 @@ class Trainer:
             while self.step < cfg.steps and not stopped:
                 plan = self._epoch_plan(self.epoch)
                 while self.batch_pos + cfg.accum_steps <= len(plan) and self.step < cfg.steps and not stopped:
-                    t0 = time.perf_counter()
+                    t0 = self.clock()
                     budget_hit = cfg.time_budget_s is not None and t0 - start >= cfg.time_budget_s
                     micro = plan[self.batch_pos: self.batch_pos + cfg.accum_steps]
                     loss, tokens, stopped, extras = self.accumulate(micro, budget_hit or self.interrupted is not None)
@@ -464,12 +461,13 @@ class Trainer:
                     self.batch_pos += cfg.accum_steps
                     self.step += 1
                     bar.update(1)
+                    t1 = self.clock()
                     w = self._window
-                    w.loss, w.tokens, w.seconds = w.loss + loss, w.tokens + tokens, w.seconds + time.perf_counter() - t0
+                    w.loss, w.tokens, w.seconds = w.loss + loss, w.tokens + tokens, w.seconds + t1 - t0
                     for k, v in extras.items():
                         w.extras[k] = w.extras.get(k, 0.0) + v
-                    self._after_step(lr, start, stopped, bar)
-                    self._plan_budget(time.perf_counter() - start, bar)
+                    self._after_step(lr, start, t1 - mark, stopped, bar)
+                    mark = self.clock()
                 if self.batch_pos + cfg.accum_steps > len(plan):
                     self.epoch, self.batch_pos = self.epoch + 1, 0
         finally:
@@ -491,11 +489,12 @@ class Trainer:
     def _interrupt(self, signum: int) -> None:
         self.interrupted = signum
 
-    def _after_step(self, lr: float, start: float, stopped: bool, bar) -> None:
-        """Log, evaluate and save as the step number asks."""
+    def _after_step(self, lr: float, start: float, step_s: float, stopped: bool, bar) -> None:
+        """Log, evaluate and save as the step number asks; re-plan a budget-sized schedule (after
+        the evaluation, whose time counts, and before the save, which records the plan)."""
         cfg = self.config
         final = self.step == cfg.steps
-        elapsed = self.elapsed_before + time.perf_counter() - start
+        elapsed = self.elapsed_before + self.clock() - start
         window = self._window
         if self.step % cfg.log_every == 0 or final or stopped:
             tokens = max(window.tokens, 1.0)
@@ -504,74 +503,57 @@ class Trainer:
                       **{k: v / tokens for k, v in window.extras.items()}}
             self._record(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-            self._window = _Window()
-        is_best = False
-        if (cfg.eval_every and self.step % cfg.eval_every == 0) or final:
-            is_best = self._evaluate(elapsed)
-        if (cfg.save_every and self.step % cfg.save_every == 0) or final or stopped or is_best:
-            self.save(elapsed, is_best)
+            self._window = LogWindow()
+        planned = self.budget_plan is not None and self.step in self.budget_plan.get("eval_at", ())
+        evaluate = bool(cfg.eval_every and self.step % cfg.eval_every == 0) or final or planned
+        save = bool(cfg.save_every and self.step % cfg.save_every == 0) or final or stopped or planned
+        t = self.clock()
+        is_best = self._evaluate(elapsed) if evaluate else False
+        save = save or is_best
+        now = self.clock()
+        self._replan(step_s, now - t if evaluate or save else None, self.elapsed_before + now - start, bar,
+                     last=final or stopped)
+        if save:
+            self.save(self.elapsed_before + now - start, is_best)
+            if self._planner is not None:
+                self._planner.add_stop_seconds(self.clock() - now)
 
     # ------------------------------------------------------------------ a schedule sized by the budget
-    def _plan_budget(self, elapsed: float, bar=None) -> None:
-        """With ``budget_schedule``, after ``budget_measure`` steps of this session (the first one,
-        which warms allocators and kernels up, not counted), fix the schedule's length to the steps
-        that fit in the rest of the budget, and once more at the end of the warmup
-        (:meth:`_remeasure`). Every rank computes the same plan from rank 0's clock."""
+    @property
+    def budget_plan(self) -> dict | None:
+        """The plan in force of a budget-sized schedule (None before the first, or without one)."""
+        return self._planner.plan if self._planner is not None else None
+
+    def _replan(self, step_s: float, stop_s: float | None, elapsed: float, bar, last: bool) -> None:
+        """Give the planner this step's timings (rank 0's, on every rank: the same plans
+        everywhere) and apply the plan it makes, if any (none after the ``last`` step)."""
         if self._planner is None:
             return
-        first = self.budget_plan
-        per_step = self._planner.speed(self.step, elapsed) if first is None else self._remeasure(elapsed)
-        if per_step is None:
+        facts = torch.tensor([step_s, -1.0 if stop_s is None else stop_s, elapsed], dtype=torch.float64)
+        if self.env.active:
+            facts = facts.to(self.device)
+            torch.distributed.broadcast(facts, 0)
+        step_s, stop_s, elapsed = facts.tolist()
+        was = self.budget_plan
+        self._planner.observe(self.step, step_s, None if stop_s < 0 else stop_s)
+        plan = None if last else self._planner.decide(self.step, elapsed)
+        if plan is None:
             return
-        speed = torch.tensor([elapsed, per_step], dtype=torch.float64, device=self.device)
-        if self.env.active:      # rank 0's measurement for everyone: the same schedule on every rank
-            torch.distributed.broadcast(speed, 0)
-        plan = self._planner.plan(self.step, *speed.tolist())
-        if first is None:
-            self._first_plan = (self.step, float(speed[0]))
-        else:
-            plan["first"] = {k: first[k] for k in ("steps", "measured_s_per_step", "at_step")}
-        self._restore_budget_plan(plan, keep_warmup=first is not None)
-        log.info("time budget%s: %.3f s per step -> %d steps in all",
-                 "" if first is None else f" (again at the warmup's end; first plan {first['steps']})",
-                 per_step, self.config.steps)
-        if bar is not None:
-            bar.total = self.config.steps
-            bar.refresh()
+        self._apply_budget_plan()
+        log.info("time budget: %.3f s per step over the last %d%s -> %d steps in all", plan["measured_s_per_step"],
+                 self.config.budget_measure, "" if was is None else f" (re-planned at step {self.step}, was "
+                 f"{was['steps']})", plan["steps"])
+        bar.total = self.config.steps
+        bar.refresh()
 
-    def _remeasure(self, elapsed: float) -> float | None:
-        """The seconds per step since this session's first plan, once, at the end of the warmup,
-        if at least ``budget_measure`` steps have run since (else None): the plan made from it
-        re-sizes only the decay, so every lr so far stays. The first steps run slower than the
-        rest (allocators, caches): on a 2-core AMD EPYC, Multi30k's first 20 steps took 1.50 s each
-        and the rest 1.32, so the first plan alone left 19 % of a 30-minute budget unused."""
-        factor = self.scheduler.lr_lambdas[0]
-        if self._first_plan is None or not isinstance(factor, BudgetFactor) or self.step != factor.warmup:
-            return None
-        at, then = self._first_plan
-        self._first_plan = None
-        return (elapsed - then) / (self.step - at) if self.step - at >= self.config.budget_measure else None
-
-    def _restore_budget_plan(self, plan: dict | None, resumed: bool = False, keep_warmup: bool = False) -> None:
-        """Apply a plan (from :meth:`_plan_budget` or a checkpoint): the schedule's length, the
-        step cap, and the evaluation and checkpoint intervals it chose (``keep_warmup``: a second
-        plan, which moves only the decay). A checkpoint's optimizer already holds the lr of its
-        next step; a fresh plan sets it."""
-        if plan is None or not self.config.budget_schedule:
-            return
-        self.budget_plan = dict(plan)
+    def _apply_budget_plan(self, resumed: bool = False) -> None:
+        """Apply the planner's plan: the step cap, the evaluation and checkpoint intervals it chose
+        (its own evaluation steps replace the intervals) and the lr schedule's length (:func:`attnlab.train.budget.fit_schedule`)."""
+        plan = self._planner.plan
         self.config.steps = plan["steps"]
-        for key in ("eval_every", "save_every"):
-            if key in plan:
-                setattr(self.config, key, plan[key])
-        factor = self.scheduler.lr_lambdas[0]
-        if isinstance(factor, BudgetFactor):
-            (factor.replan if keep_warmup else factor.plan)(plan["steps"])
-            if resumed:
-                return
-            # the lr of the step about to run follows the planned schedule
-            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-                group["lr"] = base * factor(self.scheduler.last_epoch)
+        if "eval_at" in plan:              # the plan's evaluations replace the intervals
+            self.config.eval_every = self.config.save_every = 0
+        fit_schedule(plan, self.scheduler, self.step, resumed=resumed)
 
     def _record(self, record: dict) -> None:
         self.records.append(record)
