@@ -13,6 +13,7 @@ import yaml
 from torch import Tensor, nn
 
 from attnlab.cli import main
+from attnlab.models.pretrained import SavePretrained
 from attnlab.models.registry import FamilyOption, family, register_family
 from attnlab.nn import FeedForward, RMSNorm
 from attnlab.tasks import get_task, open_run
@@ -30,7 +31,7 @@ class DepthConfig:
     eos_token_id: int | None = None
 
 
-class DepthLM(nn.Module):
+class DepthLM(SavePretrained, nn.Module):
     def __init__(self, config: DepthConfig):
         super().__init__()
         self.config = c = config
@@ -39,8 +40,10 @@ class DepthLM(nn.Module):
         self.ffs = nn.ModuleList(FeedForward(c.d_model, c.d_ff, activation="gelu") for _ in range(c.num_layers))
         self.norm, self.head = RMSNorm(c.d_model), nn.Linear(c.d_model, c.vocab_size, bias=False)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         x = self.embedding(input_ids)
+        if attention_mask is not None:                    # padding enters as zeros
+            x = x * attention_mask.to(x.dtype)[..., None]
         for norm, ff in zip(self.norms, self.ffs):
             x = x + self.config.depth_scale * ff(norm(x))
         return self.head(self.norm(x))
