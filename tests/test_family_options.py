@@ -13,9 +13,11 @@ import yaml
 from torch import Tensor, nn
 
 from attnlab.cli import main
+from attnlab.models.causal_lm import GenerationMixin
 from attnlab.models.pretrained import SavePretrained
 from attnlab.models.registry import FamilyOption, family, register_family
 from attnlab.nn import FeedForward, RMSNorm
+from attnlab.nn.cache import RecurrentState
 from attnlab.tasks import get_task, open_run
 from attnlab.tokenizer import EOS_ID
 
@@ -31,7 +33,9 @@ class DepthConfig:
     eos_token_id: int | None = None
 
 
-class DepthLM(SavePretrained, nn.Module):
+class DepthLM(GenerationMixin, SavePretrained, nn.Module):
+    """Each position on its own: its decoding state holds nothing but how far it has read."""
+
     def __init__(self, config: DepthConfig):
         super().__init__()
         self.config = c = config
@@ -40,7 +44,14 @@ class DepthLM(SavePretrained, nn.Module):
         self.ffs = nn.ModuleList(FeedForward(c.d_model, c.d_ff, activation="gelu") for _ in range(c.num_layers))
         self.norm, self.head = RMSNorm(c.d_model), nn.Linear(c.d_model, c.vocab_size, bias=False)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def new_cache(self) -> RecurrentState:
+        return RecurrentState()
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
+        if cache is not None:
+            for _ in range(input_ids.size(1)):
+                cache.advance(1)
+            attention_mask = None if attention_mask is None else attention_mask[:, -input_ids.size(1):]
         x = self.embedding(input_ids)
         if attention_mask is not None:                    # padding enters as zeros
             x = x * attention_mask.to(x.dtype)[..., None]

@@ -10,6 +10,7 @@ from torch import nn
 import attnlab
 from attnlab.models import GPT, Transformer
 from attnlab.models.convert import Rule, split_prefix, with_prefix
+from attnlab.models.pretrained import SavePretrained
 from attnlab.models.registry import architecture_of, families, family, register_family
 
 
@@ -18,7 +19,7 @@ class _Config:
     width: int = 3
 
 
-class _Net(nn.Module):
+class _Net(SavePretrained, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config, self.proj = config, nn.Linear(config.width, config.width)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 import contract
 from attnlab.generate import generate
+from attnlab.models.pretrained import SavePretrained
 from attnlab.models.registry import families, family, register_family
 from attnlab.nn import FeedForward, LayerCaches, MultiHeadAttention, RMSNorm, RotaryEmbedding
 
@@ -37,7 +38,7 @@ class ToyLayer(nn.Module):
         return x + self.ff(self.ff_norm(x))
 
 
-class ToyLM(nn.Module):
+class ToyLM(SavePretrained, nn.Module):
     """forward(input_ids (B, T), attention_mask (B, P + T) or None, cache) -> logits (B, T, V)."""
 
     def __init__(self, config: ToyConfig):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 import contract
+from attnlab.models.pretrained import SavePretrained
 from attnlab.models.registry import KINDS, family, register_family, register_kind
 from attnlab.nn import FeedForward, LayerNorm, MultiHeadAttention
 from attnlab.processors import ImageProcessor
@@ -46,7 +47,7 @@ class ToyLayer(nn.Module):
         return x + self.ff(self.ff_norm(x))
 
 
-class ToyPatchEncoder(nn.Module):
+class ToyPatchEncoder(SavePretrained, nn.Module):
     """forward(pixel_values (B, C, H, W)) -> (B, 1 + P, E): the class token, then one vector per patch."""
 
     def __init__(self, config: ToyViTConfig):
@@ -67,7 +68,7 @@ class ToyPatchEncoder(nn.Module):
         return self.norm(x)
 
 
-class ToyViTClassifier(nn.Module):
+class ToyViTClassifier(SavePretrained, nn.Module):
     """forward(pixel_values (B, C, H, W)) -> logits (B, num_labels), from the class token."""
 
     def __init__(self, config: ToyViTConfig):
@@ -109,7 +110,9 @@ def test_the_kinds_say_what_the_models_take():
     with pytest.raises(ValueError, match="needs image_size, patch_size, in_channels"):
         TOY.build_config(d_model=8, num_heads=2, num_layers=1)
     with pytest.raises(ValueError, match="kind 'causal-lm' takes text input, the family's modality is 'image'"):
-        TOY.register("Other", nn.Linear, kind="causal-lm")
+        TOY.register("Other", ToyViTClassifier, kind="causal-lm")
+    with pytest.raises(ValueError, match="Linear has no save_pretrained; every model has one"):
+        TOY.register("Other", nn.Linear, kind="image-classifier")
 
 
 @pytest.mark.parametrize("name", ["ToyViTClassifier", "ToyPatchEncoder"])

@@ -273,6 +273,9 @@ class Family:
             raise ValueError(f"{where}: ignore_on_load must be a tuple of patterns, not a string")
         if self.base_rules is None and (prefix or head_rules):
             raise ValueError(f"{where}: a native family (no base rules) takes no prefix or head rules")
+        if not callable(getattr(model_cls, "save_pretrained", None)):
+            raise ValueError(f"{where}: {model_cls.__name__} has no save_pretrained; every model has one (inherit "
+                             "attnlab.models.pretrained.SavePretrained)")
         if name in self.architectures or model_cls in _BY_CLASS:
             raise ValueError(f"{where}: {name} or {model_cls.__name__} is already registered")
         arch = Architecture(self, name, model_cls, kind, prefix, tuple(head_rules), tuple(ignore_on_load), factory,
