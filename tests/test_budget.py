@@ -197,3 +197,18 @@ def test_stops_between_counts_evaluations_and_saves_once():
     assert stops_between(0, 37, 18, 18) == 3                   # 18, 36 and the last step
     assert stops_between(10, 100, 0, 0) == 1
     assert stops_between(100, 100, 10, 0) == 0
+
+
+def test_a_budget_checkpoint_of_the_one_plan_layout_is_refused_in_one_line(tmp_path):
+    """A --time-budget checkpoint whose plan is the older single plan (steps, at_step,
+    measured_s_per_step, no history) cannot be continued: one line naming it, not a KeyError."""
+    out = tmp_path / "old"
+    _train(out, _slow_first_minute)
+    ckpt = sorted(out.glob("step-*"))[-1]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["budget_plan"] = {"steps": 120, "at_step": 20, "measured_s_per_step": 1.5}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "manifest.json").unlink()                   # the edit is on purpose: accept it unchecked
+    with pytest.raises(ValueError, match=r"step-\d+: a --time-budget run saved by an attnlab that planned its "
+                                         r"schedule once, which this one cannot continue; train it again"):
+        _train(out, _slow_first_minute, resume=True)

@@ -178,6 +178,15 @@ def test_train_classify_and_lm_take_a_directory_and_say_which_files(tmp_path, ca
     assert code == 0 and f"data: {d / 'train.tsv'}: 20 training texts, 4 validation" in out, out
     assert f"{d / 'dev.tsv'}: no header line" in out
     assert "train.tsv" in (tmp_path / "r" / "config.yaml").read_text()
+    # the same directory again on --resume is the same data; another one is not
+    code, out = _cli(capsys, "train", "classify", "--resume", "--data", d, "--out", tmp_path / "r", "--steps", "3",
+                     "--no-progress")
+    assert code == 0, out
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.tsv").write_text((d / "train.tsv").read_text())
+    code, out = _cli(capsys, "train", "classify", "--resume", "--data", other, "--out", tmp_path / "r", "--steps", "4")
+    assert code == 2 and "--data" in out and "differs from the run's" in out, out
     books = tmp_path / "books"
     books.mkdir()
     for i in range(3):

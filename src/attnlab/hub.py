@@ -18,6 +18,8 @@ into the checkpoint's and has the exact inverse:
     Fuse(dim, n)   cat along dim / chunk into n     PermuteRope(heads_attr)  q/k rows between
     Split(dim, n)  chunk into n / cat (Fuse's        the interleaved and half-split RoPE layouts
                    inverse: BERT's query/key/value)
+    Fuse(dim, sizes=(a, b, ...)) / Split(dim, sizes=...): parts of unequal sizes (ints or config
+                   field names: Mamba's x_proj, Mamba-2's in_proj)
 """
 from __future__ import annotations
 

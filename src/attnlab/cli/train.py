@@ -100,6 +100,8 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
 
 def _same(option, a, b) -> bool:
     if option.name in ("data", "valid") and a is not None and b is not None:
+        if os.path.isdir(a) and not os.path.isdir(b):   # a directory the run resolved to its split file b
+            return os.path.abspath(a) == os.path.dirname(os.path.abspath(b))
         return os.path.abspath(a) == os.path.abspath(b)
     return a == b
 

@@ -20,8 +20,9 @@ through the family's sizing builder, with the options the family adds itself (it
 Defaults (each one overridden by its flag). The embedded corpus trains a small GPT-2 for 2,000
 steps as it always has. A file's model, context and batch follow its number of training tokens
 (:data:`FILE_SIZES`; Tiny Shakespeare's million characters get nanoGPT's shapes); with
-``--time-budget`` and no ``--steps`` the schedule lasts as many steps as the first ones (and again
-those up to the warmup's end) predict fit in the budget. The chosen values are printed and saved in the run's config.yaml.
+``--time-budget`` and no ``--steps`` the schedule is sized to end with the budget and sized again
+whenever the measured speed drifts (:mod:`attnlab.train.budget`). The chosen values are printed
+and saved in the run's config.yaml.
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ hold at most ``--max-tokens`` padded tokens and group pairs of similar length.
 Defaults (each one overridden by its flag, 0 included where valid). The embedded corpus trains
 the main job's small Post-Norm model for 400 steps. A file's vocabulary, model and batch follow
 its number of training pairs (:data:`FILE_SIZES`), with Pre-Norm layers (stable without a long
-warmup); with ``--time-budget`` and no ``--steps`` the schedule lasts as many steps as the first
-ones (and again those up to the warmup's end) predict fit in the budget, with two evaluations spread over it (halfway and at the end). The chosen values are
-printed and saved in the run's config.yaml.
+warmup); with ``--time-budget`` and no ``--steps`` the schedule is sized to end with the budget,
+and sized again whenever the measured speed drifts (:mod:`attnlab.train.budget`), with two
+evaluations (halfway and at the end). The chosen values are printed and saved in the run's
+config.yaml.
 """
 from __future__ import annotations
 

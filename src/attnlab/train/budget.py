@@ -157,7 +157,10 @@ class BudgetPlanner:
         return {"plan": self.plan, "history": self.history, "replans": self.replans, "window": list(self.window),
                 "stops": self.stops, "stop_s": self.stop_s}
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, where="the checkpoint") -> None:
+        if not {"plan", "history", "replans", "window", "stops", "stop_s"} <= set(state):
+            raise ValueError(f"{where}: a --time-budget run saved by an attnlab that planned its schedule once, "
+                             "which this one cannot continue; train it again")
         self.plan, self.history, self.replans = state["plan"], state["history"], state["replans"]
         self.window = deque(state["window"], maxlen=self.measure)
         self.stops, self.stop_s = state["stops"], state["stop_s"]

@@ -315,7 +315,7 @@ class Trainer:
             raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
                              f"for (--steps); give at least {state['step']} to resume it")
         if self._planner is not None and state.get("budget_plan"):
-            self._planner.load_state(state["budget_plan"])
+            self._planner.load_state(state["budget_plan"], ckpt)
             self._apply_budget_plan(resumed=True)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
