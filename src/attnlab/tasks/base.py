@@ -25,7 +25,7 @@ included, is always used as given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -214,7 +214,15 @@ class TaskDefinition:
     data_help: ClassVar[str] = "a data file"              # what they hold, for messages
 
     def all_options(self) -> list[Option]:
-        return TRAINING_OPTIONS + self.options + self.family_options()
+        return [self._data_option(o) for o in TRAINING_OPTIONS] + self.options + self.family_options()
+
+    def _data_option(self, o: Option) -> Option:
+        """--data / --valid as this task reads them (a file, a directory, or either)."""
+        if o.name not in ("data", "valid") or self.data_paths == ("file",):
+            return o
+        role = "training" if o.name == "data" else "validation"
+        return replace(o, metavar="DIR" if self.data_paths == ("directory",) else "FILE|DIR",
+                       help=f"{role} data: {self.data_help} {o.help[o.help.index('(default'):]}")
 
     # ------------------------------------------------------------------ what the model families add
     def _family_owners(self) -> dict[str, list]:

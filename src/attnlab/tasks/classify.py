@@ -202,6 +202,7 @@ class Classify(TaskDefinition):
     name = "classify"
     kind = "classifier"
     data_paths = ("file", "directory")     # --data DIR: its train.tsv and dev.tsv (see data_directory)
+    data_help = "a TSV, CSV or JSON-lines file of texts and labels, or a directory with train.tsv and dev.tsv"
     help = "a text classifier: the chapter's self-attention classifier from scratch, or a fine-tuned encoder"
     example = ("attnlab train classify --steps 300 --out runs/sentiment\n"
                "  attnlab train classify --data train.tsv --valid dev.tsv --time-budget 14\n"

@@ -205,6 +205,7 @@ class LanguageModeling(TaskDefinition):
     name = "lm"
     kind = "causal-lm"
     data_paths = ("file", "directory")     # --data DIR: every .txt file in it (attnlab.data.text)
+    data_help = "a UTF-8 text file, or a directory of .txt files (valid.txt validates)"
     help = "a decoder-only language model (any registered causal-LM family) on text"
     example = ('attnlab train lm --steps 2000 --out runs/lm\n'
                '  attnlab train lm --config shakespeare-char --data input.txt --out runs/shakespeare')

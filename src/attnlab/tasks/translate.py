@@ -155,6 +155,7 @@ class Translate(TaskDefinition):
     name = "translate"
     kind = "seq2seq"
     data_paths = ("file", "directory")     # --data DIR: its train.tsv and valid.tsv (attnlab.data.sniff.data_directory)
+    data_help = "a TSV of source<TAB>target lines, or a directory with train.tsv and valid.tsv"
     help = "an encoder-decoder Transformer translating one language into another"
     example = ("attnlab train translate --steps 400 --out runs/numbers\n"
                "  attnlab train translate --data train.de-en.tsv --valid valid.de-en.tsv --time-budget 30")
