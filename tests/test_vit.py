@@ -165,3 +165,25 @@ def test_the_presets_have_transformers_sizes():
             theirs = transformers.ViTForImageClassification(hf_config)
         assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
     assert sum(p.numel() for p in ours.parameters()) == 22_050_664          # ViT-S/16, 1000 classes
+
+
+@pytest.mark.parametrize("model_type, flags", [("vit", ["--norm", "dyt", "--pooling", "mean"]), ("deit", [])])
+def test_the_image_task_trains_the_family_with_its_options(model_type, flags, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+    from attnlab.cli import main
+    from attnlab.tasks import open_run
+    rng = np.random.default_rng(0)
+    for c, label in enumerate(["blue", "red"]):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(10):
+            x = rng.integers(0, 90, (16, 16, 3))
+            x[..., 2 - 2 * c] += 160
+            Image.fromarray(x.astype(np.uint8)).save(tmp_path / "data" / label / f"{i}.png")
+    run = tmp_path / "run"
+    assert main(["train", "image", "--model", model_type, "--data", str(tmp_path / "data"), "--out", str(run),
+                 "--steps", "4", "--image-size", "16", "--patch-size", "4", "--d-model", "32", "--heads", "2",
+                 "--layers", "1", "--batch-size", "8", "--no-progress", *flags]) == 0
+    capsys.readouterr()
+    config = open_run(run).config
+    assert (config["norm"], config["pooling"]) == (("dyt", "mean") if flags else ("layernorm", "cls"))
