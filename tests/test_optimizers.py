@@ -118,11 +118,14 @@ def _todays_rule(model: nn.Module) -> set[str]:
 
 def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_decaying():
     """The declarations reproduce the groups of every registered model, and add exactly the learned
-    position tables (GPT-2's, the BERT family's, DeBERTa's relative one), which the rule by
-    module type decayed though they are embeddings."""
+    position tables (GPT-2's, the BERT family's, DeBERTa's relative one, the image families' patch
+    grid) and attnlab's ViT and DeiT class and distillation tokens, which the rule by module type
+    decayed though they are embeddings."""
     import contract
     from attnlab.models.deberta import RelativeEmbeddings
     from attnlab.models.registry import architectures
+    from attnlab.models.vit import ViTEncoder
+    from attnlab.nn.patch import PatchPositionEmbedding
     from attnlab.nn.position import LearnedPositionalEmbedding
     from attnlab.train import split_decay
     tables_seen = 0
@@ -130,7 +133,9 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
         model = contract.tiny(arch)
         decay, no_decay = (set(n for n, _ in group) for group in split_decay(model))
         tables = {f"{name}.weight" for name, m in model.named_modules()
-                  if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings))}
+                  if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings, PatchPositionEmbedding))}
+        if isinstance(model, ViTEncoder):
+            tables |= {n for n, _ in model.named_parameters() if n in ("cls_token", "distillation_token")}
         assert no_decay == _todays_rule(model) | tables, arch
         assert decay | no_decay == {n for n, _ in model.named_parameters()} and not decay & no_decay, arch
         tables_seen += bool(tables)

@@ -188,7 +188,7 @@ class ImageClassification(TaskDefinition):
         fam = family(s["model"])
         config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=s["channels"],
                                   d_model=s["d_model"], num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], num_labels=len(labels))
+                                  dropout=s["dropout"], num_labels=len(labels), **self.family_sizes(s))
         torch.manual_seed(s["seed"])
         return fam.for_kind(self.kind).build(config)
 
