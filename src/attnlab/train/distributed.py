@@ -85,8 +85,12 @@ def shard_plan(plan: list, rank: int, world_size: int) -> list:
     return list(plan[rank: per_rank * world_size: world_size])
 
 
-def wrap_model(model: nn.Module, env: DistEnv, find_unused_parameters: bool = False) -> nn.Module:
-    """DistributedDataParallel around ``model`` when the group is active, else ``model``."""
+def wrap_model(model: nn.Module, env: DistEnv, find_unused_parameters: bool = False, shard: bool = False) -> nn.Module:
+    """DistributedDataParallel around ``model`` when the group is active, else ``model``; with
+    ``shard`` the model sharded in place by FSDP2 instead (:func:`attnlab.train.sharded.shard_model`)."""
+    if shard:
+        from .sharded import shard_model
+        return shard_model(model, env)
     if not env.active:
         return model
     ids = [env.device.index] if env.device.type == "cuda" else None

@@ -1,0 +1,128 @@
+"""Sharded training (FSDP2, ``TrainConfig(shard=True)`` / ``--shard``) and its distributed checkpoints.
+
+The runs are tests/_train_worker.py's NextTokenTask (a tiny GPT-2 with its tied head, or a tiny
+LLaMA, on random padded sequences), two processes under torchrun with gloo on CPU against one
+process without sharding and the same global batch of 8 sequences: 2 ranks x accumulation 2 x
+micro-batches of 2, gradient clipping at 0.1 (below the gradient norm, so it acts every step).
+
+Tolerances: the loss of every step within 1e-5 relative (fp32; the order of the gradient sums
+differs between one process and a reduce-scatter); the final weights within 5e-5 absolute, lr
+1e-2 (the key projection's bias gets an essentially zero gradient, whose rounding noise AdamW's
+normalisation turns into differences of ~1e-5; every other weight agrees to ~5e-7). Resuming a
+sharded run, killed during a save, is bit-identical to the run that was not interrupted.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from attnlab.models.gpt import GPT, GPTConfig
+from attnlab.train import TrainConfig, Trainer
+from attnlab.train.checkpoint import CheckpointManager
+from attnlab.train.sharded import transformer_blocks
+
+from test_train import BIN, WORKER, _env, _worker  # noqa: E402  (tests/ is on sys.path under pytest)
+
+COMMON = ["--n-examples", "32", "--lr", "1e-2", "--schedule", "constant", "--warmup", "0", "--clip", "0.1",
+          "--dump-weights"]
+
+
+def _torchrun(out: Path, *args: str) -> subprocess.Popen:
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(WORKER), "--out", str(out), *args]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    return out.decode()[-3000:]
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_two_sharded_processes_equal_one_process(tmp_path, family):
+    args = ["--model", family, "--steps", "4", *COMMON]
+    sharded = _torchrun(tmp_path / "fsdp", "--shard", "--micro", "2", "--accum", "2", *args)
+    single = subprocess.run(_worker(tmp_path / "one", "--micro", "8", *args), env=_env(), capture_output=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr.decode()[-3000:]
+    log = _finish(sharded)
+    assert sharded.returncode == 0, log
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "fsdp")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, two)
+    ref, got = load_file(tmp_path / "one" / "rank0.safetensors"), load_file(tmp_path / "fsdp" / "rank0.safetensors")
+    assert set(ref) <= set(got)
+    for k in ref:
+        assert (ref[k] - got[k]).abs().max() <= 5e-5, k
+    if family == "gpt2":    # the head stayed tied to the token embedding: one tensor, trained as one
+        assert torch.equal(got["lm_head.weight"], got["token_embedding.weight"])
+        unclipped = subprocess.run(_worker(tmp_path / "free", "--micro", "8", *args, "--clip", "0"), env=_env(),
+                                   capture_output=True, timeout=300)
+        assert unclipped.returncode == 0, unclipped.stderr.decode()[-3000:]
+        assert abs(_losses(tmp_path / "free")[-1] - one[-1]) > 1e-4   # the clipping acted, and equally
+    # the sharded checkpoint: every rank's shards and the metadata, vouched for by the manifest
+    step = tmp_path / "fsdp" / "step-0000004"
+    manifest = json.loads((step / "manifest.json").read_text())["files"]
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata", "trainer_state.json"} <= set(manifest)
+    assert not (step / "model.safetensors").exists()
+
+
+def test_killed_during_sharded_save_resumes_bit_identical(tmp_path):
+    """Rank 1 is SIGKILLed after writing its shards of step 4, before rank 0 completes the step: the
+    run resumes from step 2, and its weights at step 6 are those of the uninterrupted run."""
+    args = ["--model", "llama", "--shard", "--micro", "2", "--accum", "2", "--steps", "6", "--save-every", "2",
+            *COMMON]
+    whole = _torchrun(tmp_path / "whole", *args)
+    killed = _torchrun(tmp_path / "run", *args, "--kill-after-shards-at", "4")
+    log = _finish(killed)
+    assert killed.returncode != 0, log
+    run = tmp_path / "run"
+    assert (run / "latest").read_text().strip() == "step-0000002"
+    assert (run / ".tmp-step-0000004-sharded" / "shards").is_dir() and not (run / "step-0000004").exists()
+    resumed = _torchrun(run, *args, "--resume")
+    log = _finish(resumed)
+    assert resumed.returncode == 0, log
+    log = _finish(whole)
+    assert whole.returncode == 0, log
+    assert not any(p.name.startswith(".tmp") for p in run.iterdir())
+    a, b = load_file(tmp_path / "whole" / "rank0.safetensors"), load_file(run / "rank0.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(tmp_path / "whole") == _losses(run)
+
+
+def test_shard_without_torchrun_is_refused(tmp_path):
+    model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=1, dropout=0.0))
+    task = type("T", (), {"model": model, "plan": lambda self, e, s: [], "loss": None})()
+    with pytest.raises(ValueError, match=r"--shard\) splits the model over several processes.*torchrun"):
+        Trainer(task, TrainConfig(out_dir=tmp_path / "run", steps=1, shard=True, device="cpu", progress=False))
+
+
+def test_blocks_are_the_layer_lists_entries_and_a_tied_block_is_left_to_the_root():
+    model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=3, dropout=0.0))
+    assert transformer_blocks(model) == list(model.layers)
+    model.layers[1].ff.linear1.weight = nn.Parameter(torch.zeros(32, 8))
+    model.extra = nn.Linear(8, 32)
+    model.extra.weight = model.layers[1].ff.linear1.weight       # used by a module outside its block
+    assert transformer_blocks(model) == [model.layers[0], model.layers[2]]
+
+
+def test_a_sharded_checkpoint_is_refused_by_the_unsharded_loader(tmp_path):
+    from attnlab.train.checkpoint import load_checkpoint
+    manager = CheckpointManager(tmp_path)
+    staged = tmp_path / ".tmp-step-0000001-sharded"
+    (staged / "shards").mkdir(parents=True)
+    (staged / "shards" / "__0_0.distcp").write_bytes(b"x")
+    manager.finalise(1, staged, {"step": 1})
+    assert (tmp_path / "latest").read_text().strip() == "step-0000001"
+    with pytest.raises(ValueError, match=r"written by a sharded run \(--shard\).*resume it with --shard"):
+        load_checkpoint(tmp_path, nn.Linear(2, 2))
