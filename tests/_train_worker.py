@@ -138,9 +138,9 @@ def _kill_after_shards(step: int) -> None:
     import attnlab.train.sharded as sharded
     save = sharded.dcp.save
 
-    def save_then_die(state, checkpoint_id):
-        save(state, checkpoint_id=checkpoint_id)
-        if f"step-{step:07d}" in str(checkpoint_id) and os.environ.get("RANK") == "1":
+    def save_then_die(state, storage_writer):
+        save(state, storage_writer=storage_writer)
+        if f"step-{step:07d}" in str(storage_writer.path) and os.environ.get("RANK") == "1":
             os.kill(os.getpid(), signal.SIGKILL)
     sharded.dcp = type("dcp", (), {"save": staticmethod(save_then_die), "load": staticmethod(sharded.dcp.load)})
 

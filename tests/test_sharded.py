@@ -25,7 +25,7 @@ from torch import nn
 from attnlab.models.gpt import GPT, GPTConfig
 from attnlab.train import TrainConfig, Trainer
 from attnlab.train.checkpoint import CheckpointManager
-from attnlab.train.sharded import transformer_blocks
+from attnlab.train.sharded import load_gathered, transformer_blocks
 
 from test_train import BIN, WORKER, _env, _worker  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -73,8 +73,15 @@ def test_two_sharded_processes_equal_one_process(tmp_path, family):
     # the sharded checkpoint: every rank's shards and the metadata, vouched for by the manifest
     step = tmp_path / "fsdp" / "step-0000004"
     manifest = json.loads((step / "manifest.json").read_text())["files"]
-    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata", "trainer_state.json"} <= set(manifest)
-    assert not (step / "model.safetensors").exists()
+    shards = sorted(name for name in manifest if name.startswith("shards/"))
+    assert shards == [f"shards/shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
+    assert "trainer_state.json" in manifest and not (step / "model.safetensors").exists()
+    # gathered in one process, without a process group, they are the whole weights
+    if family == "llama":
+        from _train_worker import NextTokenTask
+        model = NextTokenTask("llama").model
+        load_gathered(step, model)
+        assert all(torch.equal(p, got[k]) for k, p in model.state_dict().items()), "gathered weights differ"
 
 
 def test_killed_during_sharded_save_resumes_bit_identical(tmp_path):

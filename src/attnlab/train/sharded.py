@@ -20,22 +20,29 @@ normalisation (multiply by W / N, N the global target-token count) is the same f
   gather); rank 0 records the metrics.
 
 Checkpoints: :func:`save_sharded` has every rank write its own shards of the weights and of the
-optimizer state into one temporary directory (``dcp.save``, files ``shards/__R_0.distcp`` and
-``shards/.metadata``); after a barrier rank 0 adds the trainer state and the assets, the
-manifest, and renames the directory into place and moves ``latest``, as for any checkpoint
+optimizer state's tensors into one temporary directory, through ``torch.distributed.checkpoint``
+with its safetensors storage (``shards/shard-0000R-model-00001-of-00001.safetensors``, each
+tensor's offset in the whole written in the file's header: nothing is pickled, which DCP's
+default ``.metadata`` file would be). After a barrier rank 0 adds the trainer state (with the
+optimizer's param groups and non-tensor state as JSON) and the assets, the manifest, and
+renames the directory into place and moves ``latest``, as for any checkpoint
 (:meth:`attnlab.train.checkpoint.CheckpointManager.finalise`). A run killed before that rename
 leaves ``latest`` naming the previous complete step, and the next run sweeps the temporary
-away. :func:`load_sharded` reads the shards back into the sharded model and optimizer.
+away. :func:`load_sharded` reads the shards back into a sharded model and optimizer, each rank
+the parts it holds; :func:`load_gathered` puts the whole weights together in one process
+(``attnlab generate``, ``export``, ``eval`` on a sharded run).
 """
 from __future__ import annotations
 
 import shutil
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -45,7 +52,7 @@ from .checkpoint import SHARDS_DIR, CheckpointManager, read_checkpoint_state
 from .distributed import DistEnv, barrier
 
 __all__ = ["shard_model", "transformer_blocks", "skip_gradient_sync", "save_sharded", "load_sharded",
-           "full_state_dict", "SHARDS_DIR"]
+           "full_state_dict", "load_gathered", "SHARDS_DIR"]
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -101,6 +108,34 @@ def full_state_dict(model: nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _tied(model: nn.Module) -> dict[str, str]:
+    """Each further name of a shared parameter -> its first name (safetensors stores a tensor once)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return tied
+
+
+def _split(model: nn.Module, optimizer: Optimizer | None) -> tuple[dict, dict, dict]:
+    """(the model and optimizer state dicts keyed by parameter name, the tensors to store: the
+    model's without tied repeats and the optimizer's, the optimizer's non-tensor state by name)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
+        get_model_state_dict(model), {"state": {}})
+    tied = _tied(model)
+    tensors = {"model": {k: v for k, v in model_sd.items() if k not in tied}, "optimizer": {}}
+    scalars: dict[str, dict] = {}
+    for name, slots in optim_sd["state"].items():
+        for slot, value in slots.items():
+            if isinstance(value, Tensor):
+                tensors["optimizer"].setdefault(name, {})[slot] = value
+            else:
+                scalars.setdefault(name, {})[slot] = value
+    return model_sd, optim_sd, {"tensors": tensors, "scalars": scalars}
+
+
 def save_sharded(manager: CheckpointManager | None, out_dir: Path, step: int, model: nn.Module,
                  optimizer: Optimizer, state: dict, assets: Callable[[Path], None] | None, is_best: bool,
                  env: DistEnv) -> Path:
@@ -112,28 +147,49 @@ def save_sharded(manager: CheckpointManager | None, out_dir: Path, step: int, mo
         shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True)
     barrier(env)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=staged / SHARDS_DIR)
+    _, optim_sd, parts = _split(model, optimizer)
+    dcp.save(parts["tensors"], storage_writer=HuggingFaceStorageWriter(str(staged / SHARDS_DIR), save_distributed=True))
     barrier(env)                                 # every rank's shards are on disk before the step is made final
     if env.is_main:
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd["param_groups"]]
+        state = dict(state, optimizer={"param_groups": groups, "scalars": parts["scalars"]})
         manager.finalise(step, staged, state, assets, is_best)
     barrier(env)
     return Path(out_dir) / name
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None) -> dict:
-    """Load a sharded checkpoint into the sharded ``model`` (and ``optimizer``); returns the
-    trainer state dict as :func:`attnlab.train.checkpoint.load_checkpoint` does."""
+    """Load a sharded checkpoint into the sharded ``model`` (and ``optimizer``): every rank reads
+    the parts of the shards it holds, whatever the number of processes that wrote them. Returns
+    the trainer state dict as :func:`attnlab.train.checkpoint.load_checkpoint` does."""
     ckpt, state = read_checkpoint_state(path, with_optimizer=True)
     if not (ckpt / SHARDS_DIR).is_dir():
         raise ValueError(f"{ckpt}: written by a run without --shard (no {SHARDS_DIR}/); resume it without --shard")
+    model_sd, optim_sd, parts = _split(model, optimizer)
+    dcp.load(parts["tensors"], storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)))
+    stored = parts["tensors"]["model"]
+    loaded = dict(stored, **{name: stored[first] for name, first in _tied(model).items()})
     if optimizer is None:
-        model_sd = get_model_state_dict(model)
-        dcp.load({"model": model_sd}, checkpoint_id=ckpt / SHARDS_DIR)
-        set_model_state_dict(model, model_sd)
+        set_model_state_dict(model, loaded)
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt / SHARDS_DIR)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        saved = state["optimizer"]
+        slots = {name: dict(parts["tensors"]["optimizer"].get(name, {}), **saved["scalars"].get(name, {}))
+                 for name in optim_sd["state"]}
+        groups = [{k: (tuple(v) if isinstance(now.get(k), tuple) else v) for k, v in g.items()}
+                  for g, now in zip(saved["param_groups"], optim_sd["param_groups"])]
+        set_state_dict(model, optimizer, model_state_dict=loaded,
+                       optim_state_dict={"state": slots, "param_groups": groups})
     state["path"] = str(ckpt)
     return state
+
+
+def load_gathered(path: str | Path, model: nn.Module) -> None:
+    """Load the weights of the sharded checkpoint ``path`` into the whole, unsharded ``model`` in
+    this one process (no process group): each tensor is put together from every rank's shard."""
+    ckpt = Path(path)
+    tied = _tied(model)
+    target = {"model": {k: v for k, v in model.state_dict().items() if k not in tied}}
+    # state_dict()'s tensors share the parameters' storage: dcp.load writes the weights into the model
+    with warnings.catch_warnings():        # DCP warns that it loads in one process, which is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)), no_dist=True)
