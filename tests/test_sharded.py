@@ -25,7 +25,7 @@ from torch import nn
 from attnlab.models.gpt import GPT, GPTConfig
 from attnlab.train import TrainConfig, Trainer
 from attnlab.train.checkpoint import CheckpointManager
-from attnlab.train.sharded import load_gathered, transformer_blocks
+from attnlab.train.sharded import load_gathered, load_sharded, transformer_blocks
 
 from test_train import BIN, WORKER, _env, _worker  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -107,11 +107,18 @@ def test_killed_during_sharded_save_resumes_bit_identical(tmp_path):
     assert _losses(tmp_path / "whole") == _losses(run)
 
 
-def test_shard_without_torchrun_is_refused(tmp_path):
+def test_shard_without_torchrun_is_refused(tmp_path, capsys):
     model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=1, dropout=0.0))
     task = type("T", (), {"model": model, "plan": lambda self, e, s: [], "loss": None})()
     with pytest.raises(ValueError, match=r"--shard\) splits the model over several processes.*torchrun"):
         Trainer(task, TrainConfig(out_dir=tmp_path / "run", steps=1, shard=True, device="cpu", progress=False))
+    from attnlab.cli import main
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    code = main(["train", "lm", "--data", str(text), "--out", str(tmp_path / "lm"), "--shard", "--steps", "1",
+                 "--d-model", "16", "--heads", "2", "--layers", "1", "--context", "16", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("attnlab train: error: TrainConfig: shard=True (--shard) splits"), err
 
 
 def test_blocks_are_the_layer_lists_entries_and_a_tied_block_is_left_to_the_root():
@@ -133,3 +140,42 @@ def test_a_sharded_checkpoint_is_refused_by_the_unsharded_loader(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step-0000001"
     with pytest.raises(ValueError, match=r"written by a sharded run \(--shard\).*resume it with --shard"):
         load_checkpoint(tmp_path, nn.Linear(2, 2))
+    plain = tmp_path / "plain"
+    CheckpointManager(plain).save(1, nn.Linear(2, 2), None, {"step": 1})
+    with pytest.raises(ValueError, match=r"written by a run without --shard.*resume it without --shard"):
+        load_sharded(plain, nn.Linear(2, 2))
+
+
+def test_attnlab_train_shard_under_torchrun_then_export_to_transformers(tmp_path, capsys):
+    """``attnlab train lm --shard`` under torchrun (the run's closing sample generates from the sharded
+    checkpoint, gathered), then ``attnlab export``: transformers' logits equal those of a GPT-2 whose
+    weights are the rank shards concatenated along the first dimension (FSDP2 splits dim 0 in rank
+    order), read with safetensors alone. fp32, 1e-5 relative to the logits' scale."""
+    import transformers
+
+    from attnlab.cli import main
+    from attnlab.tasks.run import build_model, open_run
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    run = tmp_path / "lm"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "attnlab.cli", "train", "lm",
+           "--data", str(text), "--out", str(run), "--shard", "--steps", "3", "--d-model", "16", "--heads", "2",
+           "--layers", "2", "--context", "16", "--batch-size", "4", "--sample-tokens", "8", "--no-progress"]
+    trained = subprocess.run(cmd, env=_env(), capture_output=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr.decode()[-3000:]
+    assert b"sample (the start of the validation text" in trained.stdout
+    step = run / "step-0000003"
+    assert (step / "shards").is_dir() and not (step / "model.safetensors").exists()
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    parts = [load_file(f) for f in sorted((step / "shards").glob("*.safetensors"))]
+    whole = {k[len("model."):]: torch.cat([p[k] for p in parts]) for k in parts[0] if k.startswith("model.")}
+    info = open_run(step)
+    ours = build_model(info.model_type, info.config, info.architecture)
+    missing, unexpected = ours.load_state_dict(whole, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected      # the tied head is stored once, as the embedding
+    assert torch.equal(ours.lm_head.weight, whole["token_embedding.weight"])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours.eval()(ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
