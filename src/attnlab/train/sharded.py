@@ -40,12 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 
 from .checkpoint import SHARDS_DIR, CheckpointManager, read_checkpoint_state
@@ -81,6 +76,7 @@ def shard_model(model: nn.Module, env: DistEnv) -> nn.Module:
     if not env.active:
         raise ValueError("TrainConfig: shard=True (--shard) splits the model over several processes and this is "
                          "one: run under torchrun --nproc_per_node N with N >= 2, or leave out --shard")
+    from torch.distributed.fsdp import fully_shard    # here: it takes about a second to import
     for block in transformer_blocks(model):
         fully_shard(block)
     fully_shard(model)
@@ -91,7 +87,7 @@ def shard_model(model: nn.Module, env: DistEnv) -> nn.Module:
 def skip_gradient_sync(model: nn.Module) -> Iterator[None]:
     """No gradient reduction in the backward passes inside: DDP's ``no_sync``, or FSDP's
     ``set_requires_gradient_sync(False)`` (restored on leaving)."""
-    if not isinstance(model, FSDPModule):
+    if not hasattr(model, "set_requires_gradient_sync"):      # not an FSDPModule
         with model.no_sync():
             yield
         return
@@ -105,6 +101,7 @@ def skip_gradient_sync(model: nn.Module) -> Iterator[None]:
 def full_state_dict(model: nn.Module) -> dict:
     """The whole (unsharded) weights of a sharded model on CPU, on rank 0 (empty elsewhere).
     Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -122,6 +119,7 @@ def _tied(model: nn.Module) -> dict[str, str]:
 def _split(model: nn.Module, optimizer: Optimizer | None) -> tuple[dict, dict, dict]:
     """(the model and optimizer state dicts keyed by parameter name, the tensors to store: the
     model's without tied repeats and the optimizer's, the optimizer's non-tensor state by name)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
         get_model_state_dict(model), {"state": {}})
     tied = _tied(model)
@@ -147,8 +145,10 @@ def save_sharded(manager: CheckpointManager | None, out_dir: Path, step: int, mo
         shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True)
     barrier(env)
+    import torch.distributed.checkpoint as dcp
     _, optim_sd, parts = _split(model, optimizer)
-    dcp.save(parts["tensors"], storage_writer=HuggingFaceStorageWriter(str(staged / SHARDS_DIR), save_distributed=True))
+    writer = dcp.HuggingFaceStorageWriter(str(staged / SHARDS_DIR), save_distributed=True)   # one file per rank
+    dcp.save(parts["tensors"], storage_writer=writer)
     barrier(env)                                 # every rank's shards are on disk before the step is made final
     if env.is_main:
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd["param_groups"]]
@@ -165,8 +165,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: Optimizer | None
     ckpt, state = read_checkpoint_state(path, with_optimizer=True)
     if not (ckpt / SHARDS_DIR).is_dir():
         raise ValueError(f"{ckpt}: written by a run without --shard (no {SHARDS_DIR}/); resume it without --shard")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     model_sd, optim_sd, parts = _split(model, optimizer)
-    dcp.load(parts["tensors"], storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)))
+    dcp.load(parts["tensors"], storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)))
     stored = parts["tensors"]["model"]
     loaded = dict(stored, **{name: stored[first] for name, first in _tied(model).items()})
     if optimizer is None:
@@ -186,10 +188,11 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: Optimizer | None
 def load_gathered(path: str | Path, model: nn.Module) -> None:
     """Load the weights of the sharded checkpoint ``path`` into the whole, unsharded ``model`` in
     this one process (no process group): each tensor is put together from every rank's shard."""
+    import torch.distributed.checkpoint as dcp
     ckpt = Path(path)
     tied = _tied(model)
     target = {"model": {k: v for k, v in model.state_dict().items() if k not in tied}}
     # state_dict()'s tensors share the parameters' storage: dcp.load writes the weights into the model
     with warnings.catch_warnings():        # DCP warns that it loads in one process, which is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)), no_dist=True)
+        dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)), no_dist=True)

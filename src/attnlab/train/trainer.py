@@ -57,7 +57,7 @@ from .metrics import plot_metrics
 from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
 from .progress import LogWindow, progress_bar
 from .schedules import SCHEDULES, make_schedule
-from .sharded import load_sharded, save_sharded, skip_gradient_sync
+from .sharded import load_sharded, save_sharded, shard_model, skip_gradient_sync
 
 __all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
            "isolated_rng", "PRECISIONS"]
@@ -263,7 +263,8 @@ class Trainer:
         self.model = task.model.to(self.device)
         if config.grad_checkpointing and hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = True
-        self.ddp_model = wrap_model(self.model, self.env, config.find_unused_parameters, config.shard)
+        self.ddp_model = (shard_model(self.model, self.env) if config.shard
+                          else wrap_model(self.model, self.env, config.find_unused_parameters))
         self.optimizer = build_optimizer(self.model, config)
         d_model = config.d_model or getattr(getattr(self.model, "config", None), "d_model", None)
         if config.schedule == "noam" and d_model is None:
