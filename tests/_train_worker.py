@@ -157,6 +157,32 @@ def _dump_weights(trainer, path: Path) -> None:
         save_file({k: v.clone().contiguous() for k, v in full.items()}, str(path / "rank0.safetensors"))
 
 
+def _load_resharded(args, checkpoint: Path) -> None:
+    """Load a sharded checkpoint into this many processes (it may have been written by another
+    number) and write, on rank 0, the whole weights and optimizer tensors as they now are."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from attnlab.train.distributed import init_distributed, shutdown
+    from attnlab.train.optim import build_optimizer
+    from attnlab.train.sharded import full_state_dict, load_sharded, shard_model
+    env = init_distributed("cpu")
+    task = NextTokenTask(args.model, args.n_examples, args.micro)
+    model = shard_model(task.model, env)
+    optimizer = build_optimizer(model, TrainConfig(out_dir=args.out, steps=1, lr=args.lr))
+    load_sharded(checkpoint, model, optimizer)
+    weights = full_state_dict(model)
+    whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+    if env.is_main:
+        moments = {f"optimizer.{name}.{slot}": t for name, slots in whole["state"].items()
+                   for slot, t in slots.items() if slot != "step"}
+        tensors = {**{f"model.{k}": v for k, v in weights.items()}, **moments}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(Path(args.out) / "loaded.safetensors"))
+    shutdown(env)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -181,8 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", action="store_true")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--kill-after-shards-at", type=int, help="rank 1 dies in the save of this step")
+    p.add_argument("--load-resharded", type=Path, help="only load this sharded checkpoint; --out gets what loaded")
     args = p.parse_args(argv)
     out = Path(args.out)
+    if args.load_resharded is not None:
+        return _load_resharded(args, args.load_resharded)
     if args.model == "reverse":
         task = ReverseTask(args.n_examples, args.micro, args.dropout, hang_at_loss_call=args.hang_at_loss_call,
                            hang_marker=out.parent / f"{out.name}.hanging",
