@@ -1,16 +1,18 @@
 """Sharded training (FSDP2, ``TrainConfig(shard=True)`` / ``--shard``) and its distributed checkpoints.
 
 The runs are tests/_train_worker.py's NextTokenTask (a tiny GPT-2 with its tied head, or a tiny
-LLaMA, on random padded sequences), two processes under torchrun with gloo on CPU against one
+LLaMA, on random padded sequences) and its ReverseTask (the 2017 Transformer, encoder and decoder
+sharing one embedding tied to the head, label smoothing 0.1), two processes under torchrun with gloo on CPU against one
 process without sharding and the same global batch of 8 sequences: 2 ranks x accumulation 2 x
 micro-batches of 2, gradient clipping at 0.1 (below the gradient norm, so it acts every step).
 A checkpoint written by 2 processes loads into 3 (torch.distributed.checkpoint re-shards it).
 
 Tolerances: the loss of every step within 1e-5 relative (fp32; the order of the gradient sums
-differs between one process and a reduce-scatter); the final weights within 5e-5 absolute, lr
-1e-2 (the key projection's bias gets an essentially zero gradient, whose rounding noise AdamW's
-normalisation turns into differences of ~1e-5; every other weight agrees to ~5e-7). Resuming a
-sharded run, killed during a save, is bit-identical to the run that was not interrupted.
+differs between one process and a reduce-scatter); the final weights within 1e-5 absolute after
+4 steps of lr 1e-2 (measured: ~5e-7), all but the key projection's bias, whose gradient is zero
+in exact arithmetic, so that AdamW's normalisation turns its rounding noise into steps of up to
+the lr (measured: 1e-5 to 2e-3). Resuming a sharded run, killed during a save, is bit-identical
+to the run that was not interrupted.
 """
 from __future__ import annotations
 
@@ -49,9 +51,21 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def _without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` less the key projection's bias, which gets no gradient in exact arithmetic (it shifts
+    all of a query's scores by one constant, which the softmax removes): its rounding noise,
+    normalised by AdamW, moves it by up to lr a step, one way or the other."""
+    if name.endswith("k_proj.bias"):
+        return None
+    if name.endswith("qkv_proj.bias"):
+        third = t.shape[0] // 3
+        return torch.cat([t[:third], t[2 * third:]])
+    return t
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "reverse"])
 def test_two_sharded_processes_equal_one_process(tmp_path, family):
-    args = ["--model", family, "--steps", "4", *COMMON]
+    args = ["--model", family, "--steps", "4", "--dropout", "0", *COMMON]
     sharded = _torchrun(tmp_path / "fsdp", "--shard", "--micro", "2", "--accum", "2", *args)
     single = subprocess.run(_worker(tmp_path / "one", "--micro", "8", *args), env=_env(), capture_output=True,
                             timeout=300)
@@ -65,7 +79,8 @@ def test_two_sharded_processes_equal_one_process(tmp_path, family):
     ref, got = load_file(tmp_path / "one" / "rank0.safetensors"), load_file(tmp_path / "fsdp" / "rank0.safetensors")
     assert set(ref) <= set(got)
     for k in ref:
-        assert (ref[k] - got[k]).abs().max() <= 5e-5, k
+        a, b = _without_key_bias(k, ref[k]), _without_key_bias(k, got[k])
+        assert a is None or (a - b).abs().max() <= 1e-5, k
     if family == "gpt2":    # the head stayed tied to the token embedding: one tensor, trained as one
         assert torch.equal(got["lm_head.weight"], got["token_embedding.weight"])
         unclipped = subprocess.run(_worker(tmp_path / "free", "--micro", "8", *args, "--clip", "0"), env=_env(),
