@@ -217,3 +217,14 @@ def test_a_checkpoint_of_two_processes_loads_resharded_into_three(tmp_path):
     assert len(saved) == len(got) and any(k.endswith("exp_avg_sq") for k in saved)
     for k, v in saved.items():
         assert torch.equal(v, got[k]), k
+
+
+def test_a_sharded_checkpoint_with_other_param_groups_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path)         # (a new manager sweeps temporaries away: first)
+    staged = tmp_path / ".tmp-step-0000001-sharded"
+    (staged / "shards").mkdir(parents=True)
+    state = {"step": 1, "optimizer": {"param_groups": [{"lr": 1.0}, {"lr": 1.0}], "scalars": {}}}
+    manager.finalise(1, staged, state)
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"step-0000001: 2 optimizer param groups, the optimizer has 1"):
+        load_sharded(tmp_path, model, torch.optim.AdamW(model.parameters()))

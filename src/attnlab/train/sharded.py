@@ -162,12 +162,15 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: Optimizer | None
     """Load a sharded checkpoint into the sharded ``model`` (and ``optimizer``): every rank reads
     the parts of the shards it holds, whatever the number of processes that wrote them. Returns
     the trainer state dict as :func:`attnlab.train.checkpoint.load_checkpoint` does."""
-    ckpt, state = read_checkpoint_state(path, with_optimizer=True)
+    ckpt, state = read_checkpoint_state(path, with_optimizer=optimizer is not None)
     if not (ckpt / SHARDS_DIR).is_dir():
         raise ValueError(f"{ckpt}: written by a run without --shard (no {SHARDS_DIR}/); resume it without --shard")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-    model_sd, optim_sd, parts = _split(model, optimizer)
+    _, optim_sd, parts = _split(model, optimizer)
+    if optimizer is not None and len(state["optimizer"]["param_groups"]) != len(optim_sd["param_groups"]):
+        raise ValueError(f"{ckpt}: {len(state['optimizer']['param_groups'])} optimizer param groups, the optimizer "
+                         f"has {len(optim_sd['param_groups'])}")
     dcp.load(parts["tensors"], storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)))
     stored = parts["tensors"]["model"]
     loaded = dict(stored, **{name: stored[first] for name, first in _tied(model).items()})
