@@ -63,7 +63,7 @@ def _without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "reverse"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", pytest.param("reverse", marks=pytest.mark.slow)])
 def test_two_sharded_processes_equal_one_process(tmp_path, family):
     args = ["--model", family, "--steps", "4", "--dropout", "0", *COMMON]
     sharded = _torchrun(tmp_path / "fsdp", "--shard", "--micro", "2", "--accum", "2", *args)
