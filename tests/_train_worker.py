@@ -3,10 +3,13 @@
 Task: reverse a random token sequence. Sources have random lengths and are padded with
 PAD = 0, so the target token counts differ between batches and ignore_index matters.
 Model: attnlab's Transformer with d_model 16, one encoder and one decoder layer, tied
-embeddings.
+embeddings. ``--model gpt2`` / ``llama`` trains a tiny causal LM (GPT-2 with its tied head, or
+LLaMA) on random padded token sequences instead (:class:`NextTokenTask`); ``--shard`` trains
+under FSDP2 (attnlab.train.sharded).
 
     python tests/_train_worker.py --out DIR --steps 10 [--resume] [--hang-at-loss-call N] ...
     torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --out DIR --micro 2 ...
+    torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --model llama --shard --out DIR ...
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from attnlab.models import Transformer
 from attnlab.train import TrainConfig, Trainer, count_tokens, label_smoothed_cross_entropy
@@ -88,6 +92,97 @@ class ReverseTask:
         (directory / "vocab.txt").write_text("\n".join(str(i) for i in range(VOCAB)))
 
 
+class NextTokenTask:
+    """Next-token prediction on random sequences of 2..8 tokens, right-padded (targets -100 there,
+    so micro-batches differ in their target-token counts), with a tiny GPT-2 or LLaMA."""
+
+    def __init__(self, family: str, n_examples: int = 32, micro: int = 8, model_seed: int = 0):
+        from attnlab.models.gpt import GPT, GPTConfig
+        from attnlab.models.llama import Llama, LlamaConfig
+        g = torch.Generator().manual_seed(99)
+        self.ids = torch.zeros(n_examples, 8, dtype=torch.long)
+        self.targets = torch.full((n_examples, 8), -100)
+        for i, length in enumerate(torch.randint(2, 9, (n_examples,), generator=g).tolist()):
+            seq = torch.randint(1, VOCAB, (length + 1,), generator=g)
+            self.ids[i, :length], self.targets[i, :length] = seq[:-1], seq[1:]
+        self.micro = micro
+        torch.manual_seed(model_seed)
+        if family == "gpt2":
+            self.model = GPT(GPTConfig(vocab_size=VOCAB, n_positions=16, d_model=16, num_heads=2, num_layers=2,
+                                       dropout=0.0))
+        else:
+            self.model = Llama(LlamaConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_kv_heads=1, num_layers=2,
+                                           d_ff=32, max_position_embeddings=16))
+
+    def plan(self, epoch: int, seed: int) -> list:
+        perm = torch.randperm(len(self.ids), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        return [(self.ids[perm[i: i + self.micro]], self.targets[perm[i: i + self.micro]])
+                for i in range(0, len(perm) - self.micro + 1, self.micro)]
+
+    def loss(self, model, batch):
+        ids, targets = batch
+        logits = model(ids)
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        return loss_sum, int((targets != -100).sum()), {}
+
+    def evaluate(self, model):
+        logits = model(self.ids[:8])
+        return {"val_loss": float(F.cross_entropy(logits.reshape(-1, VOCAB), self.targets[:8].reshape(-1)))}
+
+
+def _kill_after_shards(step: int) -> None:
+    """SIGKILL rank 1 once it has written its shards of ``step``, before rank 0 completes the step."""
+    import os
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+    save = dcp.save
+
+    def save_then_die(state, storage_writer):
+        save(state, storage_writer=storage_writer)
+        if f"step-{step:07d}" in str(storage_writer.path) and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+    dcp.save = save_then_die
+
+
+def _dump_weights(trainer, path: Path) -> None:
+    """The whole weights into ``path`` (rank R of an unsharded run: rank<R>; a sharded run: gathered, rank 0)."""
+    from safetensors.torch import save_file, save_model
+    if not trainer.config.shard:
+        save_model(trainer.model, str(path / f"rank{trainer.env.rank}.safetensors"))
+        return
+    from attnlab.train.sharded import full_state_dict
+    full = full_state_dict(trainer.model)
+    if trainer.env.is_main:
+        save_file({k: v.clone().contiguous() for k, v in full.items()}, str(path / "rank0.safetensors"))
+
+
+def _load_resharded(args, checkpoint: Path) -> None:
+    """Load a sharded checkpoint into this many processes (it may have been written by another
+    number) and write, on rank 0, the whole weights and optimizer tensors as they now are."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from attnlab.train.distributed import init_distributed, shutdown
+    from attnlab.train.optim import build_optimizer
+    from attnlab.train.sharded import full_state_dict, load_sharded, shard_model
+    env = init_distributed("cpu")
+    task = NextTokenTask(args.model, args.n_examples, args.micro)
+    model = shard_model(task.model, env)
+    optimizer = build_optimizer(model, TrainConfig(out_dir=args.out, steps=1, lr=args.lr))
+    load_sharded(checkpoint, model, optimizer)
+    weights = full_state_dict(model)
+    whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+    if env.is_main:
+        moments = {f"optimizer.{name}.{slot}": t for name, slots in whole["state"].items()
+                   for slot, t in slots.items() if slot != "step"}
+        tensors = {**{f"model.{k}": v for k, v in weights.items()}, **moments}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(Path(args.out) / "loaded.safetensors"))
+    shutdown(env)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -108,23 +203,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hang-at-loss-call", type=int)
     p.add_argument("--wait-for-signal-at-loss-call", type=int)
     p.add_argument("--dump-weights", action="store_true", help="each rank writes rank<R>.safetensors")
+    p.add_argument("--model", default="reverse", choices=("reverse", "gpt2", "llama"))
+    p.add_argument("--shard", action="store_true")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--kill-after-shards-at", type=int, help="rank 1 dies in the save of this step")
+    p.add_argument("--load-resharded", type=Path, help="only load this sharded checkpoint; --out gets what loaded")
     args = p.parse_args(argv)
     out = Path(args.out)
-    task = ReverseTask(args.n_examples, args.micro, args.dropout, hang_at_loss_call=args.hang_at_loss_call,
-                       hang_marker=out.parent / f"{out.name}.hanging",
-                       wait_for_signal_at=args.wait_for_signal_at_loss_call)
+    if args.load_resharded is not None:
+        return _load_resharded(args, args.load_resharded)
+    if args.model == "reverse":
+        task = ReverseTask(args.n_examples, args.micro, args.dropout, hang_at_loss_call=args.hang_at_loss_call,
+                           hang_marker=out.parent / f"{out.name}.hanging",
+                           wait_for_signal_at=args.wait_for_signal_at_loss_call)
+    else:
+        task = NextTokenTask(args.model, args.n_examples, args.micro)
+    if args.kill_after_shards_at is not None:
+        _kill_after_shards(args.kill_after_shards_at)
     cfg = TrainConfig(out_dir=out, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup,
                       accum_steps=args.accum, save_every=args.save_every, eval_every=args.eval_every,
                       log_every=args.log_every, precision=args.precision, device=args.device, progress=False,
-                      seed=7)
+                      seed=7, clip_norm=args.clip or None, shard=args.shard)
     trainer = task.trainer = Trainer(task, cfg, resume=args.resume)
     try:
         trainer.fit()
     except TrainingInterrupted as e:
         sys.exit(e.exit_code)
     if args.dump_weights:
-        from safetensors.torch import save_model
-        save_model(trainer.model, str(out / f"rank{trainer.env.rank}.safetensors"))
+        _dump_weights(trainer, out)
     trainer.close()
 
 

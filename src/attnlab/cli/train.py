@@ -18,6 +18,7 @@ directory (:mod:`attnlab.train.lock`), and a second one into it is refused namin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
@@ -194,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     task = get_task(args.task)
     settings, out = resolve_settings(task, args)
     _check_paths(settings, task)
-    with lock_run(out):                 # a second run into out is refused here, before it prepares data
+    # a second run into out is refused here, before it prepares data; under torchrun rank 0 alone holds the lock
+    with lock_run(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
         return _train(args, task, settings, out)
 
 
@@ -214,7 +216,7 @@ def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
     s["weight_decay"] = decay if s["weight_decay"] is None else s["weight_decay"]
     config = TrainConfig(
         out_dir=out, weight_decay=s["weight_decay"], schedule=s["schedule"], clip_norm=s["clip"] or None,
-        accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"],
+        accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"], shard=s["shard"],
         eval_every=eval_every, save_every=s["save_every"] if s["save_every"] is not None else eval_every,
         seed=s["seed"], progress=s["progress"], time_budget_s=None if s["time_budget"] is None else
         s["time_budget"] * 60, **own)

@@ -538,7 +538,8 @@ def architectures() -> list[Architecture]:
 
 def architecture_of(model: nn.Module) -> Architecture:
     """The architecture ``model``'s class is registered as; ValueError if none."""
-    arch = _BY_CLASS.get(type(model))
+    # the first registered class in its MRO: FSDP2's fully_shard swaps a model's class for a subclass
+    arch = next((_BY_CLASS[c] for c in type(model).__mro__ if c in _BY_CLASS), None)
     if arch is None:
         raise ValueError(f"{type(model).__name__} is not a registered architecture; registered: "
                          f"{', '.join(sorted(c.__name__ for c in _BY_CLASS))}")

@@ -186,6 +186,8 @@ TRAINING_OPTIONS = [
            resumable=True),
     Option("grad_checkpointing", bool, False, "recompute activations in the backward pass to save memory",
            group=_O, resumable=True),
+    Option("shard", bool, False, "under torchrun, shard the weights, gradients and optimizer state over the "
+           "processes (FSDP2) and save sharded checkpoints (docs/distributed.md)", group=_O),
     Option("eval_every", int, None, "steps between validations (default: the task's; 0 = only at the end)",
            check=non_negative, group=_O, resumable=True),
     Option("save_every", int, None, "steps between checkpoints (default: --eval-every; 0 = only at the end)",

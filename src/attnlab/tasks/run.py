@@ -287,6 +287,11 @@ def load_model(run: RunInfo) -> nn.Module:
     from safetensors.torch import load_file
     model = build_model(run.model_type, run.config, run.architecture)
     file = run.path / "model.safetensors"
+    if not file.is_file() and (run.path / "shards").is_dir():     # a sharded run's (--shard): gathered here
+        from ..train.sharded import load_gathered
+        _verified(run.path)
+        load_gathered(run.path, model)
+        return model
     if not file.is_file():
         raise RunError(f"{run.path}: no model.safetensors")
     _verified(run.path)                          # already hashed if find_checkpoint chose it: not again

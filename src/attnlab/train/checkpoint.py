@@ -11,6 +11,7 @@ Layout of a run directory (``TrainConfig.out_dir``)::
                                 metrics so far
         ...                     the task's assets (tokenizers), see Task.save_assets
         manifest.json           the size and SHA-256 of every other file, written last
+        shards/                 a sharded run's (--shard) weights and optimizer state instead, per rank
     best -> best-0000080    a symbolic link to a copy (hard links, no extra space) of the
     best-0000080/           checkpoint with the best validation metric (on a file system
                             without symbolic links, ``best`` is a text file naming it)
@@ -74,12 +75,14 @@ from torch.optim import Optimizer
 
 __all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "capture_rng_state",
            "restore_rng_state", "resolve_best", "optimizer_state_to_flat", "optimizer_state_from_flat", "FORMAT_VERSION",
-           "verify_checkpoint", "resolve_resume", "CheckpointDamaged", "CheckpointWarning", "DiskFullError"]
+           "verify_checkpoint", "resolve_resume", "CheckpointDamaged", "CheckpointWarning", "DiskFullError",
+           "read_checkpoint_state", "SHARDS_DIR"]
 
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, LATEST, BEST = ("model.safetensors", "optimizer.safetensors",
                                                         "trainer_state.json", "latest", "best")
 MANIFEST = "manifest.json"
+SHARDS_DIR = "shards"           # a sharded run's weights and optimizer state, one file per rank (attnlab.train.sharded)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -318,7 +321,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    state = dict(state, format=FORMAT_VERSION)
+    state = dict(state)
     save_model(model, str(tmp / MODEL_FILE))
     _as_new_file(tmp / MODEL_FILE)
     if optimizer is not None:
@@ -326,6 +329,13 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         save_file(tensors, str(tmp / OPTIMIZER_FILE))
         _as_new_file(tmp / OPTIMIZER_FILE)
         state["optimizer"] = meta
+    return finish_checkpoint(tmp, final, state, assets)
+
+
+def finish_checkpoint(tmp: Path, final: Path, state: dict, assets: Callable[[Path], None] | None = None) -> Path:
+    """Complete the checkpoint whose tensors are already in the temporary directory ``tmp``: add
+    the trainer state, the assets and the manifest, fsync, and rename it to ``final``."""
+    state = dict(state, format=FORMAT_VERSION)
     with open(tmp / STATE_FILE, "w") as f:
         f.write(json.dumps(state))
     if assets is not None:
@@ -403,6 +413,23 @@ def resolve_best(path: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None) -> dict:
     """Load weights (strict) and optionally optimizer state; returns the trainer state dict."""
+    ckpt, state = read_checkpoint_state(path, optimizer is not None)
+    if (ckpt / SHARDS_DIR).is_dir():
+        raise ValueError(f"{ckpt}: written by a sharded run (--shard), its weights are in {SHARDS_DIR}/; resume it "
+                         "with --shard under torchrun")
+    _read_safetensors(ckpt / MODEL_FILE, lambda f: load_model(model, f, strict=True))
+    if optimizer is not None:
+        if not (ckpt / OPTIMIZER_FILE).is_file():
+            raise FileNotFoundError(f"{ckpt}: no {OPTIMIZER_FILE} to resume the optimizer from")
+        tensors = _read_safetensors(ckpt / OPTIMIZER_FILE, load_file)
+        optimizer_state_from_flat(optimizer, tensors, state["optimizer"])
+    state["path"] = str(ckpt)
+    return state
+
+
+def read_checkpoint_state(path: str | Path, with_optimizer: bool = True) -> tuple[Path, dict]:
+    """The checkpoint directory ``path`` resolves to and its trainer state, its files checked
+    against the manifest (the optimizer's only ``with_optimizer``)."""
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint at {path} (no {STATE_FILE} and no {LATEST} file)")
@@ -414,15 +441,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         raise ValueError(f"{ckpt / STATE_FILE}: expected a JSON object, found {type(state).__name__}")
     if state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{ckpt / STATE_FILE}: checkpoint format {state.get('format')}, expected {FORMAT_VERSION}")
-    verify_checkpoint(ckpt, skip=() if optimizer is not None else (OPTIMIZER_FILE,))
-    _read_safetensors(ckpt / MODEL_FILE, lambda f: load_model(model, f, strict=True))
-    if optimizer is not None:
-        if not (ckpt / OPTIMIZER_FILE).is_file():
-            raise FileNotFoundError(f"{ckpt}: no {OPTIMIZER_FILE} to resume the optimizer from")
-        tensors = _read_safetensors(ckpt / OPTIMIZER_FILE, load_file)
-        optimizer_state_from_flat(optimizer, tensors, state["optimizer"])
-    state["path"] = str(ckpt)
-    return state
+    verify_checkpoint(ckpt, skip=() if with_optimizer else (OPTIMIZER_FILE,))
+    return ckpt, state
 
 
 def _read_safetensors(file: Path, read: Callable[[str], Any]) -> Any:
@@ -503,15 +523,26 @@ class CheckpointManager:
     def save(self, step: int, model: nn.Module, optimizer: Optimizer | None, state: dict,
              assets: Callable[[Path], None] | None = None, is_best: bool = False) -> Path:
         """Save ``step`` (see the module docstring); DiskFullError if the device runs out of space."""
+        final = self.out_dir / f"step-{step:07d}"
+        return self._commit(step, lambda: save_checkpoint(final, model, optimizer, state, assets), is_best)
+
+    def finalise(self, step: int, staged: Path, state: dict, assets: Callable[[Path], None] | None = None,
+                 is_best: bool = False) -> Path:
+        """Save ``step`` whose tensors every rank has already written into ``staged`` (a temporary
+        directory in ``out_dir``, see :func:`attnlab.train.sharded.save_sharded`)."""
+        final = self.out_dir / f"step-{step:07d}"
+        return self._commit(step, lambda: finish_checkpoint(staged, final, state, assets), is_best)
+
+    def _commit(self, step: int, write: Callable[[], Path], is_best: bool) -> Path:
         try:
-            path = save_checkpoint(self.out_dir / f"step-{step:07d}", model, optimizer, state, assets)
+            path = write()
             write_text_atomic(self.out_dir / LATEST, path.name + "\n")
             if is_best:
                 self._copy_to_best(path)
         except (OSError, SafetensorError) as e:
             if not _out_of_space(e):
                 raise
-            for leftover in self.out_dir.glob(f".tmp-*-{os.getpid()}"):   # give back what the save took
+            for leftover in [*self.out_dir.glob(f".tmp-*-{os.getpid()}"), *self.out_dir.glob(".tmp-*-sharded")]:
                 shutil.rmtree(leftover, ignore_errors=True)
             intact = self.latest()
             then = (f"nothing is lost: {intact} is intact, and --resume (resume=True) continues from it once "

@@ -3,7 +3,8 @@
 ``torchrun --nproc_per_node N script.py`` sets RANK, LOCAL_RANK and WORLD_SIZE; the Trainer
 calls :func:`init_distributed`, which joins the group (NCCL on CUDA, gloo on CPU) when
 WORLD_SIZE > 1 and does nothing otherwise, so the same script runs alone or under torchrun.
-Rank 0 alone logs and writes checkpoints; the others wait at barriers.
+Rank 0 alone logs and writes checkpoints (of a sharded run every rank writes its shards:
+:mod:`attnlab.train.sharded`); the others wait at barriers.
 
 Every rank must run the same number of optimizer steps, or the gradient all-reduce hangs:
 :func:`shard_plan` gives each rank exactly ``len(plan) // world_size`` entries even when a
@@ -86,7 +87,8 @@ def shard_plan(plan: list, rank: int, world_size: int) -> list:
 
 
 def wrap_model(model: nn.Module, env: DistEnv, find_unused_parameters: bool = False) -> nn.Module:
-    """DistributedDataParallel around ``model`` when the group is active, else ``model``."""
+    """DistributedDataParallel around ``model`` when the group is active, else ``model`` (FSDP2
+    instead: :func:`attnlab.train.sharded.shard_model`)."""
     if not env.active:
         return model
     ids = [env.device.index] if env.device.type == "cuda" else None

@@ -57,6 +57,7 @@ from .metrics import plot_metrics
 from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
 from .progress import LogWindow, progress_bar
 from .schedules import SCHEDULES, make_schedule
+from .sharded import load_sharded, save_sharded, shard_model, skip_gradient_sync
 
 __all__ = ["Task", "TrainConfig", "Trainer", "TrainingInterrupted", "split_decay", "param_groups", "build_optimizer",
            "isolated_rng", "PRECISIONS"]
@@ -121,6 +122,7 @@ class TrainConfig:
     progress: bool = True
     device: str | None = None             # None: cuda:LOCAL_RANK if available, else cpu
     find_unused_parameters: bool = False  # DDP option for models that skip parameters
+    shard: bool = False                   # FSDP2 under torchrun, sharded checkpoints (attnlab.train.sharded)
     # A schedule sized by the time budget (attnlab.train.budget): ``steps`` is then only a cap; the
     # mean time of the last ``budget_measure`` steps, and of the evaluations and checkpoints so far
     # (a ``budget_reserve`` share of the budget until one is timed), predicts how many steps fit in
@@ -261,7 +263,8 @@ class Trainer:
         self.model = task.model.to(self.device)
         if config.grad_checkpointing and hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = True
-        self.ddp_model = wrap_model(self.model, self.env, config.find_unused_parameters)
+        self.ddp_model = (shard_model(self.model, self.env) if config.shard
+                          else wrap_model(self.model, self.env, config.find_unused_parameters))
         self.optimizer = build_optimizer(self.model, config)
         d_model = config.d_model or getattr(getattr(self.model, "config", None), "d_model", None)
         if config.schedule == "noam" and d_model is None:
@@ -309,7 +312,7 @@ class Trainer:
             if self.env.is_main:
                 self.metrics_path.write_text("")
             return
-        state = load_checkpoint(ckpt, self.model, self.optimizer)
+        state = (load_sharded if self.config.shard else load_checkpoint)(ckpt, self.model, self.optimizer)
         self._check_resumable(ckpt, state)
         if state["step"] > self.config.steps:
             raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
@@ -365,10 +368,12 @@ class Trainer:
     def save(self, elapsed: float, is_best: bool = False) -> None:
         """Checkpoint the current step (collective: every rank calls it; rank 0 writes)."""
         rng = [json.loads(b) for b in all_gather_bytes(json.dumps(capture_rng_state()).encode(), self.env)]
-        if self.env.is_main:
-            assets = getattr(self.task, "save_assets", None)
-            self.last_checkpoint = self.checkpoints.save(self.step, self.model, self.optimizer,
-                                                         self._trainer_state(rng, elapsed), assets, is_best)
+        assets, state = getattr(self.task, "save_assets", None), self._trainer_state(rng, elapsed)
+        if self.config.shard:      # every rank writes its shards, rank 0 completes the step
+            self.last_checkpoint = save_sharded(self.checkpoints, self.config.out_dir, self.step, self.model,
+                                                self.optimizer, state, assets, is_best, self.env)
+        elif self.env.is_main:
+            self.last_checkpoint = self.checkpoints.save(self.step, self.model, self.optimizer, state, assets, is_best)
             log.info("saved %s", self.last_checkpoint)
         barrier(self.env)
 
@@ -386,7 +391,7 @@ class Trainer:
         tokens, extras = 0, {}
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = self.ddp_model.no_sync() if self.env.active and not last else nullcontext()
+            sync = skip_gradient_sync(self.ddp_model) if self.env.active and not last else nullcontext()
             with sync:  # DDP all-reduces every gradient in the last backward, so all stay in sync
                 with self._autocast():
                     loss, n, extra = self.task.loss(self.ddp_model, to_device(batch, self.device))
@@ -568,11 +573,12 @@ class Trainer:
         if evaluate is None:
             return False
         improved = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.env.is_main:
+        if self.env.is_main or self.config.shard:   # a sharded forward is collective: every rank evaluates
             self.model.eval()
             with isolated_rng(), torch.no_grad(), self._autocast():
                 metrics = evaluate(self.model) or {}
             self.model.train()
+        if self.env.is_main:
             metrics = {k: float(v) for k, v in metrics.items()}
             if metrics:
                 self._record({"kind": "eval", "step": self.step, "elapsed": elapsed, **metrics})

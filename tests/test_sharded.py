@@ -1,0 +1,230 @@
+"""Sharded training (FSDP2, ``TrainConfig(shard=True)`` / ``--shard``) and its distributed checkpoints.
+
+The runs are tests/_train_worker.py's NextTokenTask (a tiny GPT-2 with its tied head, or a tiny
+LLaMA, on random padded sequences) and its ReverseTask (the 2017 Transformer, encoder and decoder
+sharing one embedding tied to the head, label smoothing 0.1), two processes under torchrun with gloo on CPU against one
+process without sharding and the same global batch of 8 sequences: 2 ranks x accumulation 2 x
+micro-batches of 2, gradient clipping at 0.1 (below the gradient norm, so it acts every step).
+A checkpoint written by 2 processes loads into 3 (torch.distributed.checkpoint re-shards it).
+
+Tolerances: the loss of every step within 1e-5 relative (fp32; the order of the gradient sums
+differs between one process and a reduce-scatter); the final weights within 1e-5 absolute after
+4 steps of lr 1e-2 (measured: ~5e-7), all but the key projection's bias, whose gradient is zero
+in exact arithmetic, so that AdamW's normalisation turns its rounding noise into steps of up to
+the lr (measured: 1e-5 to 2e-3). Resuming a sharded run, killed during a save, is bit-identical
+to the run that was not interrupted.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from attnlab.models.gpt import GPT, GPTConfig
+from attnlab.train import TrainConfig, Trainer
+from attnlab.train.checkpoint import CheckpointManager
+from attnlab.train.sharded import load_gathered, load_sharded, transformer_blocks
+
+from test_train import BIN, WORKER, _env, _worker  # noqa: E402  (tests/ is on sys.path under pytest)
+
+COMMON = ["--n-examples", "32", "--lr", "1e-2", "--schedule", "constant", "--warmup", "0", "--clip", "0.1",
+          "--dump-weights"]
+
+
+def _torchrun(out: Path, *args: str) -> subprocess.Popen:
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(WORKER), "--out", str(out), *args]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    return out.decode()[-3000:]
+
+
+def _losses(run: Path) -> list[float]:
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def _without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` less the key projection's bias, which gets no gradient in exact arithmetic (it shifts
+    all of a query's scores by one constant, which the softmax removes): its rounding noise,
+    normalised by AdamW, moves it by up to lr a step, one way or the other."""
+    if name.endswith("k_proj.bias"):
+        return None
+    if name.endswith("qkv_proj.bias"):
+        third = t.shape[0] // 3
+        return torch.cat([t[:third], t[2 * third:]])
+    return t
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", pytest.param("reverse", marks=pytest.mark.slow)])
+def test_two_sharded_processes_equal_one_process(tmp_path, family):
+    args = ["--model", family, "--steps", "4", "--dropout", "0", *COMMON]
+    sharded = _torchrun(tmp_path / "fsdp", "--shard", "--micro", "2", "--accum", "2", *args)
+    single = subprocess.run(_worker(tmp_path / "one", "--micro", "8", *args), env=_env(), capture_output=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr.decode()[-3000:]
+    log = _finish(sharded)
+    assert sharded.returncode == 0, log
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "fsdp")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, two)
+    ref, got = load_file(tmp_path / "one" / "rank0.safetensors"), load_file(tmp_path / "fsdp" / "rank0.safetensors")
+    assert set(ref) <= set(got)
+    for k in ref:
+        a, b = _without_key_bias(k, ref[k]), _without_key_bias(k, got[k])
+        assert a is None or (a - b).abs().max() <= 1e-5, k
+    if family == "gpt2":    # the head stayed tied to the token embedding: one tensor, trained as one
+        assert torch.equal(got["lm_head.weight"], got["token_embedding.weight"])
+        unclipped = subprocess.run(_worker(tmp_path / "free", "--micro", "8", *args, "--clip", "0"), env=_env(),
+                                   capture_output=True, timeout=300)
+        assert unclipped.returncode == 0, unclipped.stderr.decode()[-3000:]
+        assert abs(_losses(tmp_path / "free")[-1] - one[-1]) > 1e-4   # the clipping acted, and equally
+    # the sharded checkpoint: every rank's shards and the metadata, vouched for by the manifest
+    step = tmp_path / "fsdp" / "step-0000004"
+    manifest = json.loads((step / "manifest.json").read_text())["files"]
+    shards = sorted(name for name in manifest if name.startswith("shards/"))
+    assert shards == [f"shards/shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
+    assert "trainer_state.json" in manifest and not (step / "model.safetensors").exists()
+    # gathered in one process, without a process group, they are the whole weights
+    if family == "llama":
+        from _train_worker import NextTokenTask
+        model = NextTokenTask("llama").model
+        load_gathered(step, model)
+        assert all(torch.equal(p, got[k]) for k, p in model.state_dict().items()), "gathered weights differ"
+
+
+def test_killed_during_sharded_save_resumes_bit_identical(tmp_path):
+    """Rank 1 is SIGKILLed after writing its shards of step 4, before rank 0 completes the step: the
+    run resumes from step 2, and its weights at step 6 are those of the uninterrupted run."""
+    args = ["--model", "llama", "--shard", "--micro", "2", "--accum", "2", "--steps", "6", "--save-every", "2",
+            *COMMON]
+    whole = _torchrun(tmp_path / "whole", *args)
+    killed = _torchrun(tmp_path / "run", *args, "--kill-after-shards-at", "4")
+    log = _finish(killed)
+    assert killed.returncode != 0, log
+    run = tmp_path / "run"
+    assert (run / "latest").read_text().strip() == "step-0000002"
+    assert (run / ".tmp-step-0000004-sharded" / "shards").is_dir() and not (run / "step-0000004").exists()
+    resumed = _torchrun(run, *args, "--resume")
+    log = _finish(resumed)
+    assert resumed.returncode == 0, log
+    log = _finish(whole)
+    assert whole.returncode == 0, log
+    assert not any(p.name.startswith(".tmp") for p in run.iterdir())
+    a, b = load_file(tmp_path / "whole" / "rank0.safetensors"), load_file(run / "rank0.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(tmp_path / "whole") == _losses(run)
+
+
+def test_shard_without_torchrun_is_refused(tmp_path, capsys):
+    model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=1, dropout=0.0))
+    task = type("T", (), {"model": model, "plan": lambda self, e, s: [], "loss": None})()
+    with pytest.raises(ValueError, match=r"--shard\) splits the model over several processes.*torchrun"):
+        Trainer(task, TrainConfig(out_dir=tmp_path / "run", steps=1, shard=True, device="cpu", progress=False))
+    from attnlab.cli import main
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    code = main(["train", "lm", "--data", str(text), "--out", str(tmp_path / "lm"), "--shard", "--steps", "1",
+                 "--d-model", "16", "--heads", "2", "--layers", "1", "--context", "16", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("attnlab train: error: TrainConfig: shard=True (--shard) splits"), err
+
+
+def test_blocks_are_the_layer_lists_entries_and_a_tied_block_is_left_to_the_root():
+    model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=3, dropout=0.0))
+    assert transformer_blocks(model) == list(model.layers)
+    model.layers[1].ff.linear1.weight = nn.Parameter(torch.zeros(32, 8))
+    model.extra = nn.Linear(8, 32)
+    model.extra.weight = model.layers[1].ff.linear1.weight       # used by a module outside its block
+    assert transformer_blocks(model) == [model.layers[0], model.layers[2]]
+
+
+def test_a_sharded_checkpoint_is_refused_by_the_unsharded_loader(tmp_path):
+    from attnlab.train.checkpoint import load_checkpoint
+    manager = CheckpointManager(tmp_path)
+    staged = tmp_path / ".tmp-step-0000001-sharded"
+    (staged / "shards").mkdir(parents=True)
+    (staged / "shards" / "__0_0.distcp").write_bytes(b"x")
+    manager.finalise(1, staged, {"step": 1})
+    assert (tmp_path / "latest").read_text().strip() == "step-0000001"
+    with pytest.raises(ValueError, match=r"written by a sharded run \(--shard\).*resume it with --shard"):
+        load_checkpoint(tmp_path, nn.Linear(2, 2))
+    plain = tmp_path / "plain"
+    CheckpointManager(plain).save(1, nn.Linear(2, 2), None, {"step": 1})
+    with pytest.raises(ValueError, match=r"written by a run without --shard.*resume it without --shard"):
+        load_sharded(plain, nn.Linear(2, 2))
+
+
+def test_attnlab_train_shard_under_torchrun_then_export_to_transformers(tmp_path, capsys):
+    """``attnlab train lm --shard`` under torchrun (the run's closing sample generates from the sharded
+    checkpoint, gathered), then ``attnlab export``: transformers' logits equal those of a GPT-2 whose
+    weights are the rank shards concatenated along the first dimension (FSDP2 splits dim 0 in rank
+    order), read with safetensors alone. fp32, 1e-5 relative to the logits' scale."""
+    import transformers
+
+    from attnlab.cli import main
+    from attnlab.tasks.run import build_model, open_run
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    run = tmp_path / "lm"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "attnlab.cli", "train", "lm",
+           "--data", str(text), "--out", str(run), "--shard", "--steps", "3", "--d-model", "16", "--heads", "2",
+           "--layers", "2", "--context", "16", "--batch-size", "4", "--sample-tokens", "8", "--no-progress"]
+    trained = subprocess.run(cmd, env=_env(), capture_output=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr.decode()[-3000:]
+    assert b"sample (the start of the validation text" in trained.stdout
+    step = run / "step-0000003"
+    assert (step / "shards").is_dir() and not (step / "model.safetensors").exists()
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    parts = [load_file(f) for f in sorted((step / "shards").glob("*.safetensors"))]
+    whole = {k[len("model."):]: torch.cat([p[k] for p in parts]) for k in parts[0] if k.startswith("model.")}
+    info = open_run(step)
+    ours = build_model(info.model_type, info.config, info.architecture)
+    missing, unexpected = ours.load_state_dict(whole, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected      # the tied head is stored once, as the embedding
+    assert torch.equal(ours.lm_head.weight, whole["token_embedding.weight"])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours.eval()(ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_a_checkpoint_of_two_processes_loads_resharded_into_three(tmp_path):
+    """Written by 2 processes (even halves), loaded by 3 (rows 5, 5, 3 of the 13-token embedding):
+    every weight and every AdamW moment gathered after the load equals the one saved, bit for bit,
+    the reference being the two rank files concatenated along the first dimension."""
+    args = ["--model", "llama", "--shard", "--micro", "2", "--accum", "2", "--steps", "2", *COMMON]
+    trained = _torchrun(tmp_path / "two", *args)
+    log = _finish(trained)
+    assert trained.returncode == 0, log
+    step = tmp_path / "two" / "step-0000002"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "3", str(WORKER), "--out",
+           str(tmp_path / "three"), "--model", "llama", "--load-resharded", str(step)]
+    loaded = subprocess.run(cmd, env=_env(), capture_output=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stdout.decode()[-3000:] + loaded.stderr.decode()[-3000:]
+    parts = [load_file(f) for f in sorted((step / "shards").glob("*.safetensors"))]
+    got = load_file(tmp_path / "three" / "loaded.safetensors")
+    saved = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if parts[0][k].ndim and k in got}
+    assert len(saved) == len(got) and any(k.endswith("exp_avg_sq") for k in saved)
+    for k, v in saved.items():
+        assert torch.equal(v, got[k]), k
+
+
+def test_a_sharded_checkpoint_with_other_param_groups_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path)         # (a new manager sweeps temporaries away: first)
+    staged = tmp_path / ".tmp-step-0000001-sharded"
+    (staged / "shards").mkdir(parents=True)
+    state = {"step": 1, "optimizer": {"param_groups": [{"lr": 1.0}, {"lr": 1.0}], "scalars": {}}}
+    manager.finalise(1, staged, state)
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"step-0000001: 2 optimizer param groups, the optimizer has 1"):
+        load_sharded(tmp_path, model, torch.optim.AdamW(model.parameters()))
