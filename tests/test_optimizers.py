@@ -119,7 +119,8 @@ def _todays_rule(model: nn.Module) -> set[str]:
 def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_decaying():
     """The declarations reproduce the groups of every registered model, and add exactly the learned
     position tables (GPT-2's, the BERT family's, DeBERTa's relative one), which the rule by
-    module type decayed though they are embeddings."""
+    module type decayed though they are embeddings, and the (d, n) transitions A_log of the
+    state-space layers, matrices that decay would pull towards A = -1."""
     import contract
     from attnlab.models.deberta import RelativeEmbeddings
     from attnlab.models.registry import architectures
@@ -131,7 +132,8 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
         decay, no_decay = (set(n for n, _ in group) for group in split_decay(model))
         tables = {f"{name}.weight" for name, m in model.named_modules()
                   if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings))}
-        assert no_decay == _todays_rule(model) | tables, arch
+        transitions = {n for n, _ in model.named_parameters() if n.endswith(".A_log")}   # a state space's A
+        assert no_decay == _todays_rule(model) | tables | transitions, arch
         assert decay | no_decay == {n for n, _ in model.named_parameters()} and not decay & no_decay, arch
         tables_seen += bool(tables)
     assert tables_seen >= 10                 # GPT-2, BERT, ELECTRA, ALBERT, DeBERTa architectures
