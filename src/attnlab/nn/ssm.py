@@ -87,6 +87,12 @@ def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
 
 
 # ----------------------------------------------------------------------------- the chunked scan
+# how many numbers of recomputed states the backward may hold beyond the chunk starts (32 MB in
+# fp32): a constant, so the backward's memory still grows only with l·d·n / q, and fewer, larger
+# groups of chunks take fewer Python steps
+_RECOMPUTE_BUDGET = 1 << 23
+
+
 def _chunked(t: Tensor, q: int) -> Tensor:
     """(b, l, k) fp32 -> (b, l/q, q, k), the length padded with zeros to a multiple of q."""
     b, l, k = t.shape
@@ -160,8 +166,8 @@ class _ChunkedScan(torch.autograd.Function):
         grads = [torch.zeros_like(t) for t in (xs, ds, Bs, Cs)]
         dA = torch.zeros_like(A32)
         # the states inside the chunks, recomputed a group of chunks at a time: as many positions
-        # at once as there are chunk starts, so the recomputation holds no more than those
-        group = max(1, math.ceil(c / q))
+        # at once as there are chunk starts, or more while they fit in _RECOMPUTE_BUDGET numbers
+        group = max(math.ceil(c / q), _RECOMPUTE_BUDGET // (q * b * d * n), 1)
         for lo in range(0, c, group):
             hi = min(c, lo + group)
             dA += _backward_chunks(slice(lo, hi), starts, after, xs, ds, dx_in, Bs, Cs, gys, A32, grads)
