@@ -69,14 +69,17 @@ def selective_step(h: Tensor, x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C:
 
 
 def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
-                   h0: Tensor | None = None, chunk: int = 32) -> tuple[Tensor, Tensor]:
+                   h0: Tensor | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """The chunked fast path (module docstring): equal to :func:`selective_scan_reference`,
     gradients included -> (y (b, l, d) in x's dtype, h_l (b, d, n) fp32). ``h0`` (b, d, n): the
-    state before the first position (zeros by default). Any length: the last chunk is padded
+    state before the first position (zeros by default). ``chunk``: q, by default about sqrt(2 l)
+    (which makes the 2q + l/q steps fewest), at most 64. Any length: the last chunk is padded
     with Δ = 0, which changes nothing."""
-    if chunk < 1:
-        raise ValueError(f"selective_scan: chunk must be a positive int, got {chunk!r}")
     b, l, d = x.shape
+    if chunk is None:
+        chunk = min(64, max(1, round(math.sqrt(2 * l))))
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"selective_scan: chunk must be a positive int, got {chunk!r}")
     if delta.shape != x.shape or A.shape[0] != d or B.shape != (b, l, A.shape[1]) or C.shape != B.shape:
         raise ValueError(f"selective_scan: shapes x {tuple(x.shape)}, delta {tuple(delta.shape)}, A {tuple(A.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)} do not match (b, l, d), (d, n), (b, l, n)")
