@@ -120,3 +120,18 @@ def test_bad_chunk_and_shapes_are_refused():
         selective_scan(*ins, chunk=0)
     with pytest.raises(ValueError, match="selective_scan: shapes x"):
         selective_scan(ins[0], ins[1], ins[2], ins[3][:, :4], ins[4])
+
+
+def test_ssm_benchmark_quick_runs():
+    """benchmarks/ssm.py must keep running: its smoke test on tiny shapes, which also checks that
+    attnlab's Mamba and transformers' agree on the same weights before timing them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "ssm.py"), "--quick", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "same weights: logits agree" in proc.stdout
+    for name in ("attnlab Mamba (chunked scan)", "transformers MambaForCausalLM (slow path)", "attnlab GPT (SDPA)"):
+        assert proc.stdout.count(name) == 4, name            # 2 lengths x 2 modes
