@@ -225,3 +225,16 @@ def test_train_lm_with_mamba_from_the_command_line(tmp_path):
                         "--max-new-tokens", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert g.returncode == 0, g.stderr
     assert len(g.stdout) >= 40
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _tiny().train()
+    ids = _ids((2, 30))
+
+    def grads():
+        model.zero_grad()
+        model(ids).square().mean().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    plain = grads()
+    model.gradient_checkpointing = True
+    assert_close_scaled(grads(), plain, FP32, "checkpointed gradients")

@@ -87,9 +87,10 @@ class MambaMixer(nn.Module):
         self.conv1d = nn.Conv1d(Di, Di, c.d_conv, groups=Di, bias=c.use_conv_bias)
         self.x_proj = nn.Linear(Di, c.dt_rank + 2 * c.d_state, bias=False)
         self.dt_proj = nn.Linear(c.dt_rank, Di)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.d_state + 1, dtype=torch.float32)).repeat(Di, 1))
-        self.D = nn.Parameter(torch.ones(Di))
+        self.A_log = nn.Parameter(torch.empty(Di, c.d_state))
+        self.D = nn.Parameter(torch.empty(Di))
         self.out_proj = nn.Linear(Di, c.d_model, bias=c.use_bias)
+        self.reset_ssm()
 
     def no_weight_decay(self) -> tuple[str, ...]:
         return ("A_log", "D")
@@ -97,12 +98,12 @@ class MambaMixer(nn.Module):
     def reset_ssm(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
         """The paper's initialisation: A = -(1..N) per channel (S4D-real), D = 1, and dt_proj's bias
         the inverse softplus of steps spread log-uniformly over [dt_min, dt_max]."""
+        Di, N = self.A_log.shape
         with torch.no_grad():
-            self.A_log.copy_(torch.log(torch.arange(1, self.c.d_state + 1, dtype=torch.float32)).repeat(self.D.numel(), 1))
+            self.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(Di, 1))
             self.D.fill_(1.0)
-            r = self.c.dt_rank ** -0.5
-            self.dt_proj.weight.uniform_(-r, r)
-            dt = torch.exp(torch.rand(self.D.numel()) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            self.dt_proj.weight.uniform_(-self.c.dt_rank ** -0.5, self.c.dt_rank ** -0.5)
+            dt = torch.exp(torch.rand(Di) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: Tensor, real: Tensor | None = None, state: tuple[Tensor, Tensor] | None = None):
