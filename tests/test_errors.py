@@ -186,6 +186,8 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         return cli("train", "lm", "--data", "text.txt", "--out", "r", flag, "0")
     if name == "aux-coef-negative":
         return cli("train", "lm", "--model", "mixtral", "--data", "text.txt", "--out", "r", "--aux-coef", "-1")
+    if name == "mamba-d-ff":
+        return cli("train", "lm", "--model", "mamba", "--data", "text.txt", "--out", "r", "--d-ff", "64")
     if name == "experts-with-gpt":
         return cli("train", "lm", "--data", "text.txt", "--out", "r", "--experts", "4")
     if name == "limit-negative":

@@ -119,8 +119,9 @@ def _todays_rule(model: nn.Module) -> set[str]:
 def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_decaying():
     """The declarations reproduce the groups of every registered model, and add exactly the learned
     position tables (GPT-2's, the BERT family's, DeBERTa's relative one, the image families' patch
-    grid) and attnlab's ViT and DeiT class and distillation tokens, which the rule by module type
-    decayed though they are embeddings."""
+    grid), attnlab's ViT and DeiT class and distillation tokens, which the rule by module type
+    decayed though they are embeddings, and the (d, n) transitions A_log of the state-space
+    layers, matrices that decay would pull towards A = -1."""
     import contract
     from attnlab.models.deberta import RelativeEmbeddings
     from attnlab.models.registry import architectures
@@ -136,7 +137,8 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
                   if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings, PatchPositionEmbedding))}
         if isinstance(model, ViTEncoder):
             tables |= {n for n, _ in model.named_parameters() if n in ("cls_token", "distillation_token")}
-        assert no_decay == _todays_rule(model) | tables, arch
+        transitions = {n for n, _ in model.named_parameters() if n.endswith(".A_log")}   # a state space's A
+        assert no_decay == _todays_rule(model) | tables | transitions, arch
         assert decay | no_decay == {n for n, _ in model.named_parameters()} and not decay & no_decay, arch
         tables_seen += bool(tables)
     assert tables_seen >= 10                 # GPT-2, BERT, ELECTRA, ALBERT, DeBERTa architectures

@@ -85,7 +85,8 @@ class LanguageModelTask:
         self.model, self.tokenizer = model, tokenizer
         self.train_ids, self.valid_ids = train_ids.long().cpu(), valid_ids.long().cpu()
         self.context, self.batch_size, self.eval_windows = context, batch_size, eval_windows
-        if context > model.config.max_seq_len:
+        limit = getattr(model.config, "max_seq_len", None)       # None: a recurrent model sets no limit
+        if limit is not None and context > limit:
             raise ValueError(f"LanguageModelTask: context {context} exceeds the model's {model.config.max_seq_len}")
         for name, ids in (("training", self.train_ids), ("validation", self.valid_ids)):
             if ids.dim() != 1 or len(ids) < context + 1:
@@ -154,8 +155,9 @@ class LoadedLM:
     precision: str = "fp32"            # the line prepare_for_inference returned: dtype chosen and why
 
     @property
-    def context(self) -> int:
-        return self.model.config.max_seq_len
+    def context(self) -> int | None:
+        """The longest sequence the model takes; None for one without a limit (a recurrent model)."""
+        return getattr(self.model.config, "max_seq_len", None)
 
     def vocabulary(self) -> dict:
         return self.tokenizer.vocabulary()
@@ -183,8 +185,9 @@ class LoadedLM:
             if self.start_id is None:
                 raise ValueError(f"{self.path}: no BOS or EOS token to start from; give a prompt")
             ids = [self.start_id]
-        context = min(m.context for m in (self, draft) if m is not None)
-        if len(ids) >= context:
+        contexts = [m.context for m in (self, draft) if m is not None and m.context is not None]
+        context = min(contexts, default=None)
+        if context is not None and len(ids) >= context:
             raise ValueError(f"the prompt is {len(ids)} tokens long, but the model's context is {context} tokens "
                              f"(a prompt may have at most {context - 1})")
         return ids
@@ -330,7 +333,7 @@ class LanguageModeling(TaskDefinition):
         if s["sample_tokens"] <= 0:
             return
         lm = load_lm(run_dir)
-        prompt = setup.task.valid_ids[: max(1, min(16, lm.context // 4))].tolist()
+        prompt = setup.task.valid_ids[: max(1, min(16, (lm.context or setup.task.context) // 4))].tolist()
         result = lm.complete(prompt, s["sample_tokens"], temperature=0.8, top_k=40, seed=s["seed"])
         print("sample (the start of the validation text, continued at temperature 0.8, top-k 40):")
         print(lm.tokenizer.decode(prompt) + result.text)
@@ -429,7 +432,7 @@ def text_perplexity(lm: LoadedLM, text: str, *, stride: int | None = None, batch
         raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
     cut = max_tokens is not None and len(ids) > max_tokens
     ids = ids[:max_tokens] if cut else ids
-    n, T = len(ids), lm.context
+    n, T = len(ids), lm.context or max(len(ids), 2)            # no limit: one window over the whole text
     if n < 2:
         raise ValueError(f"the text has {n} token(s); a perplexity needs at least 2")
     stride = T // 2 if stride is None else stride

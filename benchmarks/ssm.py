@@ -1,0 +1,126 @@
+"""Mamba's speed and memory: attnlab's chunked selective scan against transformers' pure-PyTorch
+path (the one it takes without the CUDA kernels), with the same weights, and a GPT of the same
+width and depth (attnlab, SDPA attention) for scale.
+
+The transformers model (MambaForCausalLM, d_model 256, 4 layers, state 16, expand 2, vocabulary
+96) is built with its own initialisation, written with ``save_pretrained`` and loaded by
+``attnlab.from_pretrained``: both hold the same numbers, which the script checks (same logits at
+the shortest length) before timing. Modes: ``fwd`` (eval, no gradient) and ``fwd+bwd`` (train
+mode, forward, the mean of the squared logits, backward). Batch 4. All contenders of one length
+are timed round-robin in one process; peak memory is what torch's allocator handed out during
+one call (benchmarks/_util.py). The GPT is attnlab's GPT-2 (4 heads, d_ff 1024, context the
+length).
+
+Usage:
+  python benchmarks/ssm.py --markdown                   # lengths 128, 512 (2048 with --lengths)
+  python benchmarks/ssm.py --quick                      # tiny shapes, seconds (smoke test)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import environment, fmt_mib, fmt_ms, measure, render_table  # noqa: E402
+
+import attnlab  # noqa: E402
+from attnlab.models import GPT, GPTConfig  # noqa: E402
+
+
+def _models(d_model: int, layers: int, vocab: int, longest: int):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers, state_size=16,
+                                      expand=2, conv_kernel=4, use_cache=False)
+    hf = transformers.MambaForCausalLM(config)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = attnlab.from_pretrained(d)
+    gpt = GPT(GPTConfig(vocab_size=vocab, n_positions=longest, d_model=d_model, num_heads=4, num_layers=layers,
+                        dropout=0.0))
+    return {"attnlab Mamba (chunked scan)": ours, "transformers MambaForCausalLM (slow path)": hf,
+            "attnlab GPT (SDPA), same width and depth": gpt}
+
+
+def _logits(model, ids):
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _check(models, ids) -> str:
+    names = list(models)
+    with torch.no_grad():
+        ours, theirs = (_logits(models[n].eval(), ids) for n in names[:2])
+    err = float((ours - theirs).abs().max() / theirs.abs().max())
+    if err > 1e-4:
+        raise SystemExit(f"attnlab and transformers disagree: max |diff| = {err:.2e} of the logits' scale")
+    return f"same weights: logits agree to {err:.1e} of their scale at length {ids.size(1)}"
+
+
+def _calls(models, ids, mode: str):
+    def fwd(m):
+        def run():
+            with torch.no_grad():
+                _logits(m, ids)
+        return run
+
+    def fwd_bwd(m):
+        def run():
+            _logits(m, ids).float().square().mean().backward()
+            for p in m.parameters():
+                p.grad = None
+        return run
+    for m in models.values():
+        m.train(mode == "fwd+bwd")
+    return {name: (fwd if mode == "fwd" else fwd_bwd)(m) for name, m in models.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__[__doc__.index("Usage"):])
+    p.add_argument("--lengths", default="128,512", help="comma-separated sequence lengths (default 128,512)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--repeats", type=int, default=5, help="most timed calls per measurement (default 5)")
+    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed calls per contender (default 20)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny shapes and one call each (a smoke test)")
+    p.add_argument("--markdown", action="store_true")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.quick:
+        a.lengths, a.d_model, a.layers, a.batch, a.repeats, a.budget = "16,40", 32, 2, 2, 1, 0.0
+    lengths = [int(n) for n in a.lengths.split(",")]
+    warnings.filterwarnings("ignore")
+    models = _models(a.d_model, a.layers, 96, max(lengths))
+    g = torch.Generator().manual_seed(0)
+    print(environment("cpu", torch.float32) + f"; {os.cpu_count()} CPUs")
+    print(_check(models, torch.randint(0, 96, (a.batch, lengths[0]), generator=g)))
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, 96, (a.batch, length), generator=g)
+        for mode in a.modes.split(","):
+            results = measure(_calls(models, ids, mode), repeats=a.repeats, min_repeats=1, budget_s=a.budget)
+            ref_t, ref_m = results[list(models)[1]][0].median, results[list(models)[1]][1]
+            for name, (timing, peak) in results.items():
+                rows.append([mode, length, name, fmt_ms(timing.median), timing.n, fmt_mib(peak),
+                             f"{ref_t / timing.median:.1f}", f"{peak / max(ref_m, 1):.2f}"])
+            print(f"# measured {mode} at {length}", file=sys.stderr, flush=True)
+    print()
+    print(render_table(["mode", "length", "implementation", "median ms", "calls", "peak MiB",
+                        "speed vs transformers", "memory vs transformers"], rows, markdown=a.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,310 @@
+"""Mamba: a language model of selective state-space layers, no attention and no positions
+(Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", section 3.4).
+
+    ids -> token embedding
+        -> N x [x = x + Mixer(RMSNorm(x))]
+        -> final RMSNorm -> lm_head (tied to the embedding by default) -> logits
+
+    Mixer(x):  u, z = in_proj(x)                              (b, l, d_inner) each, d_inner = expand * d_model
+               u = SiLU(causal depthwise conv1d(u))           kernel d_conv, over the sequence
+               Δ_low, B, C = x_proj(u), split (dt_rank, d_state, d_state)
+               Δ = softplus(dt_proj(Δ_low))                   (b, l, d_inner), the input-dependent step
+               y = selective_scan(u, Δ, A = -exp(A_log), B, C, D)   (attnlab.nn.ssm)
+               out_proj(y * SiLU(z))
+
+Decoding keeps, per layer, the last d_conv - 1 inputs of the convolution and the (d_inner,
+d_state) SSM state in an :class:`attnlab.nn.cache.RecurrentState`: the memory per token is
+constant, whatever the length. At a slot whose ``attention_mask`` is False both are carried over
+unchanged, so a left-padded row gives what it gives alone. (transformers zeroes the input at
+padding but still lets the state decay there, so its padded rows differ from its unpadded ones.)
+``A_log`` and ``D`` are declared exempt from weight decay: decay would pull A towards -1 and the
+skip towards 0, which are not neutral values for them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn.cache import RecurrentState
+from ..nn.checkpoint import checkpoint
+from ..nn.norm import RMSNorm
+from ..nn.ssm import selective_scan, selective_step
+from .causal_lm import GenerationMixin
+from .convert import Rule, split_prefix
+from .pretrained import SavePretrained
+from .registry import FamilyOption, register_family
+
+__all__ = ["MambaConfig", "MambaMixer", "Mamba", "MambaModel", "MAMBA"]
+
+
+@dataclass
+class MambaConfig:
+    vocab_size: int = 50280
+    d_model: int = 768
+    num_layers: int = 32
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int | None = None                # default ceil(d_model / 16), as the paper
+    rms_norm_eps: float = 1e-5
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        for field in ("vocab_size", "d_model", "num_layers", "d_state", "d_conv", "expand"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"MambaConfig: {field} must be positive, got {getattr(self, field)}")
+        if self.dt_rank is None:
+            self.dt_rank = math.ceil(self.d_model / 16)
+        if self.dt_rank <= 0:
+            raise ValueError(f"MambaConfig: dt_rank must be positive, got {self.dt_rank}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+
+class MambaMixer(nn.Module):
+    """One selective state-space layer (the module docstring's Mixer): (b, l, E) -> (b, l, E).
+
+    ``forward(x, real=None, state=None) -> (out, (conv_state (b, d_inner, d_conv - 1), h (b,
+    d_inner, d_state) fp32))``. ``real`` (b, l) marks real tokens: the convolution sees zeros
+    and the step Δ is 0 at the others, which leaves the state as it was when they all precede a
+    row's real tokens from an empty state, or when l == 1 (one decoding step)."""
+
+    def __init__(self, c: MambaConfig):
+        super().__init__()
+        Di, self.c = c.d_inner, c
+        self.in_proj = nn.Linear(c.d_model, 2 * Di, bias=c.use_bias)
+        self.conv1d = nn.Conv1d(Di, Di, c.d_conv, groups=Di, bias=c.use_conv_bias)
+        self.x_proj = nn.Linear(Di, c.dt_rank + 2 * c.d_state, bias=False)
+        self.dt_proj = nn.Linear(c.dt_rank, Di)
+        self.A_log = nn.Parameter(torch.empty(Di, c.d_state))
+        self.D = nn.Parameter(torch.empty(Di))
+        self.out_proj = nn.Linear(Di, c.d_model, bias=c.use_bias)
+        self.reset_ssm()
+
+    def no_weight_decay(self) -> tuple[str, ...]:
+        return ("A_log", "D")
+
+    def reset_ssm(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+        """The paper's initialisation: A = -(1..N) per channel (S4D-real), D = 1, and dt_proj's bias
+        the inverse softplus of steps spread log-uniformly over [dt_min, dt_max]."""
+        Di, N = self.A_log.shape
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(Di, 1))
+            self.D.fill_(1.0)
+            self.dt_proj.weight.uniform_(-self.c.dt_rank ** -0.5, self.c.dt_rank ** -0.5)
+            dt = torch.exp(torch.rand(Di) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: Tensor, real: Tensor | None = None, state: tuple[Tensor, Tensor] | None = None):
+        c, (b, l, _) = self.c, x.shape
+        u, z = self.in_proj(x).chunk(2, dim=-1)
+        if real is not None:
+            u = u * real[..., None].to(u.dtype)
+        keep = c.d_conv - 1
+        prev = u.new_zeros(b, c.d_inner, keep) if state is None else state[0]
+        window = torch.cat([prev, u.transpose(1, 2)], dim=-1)                  # (b, d_inner, keep + l)
+        u = F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=c.d_inner)).transpose(1, 2)
+        conv_state = window[..., window.size(-1) - keep:]
+        dt, B, C = self.x_proj(u).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(dt))
+        if real is not None:
+            delta = delta * real[..., None].to(delta.dtype)
+        A = -torch.exp(self.A_log.float())
+        if l == 1 and state is not None:
+            y, h = selective_step(state[1], u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], self.D)
+            y = y[:, None]
+            if real is not None:
+                conv_state = torch.where(real[:, :, None], conv_state, prev)
+        else:
+            y, h = selective_scan(u, delta, A, B, C, self.D, None if state is None else state[1])
+        return self.out_proj(y * F.silu(z)), (conv_state, h)
+
+
+class MambaLayer(nn.Module):
+    """x + Mixer(RMSNorm(x)) (Pre-Norm residual block)."""
+
+    def __init__(self, c: MambaConfig):
+        super().__init__()
+        self.norm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.mixer = MambaMixer(c)
+
+    def forward(self, x: Tensor, real: Tensor | None = None, state=None):
+        out, state = self.mixer(self.norm(x), real, state)
+        return x + out, state
+
+
+class Mamba(GenerationMixin, SavePretrained, nn.Module):
+    """Mamba language model (transformers' MambaForCausalLM). ``forward(input_ids (b, l),
+    attention_mask=None (b, cached + l), positions=None, cache=None) -> logits (b, l, V)``;
+    ``positions`` are accepted and unused (the order lives in the recurrence)."""
+
+    init_std = 0.02
+
+    def __init__(self, config: MambaConfig):
+        super().__init__()
+        self.config, c = config, config
+        self.gradient_checkpointing = False
+        self.token_embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.layers = nn.ModuleList(MambaLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.reset_parameters()
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+
+    def reset_parameters(self) -> None:
+        """Matrices N(0, 0.02) (a small embedding keeps the tied logits small), out_proj scaled by
+        1 / sqrt(num_layers) as every layer writes into one residual stream, the SSM as the paper."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2 and not name.endswith("conv1d.weight"):
+                nn.init.normal_(p, 0.0, self.init_std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for layer in self.layers:
+            nn.init.normal_(layer.mixer.out_proj.weight, 0.0, self.init_std / math.sqrt(len(self.layers)))
+            layer.mixer.reset_ssm()
+
+    def new_cache(self) -> RecurrentState:
+        """The decoding state: per layer the convolution's last inputs and the SSM state."""
+        return RecurrentState([None] * (2 * len(self.layers)))
+
+    def _check(self, input_ids: Tensor, attention_mask: Tensor | None, cache) -> Tensor | None:
+        who, V = type(self).__name__, self.config.vocab_size
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.size(1) == 0 \
+                or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"{who}: input_ids must be a non-empty integer (batch, seq) tensor, got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        lo, hi = (int(v) for v in input_ids.aminmax())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"{who}: token id {hi if hi >= V else lo} is out of range [0, vocab_size={V})")
+        if cache is not None and (not isinstance(cache, RecurrentState) or len(cache.tensors) != 2 * len(self.layers)):
+            raise ValueError(f"{who}: cache must be the model's decoding state (model.new_cache()), got "
+                             f"{type(cache).__name__}")
+        if attention_mask is None:
+            return None
+        (b, l), past = input_ids.shape, 0 if cache is None else cache.length
+        if attention_mask.shape != (b, past + l):
+            raise ValueError(f"{who}: attention_mask must be (batch, cached + new tokens) = {(b, past + l)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        real = attention_mask.bool()[:, past:]
+        return None if bool(real.all()) else real
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
+        """(b, l) ids -> the final norm's output (b, l, E)."""
+        real = self._check(input_ids, attention_mask, cache)
+        fresh = cache is None or cache.tensors[0] is None
+        # padding only before each row's first real token, from an empty state: zero inputs are
+        # exact; anything else (holes, a rewind point marked) goes one position at a time
+        at_once = (real is None or fresh and bool((real[:, 1:] >= real[:, :-1]).all())) \
+            and not (cache is not None and cache.stepwise)
+        x = self.token_embedding(input_ids)
+        if at_once:
+            x = self._layers(x, real, cache, input_ids.size(1))
+        else:
+            x = torch.cat([self._layers(x[:, t:t + 1], None if real is None else real[:, t:t + 1], cache, 1)
+                           for t in range(x.size(1))], dim=1)
+        return self.norm(x)
+
+    def _layers(self, x: Tensor, real: Tensor | None, cache, steps: int) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            state = None if cache is None or cache.tensors[2 * i] is None else tuple(cache.tensors[2 * i:2 * i + 2])
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+                x, state = checkpoint(layer, x, real, None)
+            else:
+                x, state = layer(x, real, state)
+            if cache is not None:
+                cache.tensors[2 * i:2 * i + 2] = list(state)
+        if cache is not None:
+            cache.advance(steps)
+        return x
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: RecurrentState | None = None) -> Tensor:
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, cache))
+
+
+class MambaModel(Mamba):
+    """Mamba without its head (transformers' MambaModel): forward returns the last hidden state
+    (b, l, E) after the final RMSNorm."""
+
+    def __init__(self, config: MambaConfig):
+        super().__init__(config)
+        self.lm_head = nn.Identity()
+
+    def generate(self, *args, **kwargs):
+        raise TypeError("MambaModel has no language-model head, so it does not generate; load a MambaForCausalLM")
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+_MIXER = ("in_proj.{p}", "conv1d.{p}", "x_proj.weight", "dt_proj.{p}", "A_log", "D", "out_proj.{p}")
+MAMBA_WEIGHT_MAP = [
+    Rule("token_embedding.weight", "backbone.embeddings.weight"),
+    Rule("layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
+    *[Rule(f"layers.{{i}}.mixer.{k}", f"backbone.layers.{{i}}.mixer.{k}") for k in _MIXER],
+    Rule("norm.weight", "backbone.norm_f.weight"),
+    Rule("lm_head.weight", "lm_head.weight"),       # tied: omitted on save, ignored if a checkpoint has it
+]
+# our field -> transformers' MambaConfig field
+MAMBA_HF_NAMES = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers", "d_state": "state_size",
+    "d_conv": "conv_kernel", "expand": "expand", "dt_rank": "time_step_rank", "rms_norm_eps": "layer_norm_epsilon",
+    "use_bias": "use_bias", "use_conv_bias": "use_conv_bias", "tie_word_embeddings": "tie_word_embeddings",
+    "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id"}
+
+
+def config_from_hf(c: dict) -> MambaConfig:
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"MambaConfig: hidden_act {c['hidden_act']!r} is not supported (silu)")
+    return MambaConfig(**{ours: c[hf] for ours, hf in MAMBA_HF_NAMES.items() if c.get(hf) is not None})
+
+
+def config_to_hf(cfg: MambaConfig) -> dict:
+    return {**{hf: getattr(cfg, ours) for ours, hf in MAMBA_HF_NAMES.items()}, "hidden_act": "silu",
+            "intermediate_size": cfg.d_inner}
+
+
+# ----------------------------------------------------------------------------- registration
+def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+                 d_ff: int | None = None, dropout: float = 0.0, d_state: int = 16, d_conv: int = 4, expand: int = 2,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None) -> MambaConfig:
+    """A Mamba sized for training. It has no heads, no feed-forward and no dropout, and no limit on
+    the length: ``num_heads`` and ``context`` do not shape it; a ``d_ff`` or ``dropout`` is refused."""
+    if d_ff is not None or dropout:
+        raise ValueError("mamba: a Mamba has no feed-forward block and no dropout; leave d_ff and dropout unset "
+                         "(its width is expand * d_model)")
+    return MambaConfig(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers, d_state=d_state, d_conv=d_conv,
+                       expand=expand, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+
+def _positive(v) -> str | None:
+    return None if v > 0 else "must be positive"
+
+
+PRESETS = {
+    "tiny": dict(vocab_size=96, d_model=32, num_layers=2, d_state=4, d_conv=4, expand=2, dt_rank=3),
+    "mamba-130m": dict(vocab_size=50280, d_model=768, num_layers=24, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+}
+_OPTIONS = (
+    FamilyOption("d_state", int, "state size per channel of the selective scan (N)", ("lm",), check=_positive),
+    FamilyOption("d_conv", int, "kernel width of the causal depthwise convolution", ("lm",), check=_positive),
+    FamilyOption("expand", int, "inner width as a multiple of d_model", ("lm",), check=_positive),
+)
+_BASE_RULES, _HEAD_RULES = split_prefix(MAMBA_WEIGHT_MAP, "backbone.")
+MAMBA = register_family("mamba", MambaConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
+                        config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config, options=_OPTIONS,
+                        limits=lambda c: {"vocab_size": c.vocab_size, "context": None},
+                        token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
+MAMBA.register("MambaForCausalLM", Mamba, kind="causal-lm", prefix="backbone.", head_rules=_HEAD_RULES)
+MAMBA.register("MambaModel", MambaModel, kind="base")
