@@ -187,3 +187,10 @@ def test_the_image_task_trains_the_family_with_its_options(model_type, flags, tm
     capsys.readouterr()
     config = open_run(run).config
     assert (config["norm"], config["pooling"]) == (("dyt", "mean") if flags else ("layernorm", "cls"))
+    # transformers has neither DyT nor mean pooling and would run its defaults on the weights: refused
+    code = main(["export", str(run), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    if flags:
+        assert code == 2 and "norm='dyt', pooling='mean' has no transformers counterpart" in err, err
+    else:
+        assert code == 0 and (tmp_path / "hf" / "preprocessor_config.json").is_file(), err

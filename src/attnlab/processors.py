@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Processor", "ImageProcessor", "ImageError", "open_image", "load_processor", "save_processor", "IMAGE_CONFIG", "RESAMPLE",
-           "IMAGE_SUFFIXES"]
+__all__ = ["Processor", "ImageProcessor", "ImageError", "open_image", "load_processor", "save_processor",
+           "IMAGE_CONFIG", "RESAMPLE", "IMAGE_SUFFIXES"]
 
 IMAGE_CONFIG = "preprocessor_config.json"
 # PIL's resampling filters by the names people use and the integer codes preprocessor_config.json holds
@@ -164,7 +164,8 @@ class ImageProcessor:
         elif isinstance(image, np.ndarray):
             image = Image.fromarray(image)
         if not isinstance(image, Image.Image):
-            raise TypeError(f"ImageProcessor: expected a PIL image, a path or a uint8 array, got {type(image).__name__}")
+            raise TypeError(f"ImageProcessor: expected a PIL image, a path or a uint8 array, got "
+                            f"{type(image).__name__}")
         image = image.convert("L" if self.channels == 1 else "RGB")
         if self.do_resize:
             image = self._resized(image)

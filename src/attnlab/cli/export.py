@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         hint = (" (fine-tune with --head native for the family's own classifier)" if arch.name == "EncoderClassifier"
                 else "")
         raise UserError(f"{args.run}: its model is a {arch.name}, which has no Hugging Face counterpart{hint}")
+    unsupported = arch.family.hf_unsupported(model.config) if arch.family.hf_unsupported else None
+    if unsupported:
+        raise UserError(f"{args.run}: its {arch.name}'s {unsupported}; train it without those settings to export it")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not an empty directory; give a new one")

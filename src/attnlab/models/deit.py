@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from .convert import Rule
 from .encoder import Pooler
 from .registry import FamilyOption, register_family
-from .vit import NORMS, ViTConfig, ViTEncoder, sized_fields, vit_config_from_hf, vit_config_to_hf, vit_rules
+from .vit import (NORMS, ViTConfig, ViTEncoder, hf_unsupported, sized_fields, vit_config_from_hf, vit_config_to_hf,
+                  vit_rules)
 
 __all__ = ["DeiTConfig", "DeiTModel", "DeiTForImageClassificationWithTeacher", "DEIT", "hard_distillation_loss",
            "soft_distillation_loss", "build_config"]
@@ -151,7 +152,7 @@ _OPTIONS = (FamilyOption("norm", str, "the normalisation: layernorm, or dyt (dyn
 DEIT = register_family("deit", DeiTConfig, base_rules=vit_rules() + [Rule("distillation_token",
                                                                           "embeddings.distillation_token")],
                        config_from_hf=deit_config_from_hf, config_to_hf=vit_config_to_hf, presets=PRESETS,
-                       build_config=build_config, modality="image", options=_OPTIONS,
+                       build_config=build_config, modality="image", options=_OPTIONS, hf_unsupported=hf_unsupported,
                        limits=lambda c: {"image_size": c.image_size, "patch_size": c.patch_size,
                                          "in_channels": c.in_channels})
 DEIT.register("DeiTForImageClassificationWithTeacher", DeiTForImageClassificationWithTeacher, kind="image-classifier",

@@ -246,6 +246,8 @@ class Family:
     training: dict = field(default_factory=dict)
     modality: str = "text"
     limits: Callable[[Any], dict] | None = None      # config -> its modality's input limits
+    # config -> why transformers cannot run it (a setting attnlab adds to the family), or None
+    hf_unsupported: Callable[[Any], str | None] | None = None
     # what the family states for the training tasks and the exporter (see register_family)
     training_options: tuple["FamilyOption", ...] = ()
     task_defaults: dict[str, dict] = field(default_factory=dict)
@@ -463,7 +465,8 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
                     ignore_on_load: tuple[str, ...] = (), training: dict | None = None, modality: str = "text",
                     limits: Callable[[Any], dict] | None = None, options: tuple[FamilyOption, ...] = (),
                     task_defaults: dict[str, dict] | None = None, token_ids: dict[str, str] | None = None,
-                    special_tokens: dict[str, str] | None = None) -> Family:
+                    special_tokens: dict[str, str] | None = None,
+                    hf_unsupported: Callable[[Any], str | None] | None = None) -> Family:
     """Create and register a family; add architectures with :meth:`Family.register`.
 
     ``base_rules``: the base's weight map (HF templates relative to the base), or None for an
@@ -471,7 +474,10 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
     both or neither (model_type, architectures and dtype are added on save). ``presets``: name ->
     config fields. ``build_config``: the sizing builder, keyword arguments the modality's sizes and
     :data:`MODEL_SIZES`, then the family's options. ``modality``: what its models take (a key of
-    :data:`MODALITIES`); ``limits(config)``: that modality's input limits (:meth:`Family.input_limits`). ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
+    :data:`MODALITIES`); ``limits(config)``: that modality's input limits (:meth:`Family.input_limits`).
+    ``hf_unsupported(config)``: why transformers' class could not run a config that uses a setting
+    of attnlab's own (DyT in a ViT), else None; ``attnlab export`` refuses such a run.
+    ``ignore_on_load``: regexes of checkpoint keys every architecture skips.
     ``training``: the family's own optimizer, peak lr and weight decay (``{"optimizer": "adafactor",
     "lr": 0.05, "weight_decay": 0.0}`` for T5), the defaults the training tasks use for it.
 
@@ -506,12 +512,12 @@ def register_family(model_type: str, config_cls: type, *, base_rules=None, confi
             raise ValueError(f"register_family({model_type!r}): build_config lacks {', '.join(absent)}")
     task_defaults, token_ids = dict(task_defaults or {}), dict(token_ids or {})
     special_tokens = dict(special_tokens or {})
-    _check_family_data(f"register_family({model_type!r})", modality, build_config, tuple(options), task_defaults, token_ids,
-                       special_tokens)
+    _check_family_data(f"register_family({model_type!r})", modality, build_config, tuple(options), task_defaults,
+                       token_ids, special_tokens)
     fam = Family(model_type, config_cls, None if base_rules is None else tuple(base_rules), config_from_hf,
                  config_to_hf, dict(presets or {}), build_config, tuple(ignore_on_load), training=dict(training or {}),
                  modality=modality, limits=limits, training_options=tuple(options), task_defaults=task_defaults,
-                 token_ids=token_ids, special_tokens=special_tokens)
+                 token_ids=token_ids, special_tokens=special_tokens, hf_unsupported=hf_unsupported)
     _FAMILIES[model_type] = fam
     return fam
 

@@ -317,10 +317,17 @@ if "image-base" not in KINDS:
                   does="forward(pixel_values (B, C, H, W)) -> the last hidden state (B, prefix + P, E): the prefix "
                        "tokens (class, distillation) then one vector per patch (a bare model, no head)")
 
+def hf_unsupported(config) -> str | None:
+    """Why transformers' ViT/DeiT could not run ``config``: the settings it lacks (it would read
+    them as its defaults, silently), else None."""
+    own = [f"{f}={getattr(config, f)!r}" for f, default in _OWN_FIELDS.items() if getattr(config, f) != default]
+    return f"{', '.join(own)} has no transformers counterpart (it would run the defaults)" if own else None
+
+
 VIT = register_family("vit", ViTConfig, base_rules=vit_rules(), config_from_hf=vit_config_from_hf,
                       config_to_hf=vit_config_to_hf, presets=PRESETS, build_config=build_config, modality="image",
                       limits=lambda c: {"image_size": c.image_size, "patch_size": c.patch_size,
-                                        "in_channels": c.in_channels}, options=OPTIONS)
+                                        "in_channels": c.in_channels}, options=OPTIONS, hf_unsupported=hf_unsupported)
 VIT.register("ViTForImageClassification", VisionTransformer, kind="image-classifier", prefix="vit.",
              head_rules=[Rule("head.{p}", "classifier.{p}")], factory=VisionTransformer.from_config)
 VIT.register("ViTModel", ViTModel, kind="image-base", head_rules=[Rule("pooler.{p}", "pooler.dense.{p}")])

@@ -51,7 +51,8 @@ def _labelled(folder: ImageFolder, processor: ImageProcessor, labels: list[str],
     if unknown:
         raise ValueError(f"{folder.root}: the {name} images have class(es) {', '.join(unknown)} that the training "
                          f"data lacks ({', '.join(labels)})")
-    data = torch.stack([processor.resized(p) for p in folder.paths]) if len(folder) else torch.empty(0, dtype=torch.uint8)
+    data = (torch.stack([processor.resized(p) for p in folder.paths]) if len(folder)
+            else torch.empty(0, dtype=torch.uint8))
     return data, torch.tensor([index[y] for y in folder.labels], dtype=torch.long)
 
 
@@ -175,8 +176,9 @@ class ImageClassification(TaskDefinition):
             order = list(range(len(train)))
             random.Random(s["seed"]).shuffle(order)
             held = set(order[:min(2000, max(1, len(train) // 10))])
-            pick = lambda keep: ImageFolder(train.root, [p for i, p in enumerate(train.paths) if (i in held) != keep],  # noqa: E731
-                                            [y for i, y in enumerate(train.labels) if (i in held) != keep])
+            def pick(keep: bool) -> ImageFolder:
+                return ImageFolder(train.root, [p for i, p in enumerate(train.paths) if (i in held) != keep],
+                                   [y for i, y in enumerate(train.labels) if (i in held) != keep])
             train, valid = pick(True), pick(False)
         if len(train.classes) < 2:
             raise ValueError(f"{train.root}: the training images have {len(train.classes)} class "

@@ -35,9 +35,9 @@ _LABEL_FIELDS = ("num_labels", "id2label")
 def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
     """(a pretrained model of kind "base", its processor: the tokenizer of a text model) from a
     Hugging Face model directory or an attnlab run, each read as the model's modality says
-    (:func:`attnlab.processors.load_processor`). A checkpoint with a head (BertForMaskedLM, GPT2LMHeadModel) gives its family's
-    base architecture with the weights under the head architecture's prefix; a fine-tuned
-    EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
+    (:func:`attnlab.processors.load_processor`). A checkpoint with a head (BertForMaskedLM,
+    GPT2LMHeadModel) gives its family's base architecture with the weights under the head
+    architecture's prefix; a fine-tuned EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
     from ..hub import from_pretrained
     from ..models.classifier import EncoderClassifier
     from ..models.pretrained import read_config, read_weights, to_hf_state_dict
