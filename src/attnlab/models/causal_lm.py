@@ -32,6 +32,20 @@ from .pretrained import SavePretrained
 __all__ = ["CausalLM", "GenerationMixin"]
 
 
+def check_token_ids(who: str, input_ids: Tensor, vocab_size: int) -> None:
+    """ValueError naming ``who`` unless ``input_ids`` is a non-empty (batch, seq) integer tensor of
+    ids in [0, vocab_size)."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.size(1) == 0 \
+            or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"{who}: input_ids must be a non-empty integer (batch, seq) tensor, got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                         f"{tuple(getattr(input_ids, 'shape', ()))}")
+    lo, hi = (int(v) for v in input_ids.aminmax())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{who}: token id {hi if hi >= vocab_size else lo} is out of range "
+                         f"[0, vocab_size={vocab_size})")
+
+
 class GenerationMixin:
     """``model.generate(...)`` for any causal LM that meets :func:`attnlab.generate.generate`'s
     model protocol (``forward(ids, attention_mask=, cache=)``, ``new_cache()``, ``config``),
@@ -97,15 +111,7 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         return self.token_embedding(input_ids)
 
     def _check_ids(self, input_ids: Tensor) -> None:
-        who, V = type(self).__name__, self.config.vocab_size
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.size(1) == 0 \
-                or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"{who}: input_ids must be a non-empty integer (batch, seq) tensor, got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
-        lo, hi = (int(v) for v in input_ids.aminmax())
-        if lo < 0 or hi >= V:
-            raise ValueError(f"{who}: token id {hi if hi >= V else lo} is out of range [0, vocab_size={V})")
+        check_token_ids(type(self).__name__, input_ids, self.config.vocab_size)
 
     def _padding(self, attention_mask: Tensor | None, B: int, S: int) -> Tensor | None:
         if attention_mask is None:

@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .convert import Rule
-from .encoder import Pooler
 from .registry import FamilyOption, register_family
-from .vit import (NORMS, ViTConfig, ViTEncoder, hf_unsupported, sized_fields, vit_config_from_hf, vit_config_to_hf,
-                  vit_rules)
+from .vit import (NORMS, BareImageEncoder, ViTConfig, ViTEncoder, hf_unsupported, sized_fields, vit_config_from_hf,
+                  vit_config_to_hf, vit_rules)
 
 __all__ = ["DeiTConfig", "DeiTModel", "DeiTForImageClassificationWithTeacher", "DEIT", "hard_distillation_loss",
            "soft_distillation_loss", "build_config"]
@@ -56,21 +55,9 @@ class _DeiTEncoder(ViTEncoder):
         return torch.cat([self.cls_token, self.distillation_token], dim=1).expand(batch, -1, -1)
 
 
-class DeiTModel(_DeiTEncoder):
-    """The bare encoder (kind "image-base"): ``forward(pixel_values (B, C, H, W),
-    interpolate_pos_encoding=False) -> last hidden state (B, 2 + P, E)``, with the kept pooler of
-    transformers' DeiTModel checkpoints (see :class:`attnlab.models.vit.ViTModel`)."""
-
-    def __init__(self, config: DeiTConfig):
-        super().__init__(config)
-        self.pooler = Pooler(config.d_model, trainable=False)
-        self.reset_parameters()
-
-    def pool(self, hidden: Tensor) -> Tensor:
-        return self.pooler(hidden)
-
-    def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> Tensor:
-        return self.encode(pixel_values, interpolate_pos_encoding)
+class DeiTModel(BareImageEncoder, _DeiTEncoder):
+    """The bare DeiT encoder: last hidden state (B, 2 + P, E), class and distillation tokens first
+    (see :class:`attnlab.models.vit.BareImageEncoder`)."""
 
 
 class DeiTForImageClassificationWithTeacher(_DeiTEncoder):

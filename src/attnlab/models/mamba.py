@@ -33,7 +33,7 @@ from ..nn.cache import RecurrentState
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import RMSNorm
 from ..nn.ssm import selective_scan, selective_step
-from .causal_lm import GenerationMixin
+from .causal_lm import GenerationMixin, check_token_ids
 from .convert import Rule, split_prefix
 from .pretrained import SavePretrained
 from .registry import FamilyOption, register_family
@@ -180,15 +180,8 @@ class Mamba(GenerationMixin, SavePretrained, nn.Module):
         return RecurrentState([None] * (2 * len(self.layers)))
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor | None, cache) -> Tensor | None:
-        who, V = type(self).__name__, self.config.vocab_size
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.size(1) == 0 \
-                or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"{who}: input_ids must be a non-empty integer (batch, seq) tensor, got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
-        lo, hi = (int(v) for v in input_ids.aminmax())
-        if lo < 0 or hi >= V:
-            raise ValueError(f"{who}: token id {hi if hi >= V else lo} is out of range [0, vocab_size={V})")
+        who = type(self).__name__
+        check_token_ids(who, input_ids, self.config.vocab_size)
         if cache is not None and (not isinstance(cache, RecurrentState) or len(cache.tensors) != 2 * len(self.layers)):
             raise ValueError(f"{who}: cache must be the model's decoding state (model.new_cache()), got "
                              f"{type(cache).__name__}")

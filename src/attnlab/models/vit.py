@@ -161,13 +161,14 @@ class ViTEncoder(SavePretrained, nn.Module):
         return self.norm(x)
 
 
-class ViTModel(ViTEncoder):
-    """The bare encoder (kind "image-base"): ``forward(pixel_values (B, C, H, W),
-    interpolate_pos_encoding=False) -> last hidden state (B, 1 + P, E)``. It keeps the pooler that
-    transformers' ViTModel checkpoints carry (tanh(hidden[:, 0] W + b), ``model.pool(hidden)``) as
-    buffers that no output reads, so those checkpoints round-trip and one without it loads."""
+class BareImageEncoder:
+    """What makes an image encoder a bare model (kind "image-base"): ``forward(pixel_values (B, C,
+    H, W), interpolate_pos_encoding=False) -> last hidden state``, and the pooler that transformers'
+    ViTModel and DeiTModel checkpoints carry (tanh(hidden[:, 0] W + b), ``model.pool(hidden)``) kept
+    as buffers that no output reads, so those checkpoints round-trip and one without it loads.
+    Listed before the encoder class it completes."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config):
         super().__init__(config)
         self.pooler = Pooler(config.d_model, trainable=False)
         self.reset_parameters()
@@ -177,6 +178,10 @@ class ViTModel(ViTEncoder):
 
     def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> Tensor:
         return self.encode(pixel_values, interpolate_pos_encoding)
+
+
+class ViTModel(BareImageEncoder, ViTEncoder):
+    """The bare ViT encoder: last hidden state (B, 1 + P, E) (see :class:`BareImageEncoder`)."""
 
 
 def _chapter_args(config: ViTConfig) -> dict:
