@@ -40,7 +40,8 @@ from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import Tokenizer
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
-from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, resume_point, write_run
+from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context, resume_point,
+                  write_run)
 
 __all__ = ["LanguageModelTask", "LanguageModeling", "LoadedLM", "load_lm", "text_perplexity"]
 
@@ -85,9 +86,9 @@ class LanguageModelTask:
         self.model, self.tokenizer = model, tokenizer
         self.train_ids, self.valid_ids = train_ids.long().cpu(), valid_ids.long().cpu()
         self.context, self.batch_size, self.eval_windows = context, batch_size, eval_windows
-        limit = getattr(model.config, "max_seq_len", None)       # None: a recurrent model sets no limit
+        limit = model_context(model)                   # as the family states it; None: no limit (a recurrent model)
         if limit is not None and context > limit:
-            raise ValueError(f"LanguageModelTask: context {context} exceeds the model's {model.config.max_seq_len}")
+            raise ValueError(f"LanguageModelTask: context {context} exceeds the model's {limit}")
         for name, ids in (("training", self.train_ids), ("validation", self.valid_ids)):
             if ids.dim() != 1 or len(ids) < context + 1:
                 raise ValueError(f"the {name} text has {len(ids)} tokens, fewer than context + 1 = {context + 1}; "
@@ -156,8 +157,9 @@ class LoadedLM:
 
     @property
     def context(self) -> int | None:
-        """The longest sequence the model takes; None for one without a limit (a recurrent model)."""
-        return getattr(self.model.config, "max_seq_len", None)
+        """The longest sequence the model takes, as its family states it; None for one without a
+        limit (a recurrent model)."""
+        return model_context(self.model)
 
     def vocabulary(self) -> dict:
         return self.tokenizer.vocabulary()
