@@ -188,6 +188,8 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         return cli("train", "lm", "--model", "mixtral", "--data", "text.txt", "--out", "r", "--aux-coef", "-1")
     if name == "mamba-d-ff":
         return cli("train", "lm", "--model", "mamba", "--data", "text.txt", "--out", "r", "--d-ff", "64")
+    if name == "pre-norm-with-t5":
+        return cli("train", "translate", "--model", "t5", "--data", "pairs.tsv", "--out", "r", "--pre-norm")
     if name == "experts-with-gpt":
         return cli("train", "lm", "--data", "text.txt", "--out", "r", "--experts", "4")
     if name == "limit-negative":

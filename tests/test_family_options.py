@@ -190,3 +190,20 @@ def test_export_names_the_special_tokens_the_family_states(tmp_path):
         assert config["pad_token"] == "[PAD]"                     # by the tokenizer's own roles
         assert (config.get("mask_token"), config.get("cls_token")) == (
             ("[MASK]", "[CLS]") if name == "bert" else (None, None))
+
+
+def test_a_layer_order_choice_for_a_family_without_one_is_refused_not_ignored(tmp_path, capsys):
+    # T5 is Pre-Norm by construction; its builder has no norm_first, so the flag would do nothing
+    for flag in ("--pre-norm", "--no-pre-norm"):
+        assert main(["train", "translate", "--model", "t5", flag, "--out", str(tmp_path / "r"), "--steps", "1"]) == 2
+        assert "--model t5 has a fixed layer order" in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_t5_translation_run_trains_and_resumes_without_the_layer_order_flag(tmp_path, capsys):
+    common = ["--model", "t5", "--out", str(tmp_path / "r"), "--corpus-size", "200", "--d-model", "32",
+              "--layers", "1", "--eval-size", "0"]
+    assert main(["train", "translate", *common, "--steps", "2"]) == 0
+    assert main(["train", "translate", "--out", str(tmp_path / "r"), "--resume", "--steps", "3"]) == 0
+    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["settings"]["pre_norm"] is None
+    assert main(["train", "translate", "--model", "transformer", "--no-pre-norm", "--out", str(tmp_path / "p"),
+                 "--corpus-size", "200", "--d-model", "32", "--layers", "1", "--eval-size", "0", "--steps", "1"]) == 0

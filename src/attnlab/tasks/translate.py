@@ -201,6 +201,9 @@ class Translate(TaskDefinition):
         else:
             base = dict(next(sizes for most, sizes in FILE_SIZES if n_pairs <= most), tokenizer="bpe", pre_norm=True)
         base.update(family_recipe(s, s["model"]))            # a family's own optimizer, lr and weight decay
+        from ..models.registry import family
+        if "norm_first" not in family(s["model"]).options:
+            base["pre_norm"] = None                 # a fixed layer order (T5's): nothing to choose or record
         if s["tokenizer"] not in (None, "bpe") or base["tokenizer"] != "bpe":
             base["vocab_size"] = None               # word and char vocabularies are what the text holds
         chosen = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
@@ -235,11 +238,15 @@ class Translate(TaskDefinition):
                 describe_training(s, t)]
 
     def check(self, s: dict) -> None:
-        from ..models.registry import families
+        from ..models.registry import families, family
         known = sorted(f.model_type for f in families(kind=self.kind))
         if s["model"] not in known:
             raise ValueError(f"--model: {s['model']!r} is not a registered encoder-decoder family ({', '.join(known)})")
         super().check(s)
+        if s.get("pre_norm") is not None and "norm_first" not in family(s["model"]).options:
+            # a family with a fixed layer order (T5 is Pre-Norm by design) would silently ignore it
+            raise ValueError(f"--pre-norm/--no-pre-norm: --model {s['model']} has a fixed layer order; the choice "
+                             f"applies to families with a Norm option (transformer)")
         s["data"], s["valid"] = data_directory(s["data"], s["valid"], (".tsv",))
 
     def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
