@@ -105,6 +105,13 @@ def test_the_fixed_position_tables_are_transformers_sin_cos():
     assert "position.weight" not in names and "decoder.position.weight" not in names
 
 
+def test_the_class_and_mask_tokens_do_not_decay():
+    from attnlab.train import split_decay
+    decay, no_decay = ({n for n, _ in group} for group in split_decay(ViTMAEForPreTraining(VIT_MAE.preset("tiny"))))
+    assert {"cls_token", "decoder.mask_token"} <= no_decay
+    assert {"patch_embed.proj.weight", "decoder.embed.weight", "decoder.pred.weight"} <= decay
+
+
 def test_saved_for_transformers_gives_the_same_loss(tmp_path):
     torch.manual_seed(0)
     ours = ViTMAEForPreTraining(VIT_MAE.preset("tiny", norm_pix_loss=True, mask_ratio=0.5))
@@ -286,7 +293,8 @@ def test_train_mae_then_fine_tune_from_it_then_classify(tmp_path, capsys):
     assert code == 0, err
     assert "16 patches of 4, 8 masked (ratio 0.5), normalised pixel targets" in err
     run = open_run(tmp_path / "mae")
-    assert run.task == "mae" and run.config["norm_pix_loss"] is True and (run.path / "preprocessor_config.json").is_file()
+    assert run.task == "mae" and run.config["norm_pix_loss"] is True
+    assert (run.path / "preprocessor_config.json").is_file()
     evals = [line for line in (tmp_path / "mae" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals and "val_loss" in evals[-1]
     # the classifier's encoder, before any step, is the MAE run's

@@ -270,6 +270,10 @@ class MAEDecoder(nn.Module):
         self.layers, self.norm = stack.layers, stack.norm
         self.pred = nn.Linear(c.decoder_d_model, c.patch_size * c.patch_size * c.in_channels)
 
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """The mask token: a learned input, not a weight; decay would pull it to 0."""
+        return ("mask_token",)
+
     def table(self, patches: int) -> Tensor:
         """The decoder's table for ``patches`` patches: transformers resizes it for another image size
         along the flattened sequence (bicubically, as a 1 x P image), not over the 2-D grid."""
@@ -344,7 +348,8 @@ class ViTMAEForPreTraining(_MAEEncoder):
 def _decoder_rules() -> list[Rule]:
     """The decoder's keys <-> transformers' names: its layers and norm named as ViT's are (the rules
     of :func:`attnlab.models.vit.vit_rules`, under ``decoder.`` / ``decoder.decoder_``), then its own."""
-    layers = [replace(r, ours=tuple("decoder." + t for t in r.ours), theirs=tuple("decoder.decoder_" + t for t in r.theirs))
+    layers = [replace(r, ours=tuple("decoder." + t for t in r.ours),
+                      theirs=tuple("decoder.decoder_" + t for t in r.theirs))
               for r in vit_rules() if all(t.startswith("layers.") for t in r.ours)]
     return [*layers, Rule("decoder.norm.{p}", "decoder.decoder_norm.{p}"),
             Rule("decoder.embed.{p}", "decoder.decoder_embed.{p}"), Rule("decoder.mask_token", "decoder.mask_token"),
