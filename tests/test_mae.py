@@ -266,6 +266,24 @@ def test_the_fine_tuned_classifier_starts_from_the_encoder_with_a_new_head(tmp_p
     assert processor.channels == 3 and processor.output_size == (16, 16)
 
 
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "ViTModel"])
+def test_init_also_takes_a_vit_directory_its_head_and_pooler_left_behind(name, tmp_path):
+    from attnlab.models.pretrained import to_hf_state_dict
+    from attnlab.tasks.mae import fine_tuning_start
+    vit = attnlab.models.family("vit")
+    source = vit.architecture(name).build(vit.preset("tiny"))
+    contract.randomize_(source, 2)
+    source.save_pretrained(tmp_path / "vit")
+    image, s = _image_settings(init=str(tmp_path / "vit"))
+    model, _ = fine_tuning_start(s, ["a", "b"], image._model)
+    theirs = to_hf_state_dict(source)
+    want = {k if k.startswith("vit.") else "vit." + k: v for k, v in theirs.items()
+            if not k.startswith(("classifier.", "pooler."))}
+    got = _encoder(model)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.head.weight.shape == (2, 32)
+
+
 def test_init_refuses_what_is_not_a_vit_encoder(tmp_path):
     from attnlab.tasks.mae import fine_tuning_start
     from attnlab.tasks.run import RunError
