@@ -138,6 +138,9 @@ class ImageClassification(TaskDefinition):
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
         Option("dropout", float, 0.1, "dropout", check=fraction, group=_M),
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
+        Option("init", str, None, "start the encoder from an attnlab mae or image run or a Hugging Face ViTMAE or "
+               "ViT directory (a new head; the model sizes and processor are the checkpoint's)",
+               metavar="RUN_OR_HF_DIR", group=_M),
     ]
     data_paths = ("directory",)
     data_help = "an image folder: one sub-folder of images per class"
@@ -208,6 +211,10 @@ class ImageClassification(TaskDefinition):
             labels = list(saved.task_options["labels"])
             processor = load_processors(saved)["image"]
             model = build_model(saved.model_type, saved.config, saved.architecture)
+        elif s["init"] is not None:      # a pre-trained encoder, a new head (attnlab.tasks.mae)
+            from .mae import fine_tuning_start
+            labels = train.classes
+            model, processor = fine_tuning_start(s, labels, self._model)
         else:
             labels = train.classes
             grey = [0.5] * s["channels"]

@@ -1,0 +1,292 @@
+"""Masked auto-encoder pre-training on a folder of images, and fine-tuning a classifier from it.
+
+    attnlab train mae --data photos/ --time-budget 10 --mask-ratio 0.75 --norm-pix-loss
+    attnlab train image --data photos/ --init runs/mae          # its encoder, a new head
+
+Data (``--data DIR``): the image-folder layout of ``attnlab train image``
+(:mod:`attnlab.data.images`: one sub-folder per class, or ``train/`` and ``val/``); the labels are
+not read. Without a validation folder 10 % of the images (at most 2,000) are held out. Images go
+through an :class:`attnlab.processors.ImageProcessor` (resize, rescale, normalise by mean and std
+0.5), saved with every checkpoint as preprocessor_config.json, the same one the image task builds.
+
+The model is the ``vit_mae`` family's ViTMAEForPreTraining (kind "masked-image-model"), its
+options (``--mask-ratio``, ``--norm-pix-loss``, the decoder's sizes) stated by the family. The loss
+is summed over the masked patches of a batch and the Trainer divides by their number, so a step
+minimises the mean squared error per masked patch, as MAE's loss. Training masks at random; the
+validation loss masks each held-out image by a fixed seed, so that two evaluations compare the
+same reconstructions.
+
+Fine-tuning: :func:`fine_tuning_start` is what ``attnlab train image --init`` calls. It reads an
+attnlab run or a Hugging Face directory whose model is a ViT encoder (ViTMAEForPreTraining,
+ViTMAEModel, ViTForImageClassification, ViTModel), sizes the classifier as that encoder, copies the
+encoder's weights by their checkpoint names and leaves the new classifier head as initialised.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..data.images import ImageFolder, image_splits, read_image_folder
+from ..processors import IMAGE_CONFIG, ImageProcessor
+from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
+from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
+
+__all__ = ["MAEPretraining", "MAETask", "LoadedMAE", "mae_images", "fine_tuning_start"]
+
+_M, _D = "model", "data and evaluation"
+KIND = "masked-image-model"
+_VALID_SEED = 1234            # the masking of the held-out images, the same at every evaluation
+
+
+def mae_images(s: dict) -> tuple[ImageFolder, ImageFolder]:
+    """(training images, validation images) of the settings' ``--data`` / ``--valid`` folders."""
+    if s["data"] is None:
+        raise ValueError("attnlab train mae: give --data DIR, an image folder (one sub-folder of images per class, "
+                         "the classes not read)")
+    splits = image_splits(s["data"]) if s["valid"] is None else None
+    if splits is not None:
+        train = read_image_folder(splits["train"])
+        valid = read_image_folder(splits["valid"]) if "valid" in splits else None
+    else:
+        train = read_image_folder(s["data"])
+        valid = read_image_folder(s["valid"]) if s["valid"] is not None else None
+    if valid is None:
+        order = list(range(len(train)))
+        random.Random(s["seed"]).shuffle(order)
+        held = set(order[:min(2000, max(1, len(train) // 10))])
+        if len(held) == len(train):
+            raise ValueError(f"{train.root}: one image; pre-training needs some to train on and one to hold out")
+        valid = ImageFolder(train.root, [p for i, p in enumerate(train.paths) if i in held],
+                            [y for i, y in enumerate(train.labels) if i in held])
+        train = ImageFolder(train.root, [p for i, p in enumerate(train.paths) if i not in held],
+                            [y for i, y in enumerate(train.labels) if i not in held])
+    return train, valid
+
+
+def _pixels(folder: ImageFolder, processor: ImageProcessor) -> Tensor:
+    """The folder's images resized, as bytes (N, C, H, W) uint8."""
+    return torch.stack([processor.resized(p) for p in folder.paths])
+
+
+class MAETask:
+    """The Trainer's view of MAE pre-training (see :class:`attnlab.train.Task`)."""
+
+    def __init__(self, model: nn.Module, processor: ImageProcessor, train: ImageFolder, valid: ImageFolder, *,
+                 batch_size: int):
+        self.model, self.processor, self.batch_size = model, processor, batch_size
+        self.train_x, self.valid_x = _pixels(train, processor), _pixels(valid, processor)
+
+    def plan(self, epoch: int, seed: int) -> list[Tensor]:
+        order = torch.randperm(len(self.train_x), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        return list(order.split(self.batch_size))
+
+    def _loss_sum(self, model: nn.Module, pixels: Tensor, seed: int | None = None) -> tuple[Tensor, int]:
+        from ..models.mae import patchify, reconstruction_loss
+        c = self.model.config
+        out = model(pixels) if seed is None else model(pixels, seed=seed)
+        total = reconstruction_loss(out.logits, patchify(pixels, c.patch_size), out.mask, c.norm_pix_loss, "sum")
+        return total, int(out.mask.sum())
+
+    def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, int, dict]:
+        device = batch.device
+        pixels = self.processor.finish(self.train_x[batch.cpu()]).to(device)
+        total, n = self._loss_sum(model, pixels)
+        return total, n, {}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict:
+        device = next(model.parameters()).device
+        total, n = 0.0, 0
+        for i, b in enumerate(torch.arange(len(self.valid_x)).split(self.batch_size * 4)):
+            s, k = self._loss_sum(model, self.processor.finish(self.valid_x[b]).to(device), seed=_VALID_SEED + i)
+            total, n = total + float(s), n + k
+        return {"val_loss": total / max(n, 1)}
+
+    def save_assets(self, directory: Path) -> None:
+        write_run(directory, "mae", self.model, {"image": self.processor})
+
+
+@dataclass
+class LoadedMAE:
+    """A pre-trained MAE ready for inference: the model (eval mode) and its image processor."""
+    model: nn.Module
+    processor: ImageProcessor
+    path: Path
+
+    @torch.no_grad()
+    def reconstruct(self, images, seed: int = 0) -> tuple[Tensor, Tensor]:
+        """(the reconstructed images (N, C, H, W) in the processor's normalised values, the mask (N, P))
+        for paths, PIL images or uint8 arrays, masked by ``seed``."""
+        x = self.processor(images).to(next(self.model.parameters()).device)
+        out = self.model(x, seed=seed)
+        return self.model.reconstruction(x, out).cpu(), out.mask.cpu()
+
+
+def _mae_families() -> list[str]:
+    from ..models.registry import families
+    return [f.model_type for f in families(kind=KIND)]
+
+
+class MAEPretraining(TaskDefinition):
+    name = "mae"
+    kind = KIND
+    help = "masked auto-encoder pre-training (MAE) on a folder of images; fine-tune with train image --init"
+    example = ("attnlab train mae --data photos/ --time-budget 10\n"
+               "  attnlab train mae --data photos/ --mask-ratio 0.75 --norm-pix-loss --decoder-layers 2")
+    options = [
+        Option("model", str, None, "a registered masked-image-model family (default: vit_mae)", group=_M),
+        Option("image_size", int, 32, "images are resized to this many pixels square", check=positive, group=_M),
+        Option("patch_size", int, 4, "pixels per patch side (the image size must be a multiple)", check=positive,
+               group=_M),
+        Option("channels", int, 3, "colour channels: 3 (RGB) or 1 (grey)", choices=(1, 3), group=_M),
+        Option("d_model", int, 64, "encoder width", check=positive, group=_M),
+        Option("heads", int, 4, "encoder attention heads", check=positive, group=_M),
+        Option("layers", int, 4, "encoder layers", check=positive, group=_M),
+        Option("d_ff", int, None, "encoder feed-forward width (default: the family's)", check=positive, group=_M),
+        Option("dropout", float, 0.0, "dropout", check=fraction, group=_M),
+        Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
+    ]
+    data_paths = ("directory",)
+    data_help = "an image folder (one sub-folder of images per class; the classes are not read)"
+
+    def check(self, s: dict) -> None:
+        known = _mae_families()
+        if s["model"] is None:
+            s["model"] = "vit_mae" if "vit_mae" in known else known[0] if known else None
+            if s["model"] is None:
+                raise ValueError("attnlab train mae: no masked-image-model family is registered")
+        elif s["model"] not in known:
+            raise ValueError(f"--model: {s['model']!r} is not a registered masked-image-model family "
+                             f"({', '.join(known) or 'none registered'})")
+        super().check(s)
+        if s["image_size"] % s["patch_size"]:
+            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
+
+    def _model(self, s: dict) -> nn.Module:
+        from ..models.registry import family
+        fam = family(s["model"])
+        config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=s["channels"],
+                                  d_model=s["d_model"], num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
+                                  dropout=s["dropout"], **self.family_sizes(s))
+        torch.manual_seed(s["seed"])
+        return fam.for_kind(self.kind).build(config)
+
+    def _schedule(self, s: dict, n_images: int) -> dict:
+        steps = max(100, min(5000, 10 * -(-n_images // s["batch_size"])))      # about ten epochs
+        return training_schedule(s, dict(steps=steps, lr=1e-3, weight_decay=0.05),
+                                 lambda steps, budget: 50 if budget else max(1, steps // 10),
+                                 lambda steps, budget: max(steps // 5, 20), 4)
+
+    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+        self.check(s)
+        train, valid = mae_images(s)
+        saved = None if resume_from is None else resume_point(resume_from, self.name)
+        if saved is not None:            # the run's own processor and model (the Trainer loads the weights)
+            processor = load_processors(saved)["image"]
+            model = build_model(saved.model_type, saved.config, saved.architecture)
+        else:
+            grey = [0.5] * s["channels"]
+            processor = ImageProcessor(size=s["image_size"], image_mean=grey, image_std=grey)
+            model = self._model(s)
+        t = self._schedule(s, len(train))
+        s["lr"] = t["lr"]
+        if not t["budget_schedule"]:
+            s.update(steps=t["steps"], warmup=t["warmup_steps"])
+        task = MAETask(model, processor, train, valid, batch_size=s["batch_size"])
+        c = model.config
+        n = sum(p.numel() for p in model.parameters()) / 1e6
+        lines = [f"data: {train.root}: {len(train):,} training images, {len(valid):,} validation (labels not read)",
+                 f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters"
+                 + (", from the checkpoint" if saved is not None else "")
+                 + f"; images {c.image_size}x{c.image_size}, {c.in_channels} channel(s), {c.num_patches} patches "
+                   f"of {c.patch_size}, {c.num_patches - c.visible} masked (ratio {c.mask_ratio:g}), "
+                   f"{'normalised' if c.norm_pix_loss else 'raw'} pixel targets",
+                 describe_training(s, t)]
+        return Setup(task, lines)
+
+    def train_config(self, s: dict, setup: Setup) -> dict:
+        beta2 = s["beta2"] if s["beta2"] is not None else 0.95          # MAE's AdamW (section A.1)
+        return dict(self._schedule(s, len(setup.task.train_x)), betas=(0.9, beta2), best_metric="val_loss",
+                    best_mode="min")
+
+    def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedMAE:
+        from .run import resolve_device
+        processors = load_processors(run)
+        if "image" not in processors:
+            raise RunError(f"{run.path}: the run records no image processor")
+        return LoadedMAE(load_model(run).to(resolve_device(device)).eval(), processors["image"], run.path)
+
+
+MAE = register_task(MAEPretraining())
+
+
+# ----------------------------------------------------------------------------- fine-tuning from it
+def _pretrained_vit(path: str, flag: str) -> tuple[object, dict[str, Tensor], ImageProcessor | None]:
+    """(the checkpoint's encoder configuration, the encoder's tensors under ViT's checkpoint names
+    without a prefix, the checkpoint's image processor or None) of a run or a Hugging Face directory."""
+    from ..hub import from_pretrained
+    from ..models.pretrained import to_hf_state_dict
+    from ..models.registry import architecture_of
+    from ..models.vit import ViTConfig
+    info = inspect_path(path)
+    if info.kind == "run":
+        model, processor = load_model(info.run), load_processors(info.run).get("image")
+    else:
+        model = from_pretrained(path)
+        processor = ImageProcessor.load(path) if (Path(path) / IMAGE_CONFIG).is_file() else None
+    arch = architecture_of(model)
+    if not isinstance(model.config, ViTConfig) or model.config.prefix_tokens != 1:
+        raise RunError(f"{flag} {path}: {info.describe()}, not a ViT encoder (an attnlab mae or image run, a "
+                       f"ViTMAE or ViT directory)")
+    tensors = to_hf_state_dict(model)
+    if arch.prefix:
+        tensors = {k[len(arch.prefix):]: v for k, v in tensors.items() if k.startswith(arch.prefix)}
+    # a bare ViT checkpoint's pooler belongs to no classifier of transformers' layout
+    return model.config, {k: v for k, v in tensors.items() if not k.startswith("pooler.")}, processor
+
+
+_SIZES = {"image_size": "image_size", "patch_size": "patch_size", "channels": "in_channels", "d_model": "d_model",
+          "heads": "num_heads", "layers": "num_layers", "d_ff": "d_ff"}
+
+
+def fine_tuning_start(s: dict, labels: list[str], build, flag: str = "--init") -> tuple[nn.Module, ImageProcessor]:
+    """(an image classifier whose encoder holds the weights of the checkpoint ``s[flag]`` names and
+    whose head is new, the image processor to train it with) for ``attnlab train image``.
+
+    The encoder's sizes are the checkpoint's: they are written into ``s`` (so that the run's
+    config.yaml records what was built) and ``build(s, labels)`` makes the classifier. The weights
+    move by their checkpoint names (the encoder's keys under the classifier's prefix), so every
+    encoder weight must find its place and every one the classifier's encoder has must be given.
+    The processor is the checkpoint's where it has one, else the image task's own default."""
+    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
+    from ..models.registry import architecture_of
+    path = s[flag.removeprefix("--").replace("-", "_")]
+    config, tensors, processor = _pretrained_vit(path, flag)
+    if s.get("model") != "vit":
+        raise RunError(f"{flag} fine-tunes a ViT classifier (--model vit), not --model {s.get('model')}")
+    s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items()})
+    model = build(s, labels)
+    same = replace(model.config, layer_norm_eps=config.layer_norm_eps, activation=config.activation,
+                   qkv_bias=config.qkv_bias)
+    if same.norm != config.norm:
+        raise RunError(f"{flag} {path}: the encoder uses {config.norm}, not --norm {same.norm}")
+    arch = architecture_of(model)
+    if same != model.config:             # the checkpoint's own epsilon, activation and biases
+        torch.manual_seed(s["seed"])
+        model = arch.build(same)
+    fresh = to_hf_state_dict(model)
+    given = {arch.prefix + k: v for k, v in tensors.items()}
+    unplaced = sorted(set(given) - set(fresh))
+    lacking = sorted(k for k in fresh if k.startswith(arch.prefix) and k not in given)
+    if unplaced or lacking:
+        raise RunError(f"{flag} {path}: its encoder does not fit a {arch.name} (no place for {unplaced[:3]}, not "
+                       f"supplied {lacking[:3]})")
+    model.load_state_dict(from_hf_state_dict(model, {**fresh, **given}))
+    if processor is None or processor.channels != config.in_channels:
+        grey = [0.5] * config.in_channels
+        processor = ImageProcessor(size=config.image_size, image_mean=grey, image_std=grey)
+    return model, processor
