@@ -152,9 +152,10 @@ class Mamba3Mixer(nn.Module):
         self.reset_ssm()
 
     def no_weight_decay(self) -> tuple[str, ...]:
-        """The step's bias and the skip set the dynamics, B's and C's biases (1 at the start) act as
-        biases: decay would pull each towards a value that is not neutral for it."""
-        return ("dt_bias", "D", "B_bias", "C_bias")
+        """The step's bias and the skip set the dynamics: decay would pull the steps towards
+        softplus(0) and the skip towards 0, values that are not neutral for them. B's and C's
+        (h, r, n) biases decay like the projections they extend, as the authors train them."""
+        return ("dt_bias", "D")
 
     def reset_ssm(self) -> None:
         """The authors' initialisation: dt_bias the inverse softplus of steps log-uniform in
