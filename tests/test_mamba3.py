@@ -371,3 +371,18 @@ def test_train_lm_with_mamba3_from_the_command_line(tmp_path):
                         "--max-new-tokens", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert g.returncode == 0, g.stderr
     assert len(g.stdout) >= 40
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rope-fraction", "0.3"], "--rope-fraction: must be 0, 0.5 or 1, got 0.3"),
+    (["--mimo-rank", "-1"], "--mimo-rank: must be 0 (SISO) or positive, got -1"),
+    (["--dropout", "0.1"], "mamba3: a Mamba-3 has no dropout; leave dropout unset"),
+    (["--d-model", "24", "--headdim", "32"], "Mamba3Config: expand * d_model = 48 is not a multiple of headdim 32"),
+])
+def test_bad_options_on_the_command_line_get_one_line(flags, message, tmp_path, capsys):
+    from attnlab.cli import main
+    (tmp_path / "text.txt").write_text("the quick brown fox. " * 20)
+    code = main(["train", "lm", "--model", "mamba3", "--data", str(tmp_path / "text.txt"), "--out",
+                 str(tmp_path / "run"), "--steps", "1", "--no-progress", *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert code == 2 and len(err) == 1 and err[0].endswith(message), err
