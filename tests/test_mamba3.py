@@ -23,7 +23,7 @@ import attnlab.models  # noqa: F401
 import contract
 from attnlab.generate import GenerationStats, generate
 from attnlab.models.mamba3 import MAMBA3, Mamba3, Mamba3Config, Mamba3Mixer
-from attnlab.nn.mamba3_scan import mamba3_scan, mamba3_scan_reference
+from attnlab.nn.mamba3_scan import mamba3_scan, mamba3_scan_reference, rotate_pairs
 from attnlab.train.optim import no_decay_parameters
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path)
 
@@ -202,6 +202,18 @@ def test_the_recurrence_by_hand():
         assert torch.allclose(Y.flatten(), want, rtol=1e-6) and math.isclose(float(s[0]), s2, rel_tol=1e-6)
 
 
+def test_rotations_make_the_readout_see_angle_differences():
+    """C_t · B_s after rotating each by its own angle equals C_t rotated by θ_t - θ_s, dotted with
+    B_s unrotated: the complex state's relative phase. Entries past the rotated pairs stay."""
+    g = torch.Generator().manual_seed(0)
+    C, B = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+    t_c, t_b = torch.randn(5, 2, generator=g) * 4, torch.randn(5, 2, generator=g) * 4
+    both = (rotate_pairs(C, t_c) * rotate_pairs(B, t_b)).sum(-1)
+    assert_close_scaled(both, (rotate_pairs(C, t_c - t_b) * B).sum(-1), FP32, "relative phase")
+    assert torch.equal(rotate_pairs(C, t_c)[:, 4:], C[:, 4:])
+    assert torch.equal(rotate_pairs(C, torch.zeros(5, 0)), C)
+
+
 # ----------------------------------------------------------------------------- the language model
 def _tiny(preset="tiny", seed=0, **overrides) -> Mamba3:
     torch.manual_seed(seed)
@@ -356,14 +368,15 @@ def test_train_lm_with_mamba3_from_the_command_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["train", "lm", "--model", "mamba3", "--data", tmp_path / "text.txt", "--out", tmp_path / "run",
             "--steps", "12", "--d-model", "16", "--layers", "1", "--d-state", "8", "--headdim", "8",
-            "--mimo-rank", "2", "--context", "24", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2",
+            "--mimo-rank", "2", "--no-trapezoidal", "--context", "24", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2",
             "--eval-every", "6", "--no-progress"]
     r = subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "run" / "best" / "run.json").read_text())
     assert (meta["model_type"], meta["architecture"]) == ("mamba3", "Mamba3ForCausalLM")
-    assert (meta["config"]["d_state"], meta["config"]["is_mimo"], meta["config"]["mimo_rank"]) == (8, True, 2)
+    c = meta["config"]
+    assert (c["d_state"], c["is_mimo"], c["mimo_rank"], c["trapezoidal"], c["headdim"]) == (8, True, 2, False, 8)
     train = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     assert train[-1] < train[0], train

@@ -35,14 +35,14 @@ from torch import Tensor, nn
 
 from ..nn.cache import RecurrentState
 from ..nn.checkpoint import checkpoint
-from ..nn.mamba3_scan import empty_state, mamba3_scan, mamba3_step
+from ..nn.mamba3_scan import empty_state, mamba3_scan, mamba3_step, rotate_pairs
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
 from .causal_lm import GenerationMixin, check_token_ids
 from .pretrained import SavePretrained
 from .registry import FamilyOption, register_family
 
-__all__ = ["Mamba3Config", "Mamba3Mixer", "Mamba3", "MAMBA3", "rotate_pairs"]
+__all__ = ["Mamba3Config", "Mamba3Mixer", "Mamba3", "MAMBA3"]
 
 STATE_TENSORS = 4            # per layer: angle, state, previous B, previous X
 
@@ -107,20 +107,6 @@ class Mamba3Config:
     def num_rope_angles(self) -> int:
         """Angles per head: one per rotated pair of the state dimension."""
         return int(self.d_state * self.rope_fraction) // 2
-
-
-def rotate_pairs(t: Tensor, theta: Tensor) -> Tensor:
-    """Rotate the pairs (0, 1), (2, 3), ... of ``t``'s last dimension by ``theta`` (..., k), one
-    angle per pair; the entries past the first 2k stay as they are. Multiplying t_{2i} + i t_{2i+1}
-    by exp(i θ_i), in real numbers."""
-    k = theta.size(-1)
-    if k == 0:
-        return t
-    pairs = t[..., :2 * k].unflatten(-1, (k, 2))
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    t0, t1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([t0 * cos - t1 * sin, t0 * sin + t1 * cos], dim=-1).flatten(-2)
-    return torch.cat([rotated, t[..., 2 * k:]], dim=-1)
 
 
 class Mamba3Mixer(nn.Module):
@@ -345,7 +331,7 @@ def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int,
     return Mamba3Config(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers, d_state=d_state,
                         expand=expand, headdim=headdim, rope_fraction=rope_fraction, trapezoidal=trapezoidal,
                         is_mimo=mimo_rank > 0, mimo_rank=mimo_rank or 4, d_intermediate=d_ff or 0,
-                        chunk_size=64 // max(mimo_rank, 1), bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+                        chunk_size=max(1, 64 // max(mimo_rank, 1)), bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
 
 def _positive(v) -> str | None:
@@ -371,6 +357,7 @@ _OPTIONS = (
     FamilyOption("headdim", int, "channels per head (P)", ("lm",), check=_positive),
     FamilyOption("rope_fraction", float, "share of the state rotated by data-dependent angles: 0, 0.5 or 1",
                  ("lm",), check=_fraction),
+    FamilyOption("trapezoidal", bool, "the exponential-trapezoidal step (--no-trapezoidal: Mamba-2's)", ("lm",)),
     FamilyOption("mimo_rank", int, "MIMO rank (0: SISO)", ("lm",), check=_rank),
 )
 MAMBA3 = register_family("mamba3", Mamba3Config, presets=PRESETS, build_config=build_config, options=_OPTIONS,

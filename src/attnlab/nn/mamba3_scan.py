@@ -25,7 +25,10 @@ Mamba-2's Euler-style step)::
 where with rank r the products sum over it: X B^T = sum_r X_{.,r} B_{.,r}^T (MIMO, section 3.3:
 r inputs and r outputs share one state, r times the work per byte of state moved).
 
-:func:`mamba3_step` is one position (generation); :func:`mamba3_scan_reference` loops it.
+:func:`rotate_pairs` turns B and C by the accumulated angles before they come here: the
+complex-valued state of the paper (section 3.2), each pair of entries a complex number rotated
+by exp(i θ), realised in real numbers. :func:`mamba3_step` is one position (generation);
+:func:`mamba3_scan_reference` loops it.
 :func:`mamba3_scan` is the fast path. An input written at s enters every later state once with
 gamma_s and once, through the next position, with beta_{s+1}; so the sum of the two, w_s =
 gamma_s + beta_{s+1}, is its weight in every state after s, and gamma_s alone at s itself. The
@@ -45,7 +48,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["mamba3_step", "mamba3_scan_reference", "mamba3_scan", "empty_state"]
+__all__ = ["mamba3_step", "mamba3_scan_reference", "mamba3_scan", "empty_state", "rotate_pairs"]
+
+
+def rotate_pairs(t: Tensor, theta: Tensor) -> Tensor:
+    """Rotate the pairs (0, 1), (2, 3), ... of ``t``'s last dimension by ``theta`` (..., k), one
+    angle per pair; the entries past the first 2k stay as they are. Multiplying t_{2i} + i t_{2i+1}
+    by exp(i θ_i), in real numbers."""
+    k = theta.size(-1)
+    if k == 0:
+        return t
+    pairs = t[..., :2 * k].unflatten(-1, (k, 2))
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    t0, t1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([t0 * cos - t1 * sin, t0 * sin + t1 * cos], dim=-1).flatten(-2)
+    return torch.cat([rotated, t[..., 2 * k:]], dim=-1)
 
 
 def empty_state(b: int, r: int, h: int, p: int, n: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
