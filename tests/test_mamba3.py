@@ -190,6 +190,18 @@ def test_chunked_scan_at_lengths_the_chunk_does_and_does_not_divide(l, chunk):
     _compare(_scan_inputs(2, l, 2, 2, 3, 4, seed=l, state=True), chunk, seed=l)
 
 
+def test_the_scan_stays_fp32_under_bf16_autocast():
+    ins = [t.detach() for t in _scan_inputs(2, 40, 2, 2, 8, 16, seed=3, state=True)]
+    want = mamba3_scan(*ins[:6], tuple(ins[6:]), chunk=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mamba3_scan(*ins[:6], tuple(ins[6:]), chunk=16)
+        step = mamba3_scan_reference(*ins[:6], tuple(ins[6:]))
+    for g, s, w in zip((got[0], *got[1]), (step[0], *step[1]), (want[0], *want[1])):
+        assert g.dtype == torch.float32
+        assert_close_scaled(g, w, FP32, "chunked under autocast")
+        assert_close_scaled(s, w, FP32, "stepwise under autocast")
+
+
 def test_the_recurrence_by_hand():
     """One head, rank, channel and state entry, two positions:
     s1 = γ1 x1 b1, s2 = e^{a2} s1 + β2 e^{a2} x1 b1 + γ2 x2 b2 (β1 reads the empty state), y = s c."""

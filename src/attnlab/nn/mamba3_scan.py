@@ -81,9 +81,11 @@ def mamba3_step(state, C: Tensor, B: Tensor, X: Tensor, a: Tensor, gamma: Tensor
     (Y (b, r, h, p) fp32, the new state)."""
     s, B_prev, X_prev = state
     C, B, X, a, gamma, beta = (t.float() for t in (C, B, X, a, gamma, beta))
-    alpha = torch.exp(a)[..., None, None]
-    s = alpha * s + (beta[..., None, None] * alpha) * _outer(X_prev, B_prev) + gamma[..., None, None] * _outer(X, B)
-    Y = torch.einsum("bhpn,brhn->brhp", s, C)
+    with torch.autocast(X.device.type, enabled=False):        # the state stays fp32 under autocast too
+        alpha = torch.exp(a)[..., None, None]
+        s = alpha * s + (beta[..., None, None] * alpha) * _outer(X_prev, B_prev) \
+            + gamma[..., None, None] * _outer(X, B)
+        Y = torch.einsum("bhpn,brhn->brhp", s, C)
     return Y, (s, B, X)
 
 
@@ -125,8 +127,13 @@ def mamba3_scan(C: Tensor, B: Tensor, X: Tensor, a: Tensor, gamma: Tensor, beta:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"mamba3_scan: chunk must be a positive int, got {chunk!r}")
     _check(C, B, X, a, gamma, beta)
+    with torch.autocast(X.device.type, enabled=False):        # bf16 matmuls would round the state
+        return _chunked_scan(C, B, X, a, gamma, beta, state, chunk)
+
+
+def _chunked_scan(C, B, X, a, gamma, beta, state, q):
     b, l, r, h, n = B.shape
-    p, q = X.size(-1), chunk
+    p = X.size(-1)
     s0, B_prev, X_prev = empty_state(b, r, h, p, n, X) if state is None else state
     # the full state entering: the previous position's input still owes its beta share to this step
     S = s0 + beta[:, 0, :, None, None].float() * _outer(X_prev.float(), B_prev.float())
