@@ -20,6 +20,11 @@ the state dimension rotates in pairs (0, 1), (2, 3), ...) and ``is_mimo`` with `
 A rotation by the accumulated θ of both B_s and C_t makes C_t·B_s depend on θ_t - θ_s: the
 state of a complex diagonal SSM, exp(i θ) per pair, realised with real numbers (section 3.2).
 
+The mixer's parameters have the names, shapes and in_proj layout of the authors' ``Mamba3``
+module (mamba_ssm/modules/mamba3.py, with trapezoidal on and rotations on): in_proj's rows in the
+order z, x, B, C, Δ, A, λ, angles, B and C as (rank, groups, n). Their MIMO kernels pair entry i
+with i + n/2 rather than i + 1, which is the same model with B's and C's rows permuted.
+
 Decoding keeps per layer the angle θ (b, h, angles), the state (b, h, p, n) fp32 and the last
 position's B and X (the trapezoid's previous end), in an :class:`attnlab.nn.cache.RecurrentState`:
 constant memory per token. At a slot whose ``attention_mask`` is False all four carry over.
