@@ -395,8 +395,8 @@ def test_train_lm_with_mamba3_from_the_command_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["train", "lm", "--model", "mamba3", "--data", tmp_path / "text.txt", "--out", tmp_path / "run",
             "--steps", "12", "--d-model", "16", "--layers", "1", "--d-state", "8", "--headdim", "8",
-            "--mimo-rank", "2", "--no-trapezoidal", "--context", "24", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2",
-            "--eval-every", "6", "--no-progress"]
+            "--mimo-rank", "2", "--no-trapezoidal", "--context", "24", "--batch-size", "4", "--lr", "1e-2",
+            "--warmup", "2", "--eval-every", "6", "--no-progress"]
     r = subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -255,7 +255,7 @@ class Mamba3(GenerationMixin, SavePretrained, nn.Module):
         writing into the residual stream scaled by 1 / sqrt(the number of them), as every layer adds
         to one stream; the SSM's own parameters as the authors (:meth:`Mamba3Mixer.reset_ssm`)."""
         writers = [m for layer in self.layers for m in (layer.mixer.out_proj, getattr(layer, "mlp", None)) if m]
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, 0.0, self.init_std)
         for m in writers:
@@ -336,7 +336,8 @@ def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int,
     return Mamba3Config(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers, d_state=d_state,
                         expand=expand, headdim=headdim, rope_fraction=rope_fraction, trapezoidal=trapezoidal,
                         is_mimo=mimo_rank > 0, mimo_rank=mimo_rank or 4, d_intermediate=d_ff or 0,
-                        chunk_size=max(1, 64 // max(mimo_rank, 1)), bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+                        chunk_size=max(1, 64 // max(mimo_rank, 1)), bos_token_id=bos_token_id,
+                        eos_token_id=eos_token_id)
 
 
 def _positive(v) -> str | None:
