@@ -174,8 +174,9 @@ class Mamba3Mixer(nn.Module):
             dt, u = dt * keep, u * keep.to(u.dtype)
         A = (-F.softplus(A.float())).clamp(max=-c.A_floor)
         lam = torch.sigmoid(lam.float()) if c.trapezoidal else torch.ones_like(dt)
-        # groups serve heads in blocks: heads [g * H / G, (g + 1) * H / G) read group g
-        B, C = (norm(t.view(b, l, R, G, N)).repeat_interleave(H // G, dim=3) + bias.transpose(0, 1)
+        # groups serve heads in blocks: heads [g * H / G, (g + 1) * H / G) read group g (the bias's
+        # broadcast makes the copy per head)
+        B, C = ((norm(t.view(b, l, R, G, 1, N)) + bias.transpose(0, 1).reshape(R, G, H // G, N)).flatten(3, 4)
                 for norm, t, bias in ((self.B_norm, B, self.B_bias), (self.C_norm, C, self.C_bias)))
         step = math.pi * torch.tanh(phi.float())[:, :, None, :] * dt[..., None]       # (b, l, h, k)
         theta = step.cumsum(1) if theta0 is None else theta0[:, None] + step.cumsum(1)
