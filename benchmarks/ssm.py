@@ -9,7 +9,7 @@ the shortest length) before timing. Modes: ``fwd`` (eval, no gradient) and ``fwd
 mode, forward, the mean of the squared logits, backward). Batch 4. All contenders of one length
 are timed round-robin in one process; peak memory is what torch's allocator handed out during
 one call (benchmarks/_util.py). The GPT is attnlab's GPT-2 (4 heads, d_ff 1024, context the
-length).
+length). attnlab's Mamba-3 (its own initialisation; transformers has none) runs beside them.
 
 Usage:
   python benchmarks/ssm.py --markdown                   # lengths 128, 512 (2048 with --lengths)
@@ -31,6 +31,7 @@ from _util import environment, fmt_mib, fmt_ms, measure, render_table  # noqa: E
 
 import attnlab  # noqa: E402
 from attnlab.models import GPT, GPTConfig  # noqa: E402
+from attnlab.models.mamba3 import Mamba3, Mamba3Config  # noqa: E402
 
 
 def _models(d_model: int, layers: int, vocab: int, longest: int):
@@ -45,8 +46,10 @@ def _models(d_model: int, layers: int, vocab: int, longest: int):
         ours = attnlab.from_pretrained(d)
     gpt = GPT(GPTConfig(vocab_size=vocab, n_positions=longest, d_model=d_model, num_heads=4, num_layers=layers,
                         dropout=0.0))
+    # Mamba-3 at the authors' defaults (d_state 128, headdim 64, SISO, rope_fraction 0.5, chunk 64)
+    mamba3 = Mamba3(Mamba3Config(vocab_size=vocab, d_model=d_model, num_layers=layers))
     return {"attnlab Mamba (chunked scan)": ours, "transformers MambaForCausalLM (slow path)": hf,
-            "attnlab GPT (SDPA), same width and depth": gpt}
+            "attnlab GPT (SDPA), same width and depth": gpt, "attnlab Mamba-3 (chunked, SISO)": mamba3}
 
 
 def _logits(model, ids):
