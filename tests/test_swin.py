@@ -3,6 +3,8 @@ against the paper's own construction (slices of the rolled map), and SwinModel /
 SwinForImageClassification against transformers with the same weights, on inputs that need
 padding (an image that is not whole patches, stage maps that are not whole windows) with shifted
 windows active, through save_pretrained both ways, and their attention per block."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -157,7 +159,6 @@ def test_recorded_attention_equals_transformers_per_block(tmp_path):
 def test_a_map_smaller_than_the_window_uses_the_middle_of_the_table(tmp_path):
     """A 4 x 4 map with window 5 is one 4 x 4 window, unshifted, whose bias is the middle of the
     5 x 5 window's table: transformers' Swin built with window 4 and that sub-table agrees."""
-    import json
     from safetensors.torch import load_file, save_file
     torch.manual_seed(0)
     ours = SwinModel(SwinConfig(image_size=16, patch_size=4, embed_dim=16, depths=(2,), num_heads=(2,),
@@ -201,6 +202,17 @@ def test_bad_pixels_are_named_in_one_line(shape, problem):
     with pytest.raises(ValueError, match=r"^SwinForImageClassification: pixel_values must be a \(batch, 3, height, "
                                          rf"width\) tensor, got {problem}$"):
         model(torch.zeros(shape))
+
+
+def test_unsupported_transformers_configs_are_named(tmp_path):
+    config = swin_config_to_hf(SwinConfig(**SIZES))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "swin", "use_absolute_embeddings": True}))
+    with pytest.raises(ValueError, match=r"^SwinConfig: use_absolute_embeddings=true \(an absolute position table\) "
+                                         r"is not supported$"):
+        attnlab.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^SwinConfig: hidden_act 'swish' is not supported \(gelu, gelu_new, "
+                                         r"gelu_pytorch_tanh, relu\)$"):
+        attnlab.models.family("swin").config_from_hf({**config, "hidden_act": "swish"})
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -301,7 +301,8 @@ def swin_config_from_hf(c: dict) -> SwinConfig:
         raise ValueError("SwinConfig: use_absolute_embeddings=true (an absolute position table) is not supported")
     act = c.get("hidden_act", "gelu")
     if ACT_FROM_HF.get(act) not in ACTIVATIONS:
-        raise ValueError(f"SwinConfig: hidden_act {act!r} is not supported ({', '.join(ACT_TO_HF)})")
+        known = ", ".join(hf for hf, ours in ACT_FROM_HF.items() if ours in ACTIVATIONS)
+        raise ValueError(f"SwinConfig: hidden_act {act!r} is not supported ({known})")
     kwargs = {ours: c[hf] for ours, hf in SWIN_HF_NAMES.items() if hf in c}
     return SwinConfig(**kwargs, activation=ACT_FROM_HF[act], **labels_from_hf(c))
 
