@@ -8,7 +8,10 @@ transformers with its own initialisation, written with ``save_pretrained`` and l
 Modes: ``inference`` (eval, no gradient) and ``training`` (train mode, forward, cross-entropy,
 backward; the optimizer step, the same for both, is left out). Precisions: fp32, and bf16 under
 ``torch.autocast`` (native on CPUs with AVX512-BF16 or AMX). The contenders of one cell are timed
-round-robin in one process (benchmarks/_util.py).
+round-robin in one process, each call on two clocks: the wall clock, and the CPU time of the
+process (``time.process_time``). On a machine shared with other jobs the wall clock counts the
+time other processes held the cores; with one thread the CPU time counts only this call's own
+work, so the ratios read from it (``--threads 1``) are the steadier ones.
 
 Usage:
   python benchmarks/swin.py --markdown --threads 2          # batch 8, every mode and precision
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import environment, fmt_ms, render_table, time_calls  # noqa: E402
+from _util import environment, fmt_ms, render_table  # noqa: E402
 
 import attnlab  # noqa: E402
 
@@ -87,6 +92,20 @@ def _calls(models, x, labels, mode: str, precision: str):
     return {name: (inference if mode == "inference" else training)(m) for name, m in models.items()}
 
 
+def _time(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """(median wall seconds, median CPU seconds) per call of each callable: one warm-up call each,
+    then ``repeats`` rounds, one call of each per round."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -94,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--modes", default="inference,training")
     p.add_argument("--precisions", default="fp32,bf16")
-    p.add_argument("--repeats", type=int, default=5, help="most timed calls per measurement (default 5)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed calls per contender (default 20)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls of each contender per cell (default 3)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="a tiny Swin and one call each (a smoke test)")
     p.add_argument("--markdown", action="store_true")
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     sizes = QUICK if a.quick else SWIN_T
     if a.quick:
-        a.batch, a.repeats, a.budget = 2, 1, 0.0
+        a.batch, a.repeats = 2, 1
     warnings.filterwarnings("ignore")
     models = _models(sizes)
     g = torch.Generator().manual_seed(0)
@@ -115,16 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     rows, ref = [], list(models)[1]
     for mode in a.modes.split(","):
         for precision in a.precisions.split(","):
-            results = time_calls(_calls(models, x, labels, mode, precision), repeats=a.repeats, min_repeats=1,
-                                 budget_s=a.budget)
-            ref_t = results[ref].median
-            for name, timing in results.items():
-                rows.append([mode, precision, name, fmt_ms(timing.median), timing.n,
-                             f"{a.batch / timing.median:.1f}", f"{ref_t / timing.median:.2f}"])
+            results = _time(_calls(models, x, labels, mode, precision), a.repeats)
+            ref_wall, ref_cpu = results[ref]
+            for name, (wall, cpu) in results.items():
+                rows.append([mode, precision, name, fmt_ms(wall), fmt_ms(cpu), a.repeats, f"{a.batch / cpu:.2f}",
+                             f"{ref_cpu / cpu:.2f}", f"{ref_wall / wall:.2f}"])
             print(f"# measured {mode} {precision}", file=sys.stderr, flush=True)
     print()
-    print(render_table(["mode", "precision", "implementation", "median ms", "calls", "images/s",
-                        "speed vs transformers"], rows, markdown=a.markdown))
+    print(render_table(["mode", "precision", "implementation", "wall ms", "CPU ms", "calls", "images/s (CPU)",
+                        "speed vs transformers (CPU)", "(wall)"], rows, markdown=a.markdown))
     return 0
 
 

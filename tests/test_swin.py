@@ -14,8 +14,8 @@ import attnlab.models  # noqa: F401  (registers every family)
 import contract
 from _tolerance import FP32, assert_close_scaled
 from attnlab.models.swin import SwinConfig, SwinForImageClassification, SwinModel, swin_config_to_hf
-from attnlab.nn.window import (WindowAttention, relative_position_index, shifted_window_mask, window_and_shift,
-                               window_partition, window_reverse)
+from attnlab.nn.window import (WindowAttention, permute_tokens, relative_position_index, shifted_window_mask,
+                               window_and_shift, window_order, window_partition, window_reverse)
 from attnlab.train import split_decay
 from attnlab.viz import record_attention
 
@@ -73,6 +73,18 @@ def test_windows_partition_and_reverse():
     assert windows.shape == (2 * 2 * 3, 9, 5)
     assert torch.equal(windows[1].view(3, 3, 5), x[0, 0:3, 3:6])        # the second window of image 0
     assert torch.equal(window_reverse(windows, 3, 6, 9), x)
+
+
+def test_one_gather_rolls_and_partitions_and_its_gradient_is_the_inverse():
+    x = _pixels(2, 6, 9, 5).requires_grad_()
+    order = window_order(6, 9, 3, shift=1)
+    got = permute_tokens(x.reshape(2, 54, 5), order, torch.argsort(order)).view(-1, 9, 5)
+    want = window_partition(torch.roll(x, (-1, -1), (1, 2)), 3)
+    assert torch.equal(got, want)
+    g = _pixels(*got.shape, seed=1)
+    (grad_got,) = torch.autograd.grad(got, x, g)
+    (grad_want,) = torch.autograd.grad(want, x, g)
+    assert torch.equal(grad_got, grad_want)
 
 
 def test_the_relative_index_and_the_window_of_a_small_map():
@@ -239,3 +251,10 @@ def test_the_image_task_trains_swin_then_classifies(tmp_path, capsys):
     assert main(["classify", str(run), str(probe), "--top", "2"]) == 0
     line = capsys.readouterr().out.strip().split("\t")
     assert set(line[0::2]) == {"blue", "red"} and abs(sum(map(float, line[1::2])) - 1) < 1e-3
+    # exported, the run loads in transformers with the same logits
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    hf = transformers.SwinForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    ours = attnlab.from_pretrained(tmp_path / "hf").eval()
+    x = _pixels(2, 3, 16, 16)
+    with torch.no_grad():
+        assert_close_scaled(ours(x), hf(pixel_values=x).logits, FP32)

@@ -137,11 +137,6 @@ class SwinBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)
         self.drop_path = DropPath(drop_path)
 
-    @property
-    def self_attn(self):
-        """The block's MultiHeadAttention (what recording and the encoder look for)."""
-        return self.attn.attn
-
     def forward(self, x: Tensor, size: tuple[int, int]) -> Tensor:
         B, L, C = x.shape
         h = self.attn(self.attn_norm(x).view(B, *size, C)).reshape(B, L, C)

@@ -37,7 +37,8 @@ from .norm import LayerNorm
 from .position import AttentionPosition
 
 __all__ = ["window_partition", "window_reverse", "window_and_shift", "shifted_window_mask", "relative_position_index",
-           "WindowPositionBias", "WindowAttention", "PatchMerging", "DropPath", "pad_to_multiple"]
+           "WindowPositionBias", "WindowAttention", "PatchMerging", "DropPath", "pad_to_multiple", "window_order",
+           "permute_tokens"]
 
 
 def pad_to_multiple(x: Tensor, multiple: int) -> Tensor:
@@ -69,6 +70,36 @@ def window_and_shift(height: int, width: int, window: int, shift: int) -> tuple[
     if min(height, width) <= window:
         return min(height, width), 0
     return window, shift
+
+
+def window_order(height: int, width: int, window: int, shift: int = 0, device=None) -> Tensor:
+    """(H * W,) long: for each token of the windows of a (height, width) map rolled by -``shift``
+    (the order :func:`window_partition` gives), its index in the unrolled row-major map."""
+    grid = torch.arange(height * width, device=device).view(1, height, width, 1)
+    if shift:
+        grid = torch.roll(grid, (-shift, -shift), (1, 2))
+    return window_partition(grid, window).reshape(-1)
+
+
+class _Permute(torch.autograd.Function):
+    """x.index_select(1, order), whose gradient is the inverse permutation's gather (indexing's own
+    backward would scatter-add, slower for what is a permutation)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(1, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        return grad.index_select(1, inverse), None, None
+
+
+def permute_tokens(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+    """(B, L, C) -> (B, L, C) with token j taken from ``order[j]``; ``inverse`` is
+    ``argsort(order)``, the permutation that undoes it."""
+    return _Permute.apply(x, order, inverse)
 
 
 def shifted_window_mask(height: int, width: int, window: int, shift: int, device=None) -> Tensor:
@@ -150,30 +181,28 @@ class WindowAttention(nn.Module):
         self.window, self.shift = window, shift
         self.attn = MultiHeadAttention(dim, num_heads, dropout, bias=qkv_bias, out_bias=True, fused_qkv=True,
                                        position=WindowPositionBias(num_heads, window))
-        self._masks: dict[tuple, Tensor] = {}          # (Hp, Wp, M, s, device) -> mask: the same every call
+        self._cache: dict[tuple, tuple] = {}
 
-    def mask(self, height: int, width: int, window: int, shift: int, device) -> Tensor:
+    def _cached(self, height: int, width: int, window: int, shift: int, device) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(order, inverse, mask) for a (height, width) map: the same every call, so built once."""
         key = (height, width, window, shift, str(device))
-        if key not in self._masks:
-            self._masks[key] = shifted_window_mask(height, width, window, shift, device)
-        return self._masks[key]
+        if key not in self._cache:
+            order = window_order(height, width, window, shift, device)
+            mask = shifted_window_mask(height, width, window, shift, device) if shift else None
+            self._cache[key] = (order, torch.argsort(order), mask)
+        return self._cache[key]
 
     def forward(self, x: Tensor) -> Tensor:
         B, H, W, C = x.shape
         M, s = window_and_shift(H, W, self.window, self.shift)
         x = pad_to_multiple(x, M)
         Hp, Wp = x.shape[1:3]
-        if s:
-            x = torch.roll(x, (-s, -s), (1, 2))
-        windows = window_partition(x, M)                                    # (B * nW, T, C)
-        mask = None
-        if s:
-            m = self.mask(Hp, Wp, M, s, x.device)                           # (nW, T, T)
-            mask = m.unsqueeze(0).expand(B, -1, -1, -1).reshape(-1, 1, M * M, M * M)
+        order, inverse, m = self._cached(Hp, Wp, M, s, x.device)
+        # roll and partition in one gather (window_order); the inverse gather undoes both
+        windows = permute_tokens(x.reshape(B, Hp * Wp, C), order, inverse).view(-1, M * M, C)
+        mask = None if m is None else m.unsqueeze(0).expand(B, -1, -1, -1).reshape(-1, 1, M * M, M * M)
         out, _ = self.attn(windows, mask=mask)
-        out = window_reverse(out, M, Hp, Wp)
-        if s:
-            out = torch.roll(out, (s, s), (1, 2))
+        out = permute_tokens(out.view(B, Hp * Wp, C), inverse, order).view(B, Hp, Wp, C)
         return out[:, :H, :W] if (Hp, Wp) != (H, W) else out
 
     def extra_repr(self) -> str:
