@@ -258,3 +258,16 @@ def test_the_image_task_trains_swin_then_classifies(tmp_path, capsys):
     x = _pixels(2, 3, 16, 16)
     with torch.no_grad():
         assert_close_scaled(ours(x), hf(pixel_values=x).logits, FP32)
+
+
+def test_the_benchmark_runs_quick():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "swin.py"), "--quick", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "same weights: logits agree" in proc.stdout
+    for cell in ("inference  fp32", "inference  bf16", "training   fp32", "training   bf16"):
+        assert proc.stdout.count(cell) == 2, proc.stdout
