@@ -14,7 +14,7 @@ import attnlab.models  # noqa: F401  (registers every family)
 import contract
 from _tolerance import FP32, assert_close_scaled
 from attnlab.models.swin import SwinConfig, SwinForImageClassification, SwinModel, swin_config_to_hf
-from attnlab.nn.window import (WindowAttention, permute_tokens, relative_position_index, shifted_window_mask,
+from attnlab.nn.window import (DropPath, WindowAttention, permute_tokens, relative_position_index, shifted_window_mask,
                                window_and_shift, window_order, window_partition, window_reverse)
 from attnlab.train import split_decay
 from attnlab.viz import record_attention
@@ -225,6 +225,29 @@ def test_unsupported_transformers_configs_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"^SwinConfig: hidden_act 'swish' is not supported \(gelu, gelu_new, "
                                          r"gelu_pytorch_tanh, relu\)$"):
         attnlab.models.family("swin").config_from_hf({**config, "hidden_act": "swish"})
+
+
+def test_drop_path_drops_whole_samples_and_rescales_the_rest():
+    drop, x = DropPath(0.5), torch.ones(64, 3, 4)
+    assert drop.eval()(x) is x
+    y = drop.train()(x)
+    kept = y.flatten(1).amax(1)
+    assert set(kept.tolist()) == {0.0, 2.0} and torch.equal(y, kept[:, None, None].expand_as(y))
+
+
+def test_checkpointed_blocks_give_the_same_gradients():
+    torch.manual_seed(0)
+    model = SwinForImageClassification(SwinConfig(**SIZES)).train()
+    contract.randomize_(model, 2)
+    x = _pixels(2, 3, 30, 30)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    plain = grads()
+    model.gradient_checkpointing = True
+    assert_close_scaled(grads(), plain, FP32)
 
 
 # ----------------------------------------------------------------------------- the command line
