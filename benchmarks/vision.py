@@ -21,9 +21,13 @@ forward and the loss, on every side alike). bf16 tables are skipped on a CPU wit
 (benchmarks/_util.py), the reference also a second time ("A/A: again") to show the run's noise.
 Peak MiB: what torch's allocator handed out during one call, above what existed before it.
 Ratio = transformers' median time / this median time (above 1: faster than transformers).
+``--clock cpu`` times each call by the process's CPU time instead of the wall clock (a fixed
+``--repeats`` calls each, round-robin): the figure to read on a machine shared with other jobs,
+with ``--threads 1``.
 
 Usage:
   python benchmarks/vision.py --markdown               # ViT-S/16, 224 px, batch 8 (~10 minutes on 2 cores)
+  python benchmarks/vision.py --threads 1 --clock cpu --markdown   # on a machine shared with other jobs
   python benchmarks/vision.py --quick                  # tiny shapes, seconds (the smoke test)
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +48,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from _util import environment, fmt_mib, fmt_ms, measure, render_table  # noqa: E402
+from _util import Timing, environment, fmt_mib, fmt_ms, measure, peak_memory, render_table  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.nn.precision import native_bf16  # noqa: E402
@@ -187,6 +192,23 @@ def _training_calls(pair: Pair, x, labels, autocast: bool) -> dict:
     return {**calls, AA: call(ref, torch.optim.AdamW(ref.parameters(), lr=LR, fused=True))}
 
 
+def _cpu_measure(fns: dict, args) -> dict:
+    """As _util.measure, timed by the process's CPU time instead of the wall clock: on a machine
+    shared with other jobs a call descheduled for a while is slow on the wall clock only. With one
+    thread a call's CPU time is its own work (more threads would add their spin-waits)."""
+    for fn in fns.values():
+        for _ in range(args.warmup):
+            fn()
+    peaks = {name: peak_memory(fn) for name, fn in fns.items()}
+    timings = {name: Timing() for name in fns}
+    for _ in range(max(args.min_repeats, args.repeats)):
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            timings[name].times.append(time.process_time() - t0)
+    return {name: (timings[name], peaks[name]) for name in fns}
+
+
 def table(pair: Pair, section: str, autocast: bool, batch: int, args) -> tuple[list, float, float]:
     """One table's rows, attnlab's speed ratio and the agreement checked before timing."""
     g = torch.Generator().manual_seed(0)
@@ -194,10 +216,15 @@ def table(pair: Pair, section: str, autocast: bool, batch: int, args) -> tuple[l
     labels = torch.randint(0, pair.num_classes, (batch,), generator=g)
     diff = _check(pair, x, labels, autocast)
     fns = _inference_calls(pair, x, autocast) if section == "inference" else _training_calls(pair, x, labels, autocast)
-    results = measure(fns, warmup=args.warmup, repeats=args.repeats, min_repeats=args.min_repeats, budget_s=args.budget)
+    if args.clock == "cpu":
+        results = _cpu_measure(fns, args)
+    else:
+        results = measure(fns, warmup=args.warmup, repeats=args.repeats, min_repeats=args.min_repeats,
+                          budget_s=args.budget)
     names = list(fns)
     ref_t, ref_m = results[names[1]][0], results[names[1]][1]
-    rows = [[n, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{batch / t.median:.1f}", f"{ref_t.median / t.median:.2f}",
+    rows = [[n, fmt_ms(t.median), fmt_ms(min(t.times)), t.n, f"{batch / t.median:.1f}",
+             f"{ref_t.median / t.median:.2f}",
              f"{min(ref_t.times) / min(t.times):.2f}", fmt_mib(peak), f"{peak / max(ref_m, 1):.2f}"]
             for n, (t, peak) in results.items()]
     return rows, ref_t.median / results[names[0]][0].median, diff
@@ -216,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=8.0, help="seconds of timed calls per contender (default 8)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time calls by the wall clock, or by the process's CPU time (--repeats calls each; for a "
+                        "shared machine, with --threads 1)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few calls (a smoke test)")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
@@ -233,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     bf16_ok, why = native_bf16("cpu")
     print(f"# vision benchmark: {environment('cpu', torch.float32)}; {os.cpu_count()} CPUs; load average "
-          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; bf16: {why}; batch {a.batch}")
-    headers = ["implementation", "median ms", "min ms", "calls", "images/s", "speed ratio", "min-time ratio",
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; bf16: {why}; batch {a.batch}; {a.clock} clock")
+    headers = ["implementation", f"median {a.clock} ms", f"min {a.clock} ms", "calls", "images/s", "speed ratio",
+               "min-time ratio",
                "peak MiB", "memory ratio"]
     targets = []
     for key in pairs:
@@ -249,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"\n(skipping {pair.title} {section} bf16: {why})")
                     continue
                 rows, ratio, diff = table(pair, section, autocast, a.batch, a)
-                title = (f"{pair.title} {section} ({'forward' if section == 'inference' else 'forward, backward, AdamW'}"
-                         f"), {'bf16 autocast' if autocast else 'fp32'}")
+                what = "forward" if section == "inference" else "forward, backward, AdamW"
+                title = f"{pair.title} {section} ({what}), {'bf16 autocast' if autocast else 'fp32'}"
                 print(f"\n**{title}; ratio = transformers time / this time (logits agree to {diff:.1e} relative)**\n")
                 print(render_table(headers, rows, markdown=a.markdown), flush=True)
                 targets.append((title, ratio))

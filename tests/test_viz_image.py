@@ -21,8 +21,9 @@ SIZES = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=48, num_at
 
 def _pair(tmp_path, family: str):
     """(transformers model with eager attention, attnlab's from the same directory)."""
-    config_cls, model_cls = {"vit": (transformers.ViTConfig, transformers.ViTForImageClassification),
-                             "deit": (transformers.DeiTConfig, transformers.DeiTForImageClassificationWithTeacher)}[family]
+    config_cls, model_cls = {
+        "vit": (transformers.ViTConfig, transformers.ViTForImageClassification),
+        "deit": (transformers.DeiTConfig, transformers.DeiTForImageClassificationWithTeacher)}[family]
     torch.manual_seed(0)
     hf = model_cls(config_cls(**SIZES))
     contract.randomize_(hf, 0)
@@ -95,6 +96,23 @@ def test_a_model_without_a_patch_grid_is_refused():
     gpt = GPT(GPTConfig(vocab_size=16, n_positions=8, d_model=16, num_heads=2, num_layers=1))
     with pytest.raises(ValueError, match="states no patch size"):
         image_attention(gpt, torch.zeros(1, 3, 8, 8))
+    # attention over other tokens than the grid (windows of it, say): a model claiming 4-pixel
+    # patches whose attention runs over the 2 x 2 grid of 8-pixel ones
+    from types import SimpleNamespace
+    from attnlab.models.vit import VisionTransformer
+
+    class Windowed(torch.nn.Module):
+        config = SimpleNamespace(patch_size=4)
+
+        def __init__(self):
+            super().__init__()
+            self.vit = VisionTransformer(img_size=16, patch_size=8, num_classes=2, embed_dim=16, depth=1, num_heads=2)
+
+        def forward(self, x):
+            return self.vit(x)
+    vit = Windowed()
+    with pytest.raises(ValueError, match=r"attends over \(5, 5\) tokens, not the 4x4 patch grid"):
+        image_attention(vit, torch.zeros(1, 3, 16, 16))
 
 
 @pytest.fixture(scope="module")
