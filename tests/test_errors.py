@@ -188,6 +188,12 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         return cli("train", "lm", "--model", "mixtral", "--data", "text.txt", "--out", "r", "--aux-coef", "-1")
     if name == "mamba-d-ff":
         return cli("train", "lm", "--model", "mamba", "--data", "text.txt", "--out", "r", "--d-ff", "64")
+    if name == "mamba2-heads":
+        return cli("train", "lm", "--model", "mamba2", "--data", "text.txt", "--out", "r", "--d-model", "16",
+                   "--heads", "3")
+    if name == "mamba2-groups":
+        return cli("train", "lm", "--model", "mamba2", "--data", "text.txt", "--out", "r", "--d-model", "16",
+                   "--heads", "4", "--n-groups", "3")
     if name == "experts-with-gpt":
         return cli("train", "lm", "--data", "text.txt", "--out", "r", "--experts", "4")
     if name == "limit-negative":

@@ -279,3 +279,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     plain = grads()
     model.gradient_checkpointing = True
     assert_close_scaled(grads(), plain, FP32, "checkpointed gradients")
+
+
+def test_ssm_benchmark_quick_runs_for_mamba2():
+    """benchmarks/ssm.py --models mamba2 keeps running: its smoke test on tiny shapes, which also
+    checks that attnlab's Mamba2 and transformers' agree on the same weights before timing them."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ssm.py"), "--quick", "--threads", "1",
+                           "--models", "mamba2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "same weights: logits agree" in proc.stdout
+    for name in ("attnlab Mamba2 (chunked SSD)", "transformers Mamba2ForCausalLM (torch_forward)"):
+        assert proc.stdout.count(name) == 4, name            # 2 lengths x 2 modes
