@@ -143,5 +143,6 @@ def test_bad_chunk_and_shapes_are_refused():
     ins = [t.detach() if t is not None else None for t in _inputs(1, 5, 4, 2, 2, 3, seed=8)]
     with pytest.raises(ValueError, match="ssd_scan: chunk must be a positive int, got 0"):
         ssd_scan(*ins, chunk=0)
-    with pytest.raises(ValueError, match=r"ssd_scan: shapes x \(1, 5, 4, 2\), dt \(1, 5, 4\), A \(4,\), B \(1, 5, 3, 3\)"):
+    shapes = r"ssd_scan: shapes x \(1, 5, 4, 2\), dt \(1, 5, 4\), A \(4,\), B \(1, 5, 3, 3\)"
+    with pytest.raises(ValueError, match=shapes):
         ssd_scan(ins[0], ins[1], ins[2], torch.zeros(1, 5, 3, 3), torch.zeros(1, 5, 3, 3))
