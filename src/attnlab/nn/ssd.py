@@ -78,9 +78,10 @@ def ssd_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tens
              D: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One position: state (b, h, p, n) fp32, x (b, h, p), dt (b, h), B and C (b, g, n) -> (y (b, h, p), new state)."""
     nh = x.shape[1]
-    a = torch.exp(dt.float() * A.float())[:, :, None, None]
-    state = a * state + (dt.float()[..., None] * x.float())[..., None] * _heads(B.float(), nh)[:, :, None, :]
-    y = (state @ _heads(C.float(), nh)[..., None]).squeeze(-1).to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):          # the state stays fp32 under autocast too
+        a = torch.exp(dt.float() * A.float())[:, :, None, None]
+        state = a * state + (dt.float()[..., None] * x.float())[..., None] * _heads(B.float(), nh)[:, :, None, :]
+        y = (state @ _heads(C.float(), nh)[..., None]).squeeze(-1).to(x.dtype)
     return (y if D is None else y + x * D[:, None]), state
 
 
@@ -117,12 +118,17 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     fastest for p = 64, n = 64 or 128, forward and backward (benchmarks/ssm.py). Any length: the
     last chunk is padded with Δ = 0, which changes nothing."""
     _check(x, dt, A, B, C, h0)
-    b, l, nh, p = x.shape
-    g, n = B.shape[2:]
     if chunk is None:
-        chunk = max(1, min(64, l))
+        chunk = max(1, min(64, x.size(1)))
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"ssd_scan: chunk must be a positive int, got {chunk!r}")
+    with torch.autocast(x.device.type, enabled=False):          # bf16 matmuls would round the state
+        return _ssd_chunked(x, dt, A, B, C, D, h0, chunk)
+
+
+def _ssd_chunked(x, dt, A, B, C, D, h0, chunk):
+    b, l, nh, p = x.shape
+    g, n = B.shape[2:]
     q, pad = chunk, -l % chunk
     c, hg = (l + pad) // q, nh // g
     dt32 = dt.float()

@@ -63,8 +63,9 @@ def selective_scan_reference(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: 
 def selective_step(h: Tensor, x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
                    D: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One position: state h (b, d, n) fp32, x and delta (b, d), B and C (b, n) -> (y (b, d), new h)."""
-    h = torch.exp(delta.float()[..., None] * A.float()) * h + (delta * x).float()[..., None] * B.float()[:, None]
-    y = (h @ C.float()[..., None]).squeeze(-1).to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):          # the state stays fp32 under autocast too
+        h = torch.exp(delta.float()[..., None] * A.float()) * h + (delta * x).float()[..., None] * B.float()[:, None]
+        y = (h @ C.float()[..., None]).squeeze(-1).to(x.dtype)
     return (y if D is None else y + x * D), h
 
 
@@ -84,7 +85,8 @@ def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         raise ValueError(f"selective_scan: shapes x {tuple(x.shape)}, delta {tuple(delta.shape)}, A {tuple(A.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)} do not match (b, l, d), (d, n), (b, l, n)")
     h0 = x.new_zeros(b, d, A.shape[1], dtype=torch.float32) if h0 is None else h0.float()
-    y, h = _ChunkedScan.apply(x, delta, A, B, C, h0, chunk)
+    with torch.autocast(x.device.type, enabled=False):          # bf16 matmuls would round the state
+        y, h = _ChunkedScan.apply(x, delta, A, B, C, h0, chunk)
     y = y.to(x.dtype)
     return (y if D is None else y + x * D), h
 
