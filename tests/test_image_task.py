@@ -159,6 +159,9 @@ def test_a_teacher_is_refused_in_one_line_where_it_does_not_apply(teacher, tmp_p
     assert len(err.strip().splitlines()) == 2 and err.startswith("preparing data")
     code, _, err = _cli(capsys, *base, "--model", "deit", "--teacher", tmp_path / "nowhere")
     assert code == 2 and "nowhere: no such run or directory" in err
+    code, _, err = _cli(capsys, "train", "image", "--valid", data, "--steps", "1", "--out", tmp_path / "s3")
+    assert code == 2 and "--valid: give the training images too (--data DIR); the embedded digits have their own " \
+        "held-out split" in err
 
 
 @pytest.mark.parametrize("how", ["hard", "soft"])
@@ -261,3 +264,11 @@ def test_a_corrupt_or_non_image_file_in_the_folder_is_named_in_one_line(tmp_path
     (data / "blue" / "zz.png").write_bytes(good[:len(good) // 2])      # truncated
     code, _, err = _cli(capsys, "train", "image", "--data", data, "--steps", "1", "--out", tmp_path / "r", *_TINY)
     assert code == 2 and f"{data / 'blue' / 'zz.png'}: damaged or truncated image" in err, err
+
+
+def test_exporting_a_grey_run_says_the_pipeline_cannot_run_it(tmp_path, capsys):
+    data = _photos(tmp_path / "photos", per_class=4)
+    run, _, _ = _train(capsys, tmp_path, "grey", "--steps", "1", "--channels", "1", *_TINY, data=data)
+    code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
+    assert code == 0 and "a grey (1-channel) model: transformers' image-classification pipeline makes every " \
+        "image RGB and cannot run it" in err, err

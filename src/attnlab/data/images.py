@@ -139,13 +139,14 @@ AUGMENTATIONS = ("shift", "crop-flip", "none")
 
 def augment(x: Tensor, kind: str, seed: int) -> Tensor:
     """The batch ``x`` (B, C, H, W) uint8 augmented as ``kind`` says (:data:`AUGMENTATIONS`),
-    decided by ``seed`` alone: the same seed gives the same bytes. ``shift`` moves by up to an
-    eighth of the image side (one pixel of an 8x8 digit)."""
+    decided by ``seed`` alone: the same seed gives the same bytes. ``shift`` moves by up to a
+    sixteenth of the image side, at least one pixel (an 8x8 digit resized to 16 moves by half of
+    one of its own pixels)."""
     if kind not in AUGMENTATIONS:
         raise ValueError(f"augment: {kind!r} is not one of {', '.join(AUGMENTATIONS)}")
     if kind == "none":
         return x
     generator = torch.Generator().manual_seed(seed)
     if kind == "shift":
-        return random_shift(x, max(1, min(x.shape[-2:]) // 8), generator)
+        return random_shift(x, max(1, min(x.shape[-2:]) // 16), generator)
     return random_resized_crop(x, generator)
