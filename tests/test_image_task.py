@@ -64,7 +64,7 @@ def test_the_digits_are_1797_real_images_with_a_fixed_held_out_split():
 def test_the_default_trains_on_the_digits_and_reports_the_held_out_accuracy(tmp_path, capsys):
     run, out, err = _train(capsys, tmp_path, "digits", "--steps", "3", "--no-progress")
     assert "the embedded 8x8 handwritten digits: 1,597 training images, 200 validation; 10 classes" in err
-    assert "images 8x8, 3 channel(s), patches of 2; augmentation: shift" in err
+    assert "images 8x8, 3 channel(s), patches of 2; augmentation: none" in err
     assert "held-out digits: 200 images" in out and "accuracy" in out
     info = open_run(run)
     assert info.task_options["labels"] == [str(d) for d in range(10)]
