@@ -2,7 +2,9 @@
 
 The run's recorded task (or a Hugging Face directory's architecture) decides what is measured:
 BLEU, chrF and exact match for translation, perplexity and bits per byte for a language model,
-accuracy, macro-F1, per-class precision and recall (and a confusion-matrix PNG) for a classifier.
+accuracy, macro-F1, per-class precision, recall and F1 (and a confusion-matrix PNG) for a classifier;
+an image run is scored on an image folder, and its confusion matrix is written into the run
+directory (``confusion.png``) unless ``--plot`` names another file.
 Each task declares its own evaluation options; an option of another task is refused.
 """
 from __future__ import annotations
@@ -11,10 +13,12 @@ import argparse
 
 HELP = ("score a model on your data: BLEU, chrF and exact match of a translation run on a TSV, the "
         "perplexity of a language model on a text file, a classifier's accuracy, macro-F1 and confusion matrix, "
-        "or a masked-LM run's masked-token accuracy on a documents file")
+        "an image classifier's on an image folder (confusion.png in its run directory), or a masked-LM run's "
+        "masked-token accuracy on a documents file")
 EXAMPLE = ("attnlab eval runs/multi30k --data valid.de-en.tsv\n"
            "  attnlab eval runs/lm --data held_out.txt --quantize int8\n"
-           "  attnlab eval runs/classify --data test.tsv --plot confusion.png")
+           "  attnlab eval runs/classify --data test.tsv --plot confusion.png\n"
+           "  attnlab eval runs/image --data photos/val              # writes runs/image/confusion.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run directory or checkpoint, or a Hugging Face model directory")
     p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
                    "source<TAB>reference; language model: a UTF-8 text file; classifier: a TSV, CSV or JSON-lines file "
-                   "with the run's text and label columns; masked LM: documents separated by blank lines); for a "
+                   "with the run's text and label columns; image classifier: an image folder, one sub-folder per "
+                   "class; masked LM: documents separated by blank lines); for a "
                    "translation or classify run also a directory, whose test.tsv (else its dev or valid file) is "
                    "scored. A file of another task's layout is refused, naming the task that reads it")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")

@@ -1,7 +1,7 @@
 """``attnlab export RUN OUT``: a run's model as a Hugging Face directory that transformers loads.
 
 OUT receives ``config.json`` (the architecture's transformers class in "architectures"; a classify
-run's label names as ``id2label``), ``model.safetensors``, an image run's image processor as
+or image run's label names as ``id2label`` and ``label2id``), ``model.safetensors``, an image run's image processor as
 ``preprocessor_config.json`` and, where the run's tokenizer is one
 the ``tokenizers`` library reads (a pretrained model's tokenizer.json, or a BPE vocabulary trained
 by attnlab), ``tokenizer.json`` with a ``tokenizer_config.json`` naming its special tokens, so
@@ -24,7 +24,8 @@ from pathlib import Path
 
 HELP = "write a run's model (and tokenizer) as a Hugging Face directory that transformers loads"
 EXAMPLE = ("attnlab train classify --init all-MiniLM-L6-v2/ --head native --data train.tsv --out runs/sst2\n"
-           "  attnlab export runs/sst2 sst2-minilm/    # transformers.pipeline('text-classification', 'sst2-minilm')")
+           "  attnlab export runs/sst2 sst2-minilm/    # transformers.pipeline('text-classification', 'sst2-minilm')\n"
+           "  attnlab export runs/image digits-vit/    # transformers.pipeline('image-classification', 'digits-vit')")
 
 # token names transformers' tokenizer classes read from tokenizer_config.json, by attnlab's role
 _ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos": "eos_token"}
@@ -78,14 +79,19 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{out}: exists and is not an empty directory; give a new one")
     save_pretrained(model, out)
     processors = load_processors(info.run)
-    why = None
+    why = note = None
     if "image" in processors:                  # preprocessor_config.json, which transformers' image processors read
         save_processor(processors["image"], out)
+        if processors["image"].channels == 1:
+            note = (f"{out}: a grey (1-channel) model: transformers' image-classification pipeline makes every image "
+                    "RGB and cannot run it; call the model on 1-channel pixel_values, or train with --channels 3")
     else:
         tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
         why = _tokenizer_files(tok, out, model_context(model), arch.family.special_tokens)
     written = sorted(p.name for p in out.iterdir())
     print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
+    if note:
+        print(note, file=sys.stderr)
     if why:
         print(f"{out}: no tokenizer files: {why}; tokenize as the run does (attnlab.tokenizer)", file=sys.stderr)
     return 0

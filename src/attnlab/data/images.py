@@ -8,15 +8,28 @@ or the same split into ``DIR/train/``, ``DIR/val/`` (or ``valid/``, ``validation
 .DS_Store) are ignored, and hidden files and folders too. Labels are the class folders' names,
 sorted. Reading the pixels is the image processor's job (:mod:`attnlab.processors`); this module
 only finds the files and says clearly what is wrong with a folder.
+
+Augmentations (:data:`AUGMENTATIONS`) work on a batch of the resized bytes a task keeps, (B, C,
+H, W) uint8, and return bytes of the same shape, drawn from a ``torch.Generator`` so that a
+batch's seed decides them: ``shift`` moves each image by a few pixels (handwriting: a flipped
+digit is another digit or none), ``crop-flip`` takes a random resized crop and mirrors half of
+the images left to right (photos: a mirrored bee is a bee).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
 from ..processors import IMAGE_SUFFIXES
 
-__all__ = ["ImageFolderError", "ImageFolder", "read_image_folder", "image_splits", "SPLIT_NAMES"]
+__all__ = ["ImageFolderError", "ImageFolder", "read_image_folder", "image_splits", "SPLIT_NAMES", "random_shift",
+           "random_resized_crop", "augment", "AUGMENTATIONS"]
 
 # the split sub-folders of a split layout, by role, in the order they are looked for
 SPLIT_NAMES = {"train": ("train",), "valid": ("val", "valid", "validation"), "test": ("test",)}
@@ -84,3 +97,56 @@ def image_splits(root: str | Path) -> dict[str, Path] | None:
     if "train" not in found:
         raise ImageFolderError(f"{root}: has {', '.join(p.name for p in found.values())}/ but no train/ folder")
     return found
+
+
+# ----------------------------------------------------------------------------- augmentations
+def random_shift(x: Tensor, max_shift: int, generator: torch.Generator) -> Tensor:
+    """Each image of the (B, C, H, W) batch moved by a whole number of pixels in [-max_shift,
+    max_shift] down and right (each image its own), the uncovered border filled with zeros."""
+    B, C, H, W = x.shape
+    s = max_shift
+    padded = F.pad(x, (s, s, s, s))
+    dy, dx = (torch.randint(0, 2 * s + 1, (B,), generator=generator) for _ in range(2))
+    rows = (dy[:, None] + torch.arange(H))[:, None, :, None]            # (B, 1, H, 1)
+    cols = (dx[:, None] + torch.arange(W))[:, None, None, :]            # (B, 1, 1, W)
+    return padded[torch.arange(B)[:, None, None, None], torch.arange(C)[None, :, None, None], rows, cols]
+
+
+def random_resized_crop(x: Tensor, generator: torch.Generator, scale: tuple[float, float] = (0.35, 1.0),
+                        ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True) -> Tensor:
+    """Each image of the (B, C, H, W) uint8 batch replaced by a crop of it, resized back to H x W
+    (bilinear): the crop covers a share of the area drawn from ``scale``, its width / height from
+    ``ratio`` (log-uniform), and lies inside the image; with ``flip`` half of the images, drawn at
+    random, are mirrored left to right. As torchvision's RandomResizedCrop, sampled in one draw."""
+    B, C, H, W = x.shape
+    u = torch.rand(B, 5, generator=generator, dtype=torch.float64)
+    area = scale[0] + (scale[1] - scale[0]) * u[:, 0]
+    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[:, 1])
+    w = torch.sqrt(area * aspect).clamp(max=1.0)                  # as shares of the width and height
+    h = torch.sqrt(area / aspect).clamp(max=1.0)
+    cx = (1 - w) * (2 * u[:, 2] - 1)                              # the centre, the crop inside [-1, 1]
+    cy = (1 - h) * (2 * u[:, 3] - 1)
+    mirror = torch.where(u[:, 4] < 0.5, -1.0, 1.0).double() if flip else torch.ones(B, dtype=torch.float64)
+    theta = torch.zeros(B, 2, 3, dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = w * mirror, cx, h, cy
+    grid = F.affine_grid(theta.float(), [B, C, H, W], align_corners=False)
+    out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8)
+
+
+AUGMENTATIONS = ("shift", "crop-flip", "none")
+
+
+def augment(x: Tensor, kind: str, seed: int) -> Tensor:
+    """The batch ``x`` (B, C, H, W) uint8 augmented as ``kind`` says (:data:`AUGMENTATIONS`),
+    decided by ``seed`` alone: the same seed gives the same bytes. ``shift`` moves by up to a
+    sixteenth of the image side, at least one pixel (an 8x8 digit resized to 16 moves by half of
+    one of its own pixels)."""
+    if kind not in AUGMENTATIONS:
+        raise ValueError(f"augment: {kind!r} is not one of {', '.join(AUGMENTATIONS)}")
+    if kind == "none":
+        return x
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "shift":
+        return random_shift(x, max(1, min(x.shape[-2:]) // 16), generator)
+    return random_resized_crop(x, generator)

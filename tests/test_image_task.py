@@ -1,0 +1,274 @@
+"""`attnlab train image` end to end: the embedded digits, augmentation that suits the data and
+resumes exactly, a DeiT student with a frozen teacher, `attnlab eval`'s per-class figures and
+confusion PNG, and an exported run in transformers' image-classification pipeline giving the
+probabilities of `attnlab classify` (fp32, 1e-5)."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from attnlab.cli import main
+from attnlab.data.digits import digit_images, digits_split
+from attnlab.data.images import augment, random_resized_crop
+from attnlab.tasks import get_task, open_run
+
+
+def _cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _photos(root, per_class=8, seed=0, classes=("blue", "red")):
+    """Colour images of mixed sizes, told apart by their dominant channel."""
+    rng = np.random.default_rng(seed)
+    for c, label in enumerate(classes):
+        (root / label).mkdir(parents=True)
+        for i in range(per_class):
+            h, w = rng.integers(10, 28, 2)
+            x = rng.integers(0, 90, (h, w, 3))
+            x[..., 2 - 2 * c] += 160
+            Image.fromarray(x.astype(np.uint8)).save(root / label / f"{i:02d}.png")
+    return root
+
+
+_TINY = ["--image-size", "16", "--patch-size", "4", "--d-model", "32", "--heads", "2", "--layers", "1",
+         "--batch-size", "8", "--no-progress"]
+
+
+def _train(capsys, tmp_path, name, *flags, data=None):
+    run = tmp_path / name
+    code, out, err = _cli(capsys, "train", "image", *(["--data", data] if data else []), "--out", run, *flags)
+    assert code == 0, err
+    return run, out, err
+
+
+# ----------------------------------------------------------------------------- the embedded digits
+def test_the_digits_are_1797_real_images_with_a_fixed_held_out_split():
+    from sklearn.datasets import load_digits
+    images, labels = digit_images()
+    assert images.shape == (1797, 1, 8, 8) and images.dtype == torch.uint8 and labels.shape == (1797,)
+    raw = load_digits()
+    assert torch.equal(images[:, 0], torch.from_numpy(raw.images * 255 / 16).round().to(torch.uint8))
+    split, again = digits_split(), digits_split()
+    (tx, ty), (vx, vy) = split["train"], split["valid"]
+    assert len(ty) == 1597 and len(vy) == 200 and Counter(vy.tolist()) == {d: 20 for d in range(10)}
+    assert all(torch.equal(a, b) for k in split for a, b in zip(split[k], again[k]))      # fixed, not per run
+    # together the two parts are the whole set, each image once
+    key = lambda x, y: [bytes(a.numpy().tobytes()) + bytes([int(b)]) for a, b in zip(x, y)]
+    assert Counter(key(tx, ty)) + Counter(key(vx, vy)) == Counter(key(images, labels))
+
+
+def test_the_default_trains_on_the_digits_and_reports_the_held_out_accuracy(tmp_path, capsys):
+    run, out, err = _train(capsys, tmp_path, "digits", "--steps", "3", "--no-progress")
+    assert "the embedded 8x8 handwritten digits: 1,597 training images, 200 validation; 10 classes" in err
+    assert "images 8x8, 3 channel(s), patches of 2; augmentation: none" in err
+    assert "held-out digits: 200 images" in out and "accuracy" in out
+    info = open_run(run)
+    assert info.task_options["labels"] == [str(d) for d in range(10)]
+    assert info.config["id2label"] == {str(d): str(d) for d in range(10)} or \
+        {int(k): v for k, v in info.config["id2label"].items()} == {d: str(d) for d in range(10)}
+    # a grey PNG of a digit at another size is read as the digit itself: light on dark, averaged down
+    task = get_task("image")
+    clf = task.load(info)
+    digit = digits_split()["valid"][0][0][0].numpy()               # (8, 8) uint8
+    png = tmp_path / "digit.png"
+    Image.fromarray(digit).resize((40, 40), Image.NEAREST).save(png)
+    assert torch.equal(clf.processor.resized(png), torch.from_numpy(np.repeat(digit[None], 3, 0)))
+    code, out, err = _cli(capsys, "classify", run, png, "--top", "3")
+    fields = out.strip().split("\t")
+    assert code == 0 and len(fields) == 6 and fields[0] in info.task_options["labels"], err
+
+
+# ----------------------------------------------------------------------------- augmentation
+def _shifted(x, dy, dx):
+    out = torch.zeros_like(x)
+    H, W = x.shape[-2:]
+    out[..., max(dy, 0):H + min(dy, 0), max(dx, 0):W + min(dx, 0)] = \
+        x[..., max(-dy, 0):H + min(-dy, 0), max(-dx, 0):W + min(-dx, 0)]
+    return out
+
+
+def test_digit_augmentation_shifts_reproducibly_and_never_flips():
+    images = digits_split()["train"][0][:64].expand(-1, 3, -1, -1).contiguous()
+    a, b, c = augment(images, "shift", 7), augment(images, "shift", 7), augment(images, "shift", 8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    moves = Counter()
+    for x, y in zip(images, a):
+        found = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if torch.equal(_shifted(x, dy, dx), y)]
+        assert found, "an augmented digit is not a shift of one pixel at most of the original"
+        moves[found[0]] += 1
+    assert len(moves) >= 5                                 # many different shifts, not one
+    assert not any(torch.equal(y, x.flip(-1)) and not torch.equal(x, x.flip(-1)) for x, y in zip(images, a))
+    assert torch.equal(augment(images, "none", 7), images)
+
+
+def test_photo_augmentation_crops_and_flips_half_the_images():
+    x = torch.randint(0, 256, (200, 3, 12, 12), dtype=torch.uint8)
+    whole = random_resized_crop(x, torch.Generator().manual_seed(0), scale=(1, 1), ratio=(1, 1))
+    mirrored = torch.tensor([torch.equal(o, i.flip(-1)) for o, i in zip(whole, x)])
+    assert all(torch.equal(o, i) or m for o, i, m in zip(whole, x, mirrored))
+    assert 60 < int(mirrored.sum()) < 140
+    crop = augment(x, "crop-flip", 3)
+    assert torch.equal(crop, augment(x, "crop-flip", 3)) and crop.shape == x.shape and crop.dtype == torch.uint8
+    assert not torch.equal(crop, augment(x, "crop-flip", 4))
+
+
+def test_the_plan_gives_each_batch_its_augmentation_and_a_resumed_run_sees_the_same(tmp_path, capsys):
+    data = _photos(tmp_path / "photos", per_class=10)
+    flags = ["--data", data, "--schedule", "constant", "--warmup", "0", "--lr", "3e-3", "--eval-every", "0",
+             *_TINY]
+    task = get_task("image")
+    setup = task.prepare(task.settings(data=str(data), out=str(tmp_path / "x"), image_size=16, patch_size=4), None)
+    first, again = setup.task.plan(1, 0), setup.task.plan(1, 0)
+    assert [(torch.equal(i, j), s == t) for (i, s), (j, t) in zip(first, again)] == [(True, True)] * len(first)
+    assert len({s for _, s in first}) == len(first)
+    assert torch.equal(setup.task.batch_bytes(first[0])[0], setup.task.batch_bytes(again[0])[0])
+    # 6 steps at once, or 3 and then 3 more after --resume: the same weights, bit for bit
+    whole, _, _ = _train(capsys, tmp_path, "whole", "--steps", "6", *flags)
+    part, _, _ = _train(capsys, tmp_path, "part", "--steps", "3", *flags)
+    code, _, err = _cli(capsys, "train", "image", "--out", part, "--resume", "--steps", "6", "--no-progress")
+    assert code == 0, err
+    from safetensors.torch import load_file
+    a, b = (load_file(str(r / "step-0000006" / "model.safetensors")) for r in (whole, part))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- distillation
+@pytest.fixture
+def teacher(tmp_path, capsys):
+    data = _photos(tmp_path / "photos")
+    run, _, _ = _train(capsys, tmp_path, "teacher", "--steps", "3", *_TINY, data=data)
+    return data, run
+
+
+def test_a_teacher_is_refused_in_one_line_where_it_does_not_apply(teacher, tmp_path, capsys):
+    data, run = teacher
+    base = ["train", "image", "--data", data, "--steps", "1", "--out", tmp_path / "s", *_TINY]
+    code, _, err = _cli(capsys, *base, "--teacher", run)
+    assert code == 2 and "--teacher: distillation trains a DeiT student (--model deit), not --model vit" in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, *base, "--model", "deit", "--distillation", "soft")
+    assert code == 2 and "--distillation: needs --teacher RUN_OR_HF_DIR (and --model deit)" in err
+    other = _photos(tmp_path / "other", classes=("ant", "bee"))
+    code, _, err = _cli(capsys, "train", "image", "--data", other, "--steps", "1", "--out", tmp_path / "s2",
+                        "--model", "deit", "--teacher", run, *_TINY)
+    assert code == 2 and f"--teacher {run}: its labels (blue, red) are not the data's (ant, bee)" in err, err
+    assert len(err.strip().splitlines()) == 2 and err.startswith("preparing data")
+    code, _, err = _cli(capsys, *base, "--model", "deit", "--teacher", tmp_path / "nowhere")
+    assert code == 2 and "nowhere: no such run or directory" in err
+    code, _, err = _cli(capsys, "train", "image", "--valid", data, "--steps", "1", "--out", tmp_path / "s3")
+    assert code == 2 and "--valid: give the training images too (--data DIR); the embedded digits have their own " \
+        "held-out split" in err
+
+
+@pytest.mark.parametrize("how", ["hard", "soft"])
+def test_a_deit_student_learns_from_a_frozen_teacher(how, teacher, tmp_path, capsys):
+    from attnlab.models.deit import hard_distillation_loss, soft_distillation_loss
+    data, run = teacher
+    # the teacher as a Hugging Face directory too: export it
+    code, _, err = _cli(capsys, "export", run, tmp_path / "hf-teacher")
+    assert code == 0, err
+    extra = [] if how == "hard" else ["--distillation", "soft", "--distillation-tau", "2"]
+    student, _, err = _train(capsys, tmp_path, "student", "--model", "deit", "--teacher", tmp_path / "hf-teacher",
+                             "--steps", "3", *extra, *_TINY, data=data)
+    assert f"teacher: VisionTransformer from {tmp_path / 'hf-teacher'}, frozen; {how} distillation" in err
+    task = get_task("image")
+    s = task.settings(data=str(data), out=str(tmp_path / "y"), model="deit", teacher=str(run), image_size=16,
+                      patch_size=4, d_model=32, heads=2, layers=1, batch_size=8,
+                      **({} if how == "hard" else {"distillation": "soft", "distillation_tau": 2.0}))
+    t = task.prepare(s, None).task
+    before = {k: v.clone() for k, v in t.teacher.model.state_dict().items()}
+    batch = t.plan(0, 0)[0]
+    t.model.train(False)
+    loss, n, _ = t.loss(t.model, batch)
+    images, y = t.batch_bytes(batch)
+    cls_logits, dist_logits = t.model.heads(t.processor.finish(images))
+    teacher_logits = t.teacher.model(t.teacher.processor.finish(images))
+    want = (hard_distillation_loss(cls_logits, dist_logits, teacher_logits, y, reduction="sum") if how == "hard"
+            else soft_distillation_loss(cls_logits, dist_logits, teacher_logits, y, 0.1, 2.0, reduction="sum"))
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    loss.backward()
+    assert all(p.grad is None and not p.requires_grad for p in t.teacher.model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in t.teacher.model.state_dict().items())
+    assert n == len(y)
+
+
+# ----------------------------------------------------------------------------- eval, export, classify
+def test_eval_writes_the_confusion_png_and_per_class_figures_equal_to_a_hand_count(tmp_path, capsys):
+    data = _photos(tmp_path / "photos", per_class=10)
+    held = _photos(tmp_path / "held", per_class=6, seed=3)
+    run, _, _ = _train(capsys, tmp_path, "run", "--steps", "4", "--augment", "none", *_TINY, data=data)
+    files = sorted(held.rglob("*.png"))
+    code, out, _ = _cli(capsys, "classify", run, *files)
+    predicted = [line.split("\t")[0] for line in out.splitlines()]
+    gold = [f.parent.name for f in files]
+    code, out, err = _cli(capsys, "eval", run, "--data", held)
+    assert code == 0, err
+    assert (run / "confusion.png").is_file() and f"confusion matrix: {run / 'confusion.png'}" in out
+    assert Image.open(run / "confusion.png").size[0] > 100
+    right = sum(p == g for p, g in zip(predicted, gold))
+    assert f"accuracy {100 * right / len(gold):.2f}%" in out
+    for label in ("blue", "red"):
+        tp = sum(p == g == label for p, g in zip(predicted, gold))
+        said, real = predicted.count(label), gold.count(label)
+        precision, recall = (100 * tp / said if said else 0.0), 100 * tp / real
+        f1 = 2 * precision * recall / (precision + recall) if tp else 0.0
+        row = next(line.split() for line in out.splitlines() if line.split()[:1] == [label])
+        assert [float(v) for v in row[1:4]] == pytest.approx([precision, recall, f1], abs=0.006), out
+        assert int(row[4]) == real
+    code, out, _ = _cli(capsys, "eval", run, "--data", held, "--plot", tmp_path / "mine.png")
+    assert code == 0 and (tmp_path / "mine.png").is_file()
+
+
+@pytest.mark.parametrize("embedded", [False, True])
+def test_an_exported_run_gives_the_pipeline_the_probabilities_of_classify(embedded, tmp_path, capsys):
+    import transformers
+    if embedded:                           # the digits: a box filter, and grey PNGs read as RGB by transformers
+        run, _, _ = _train(capsys, tmp_path, "run", "--steps", "2")
+        rng = np.random.default_rng(0)
+        files = []
+        for i, size in enumerate((8, 24, 37)):
+            files.append(tmp_path / f"grey{i}.png")
+            Image.fromarray(rng.integers(0, 256, (size, size + i), dtype=np.uint8)).save(files[-1])
+    else:
+        data = _photos(tmp_path / "photos", per_class=6)
+        run, _, _ = _train(capsys, tmp_path, "run", "--steps", "3", *_TINY, data=data)
+        files = sorted(data.rglob("*.png"))[::3]
+    code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
+    assert code == 0, err
+    clf = get_task("image").load(open_run(run))
+    ours = clf.probabilities(files)
+    pipe = transformers.pipeline("image-classification", model=str(tmp_path / "hf"), device="cpu")
+    for f, row in zip(files, ours):
+        got = {r["label"]: r["score"] for r in pipe(str(f), top_k=len(clf.labels))}
+        theirs = torch.tensor([got[label] for label in clf.labels])
+        torch.testing.assert_close(theirs, row, rtol=0, atol=1e-5)
+    code, out, _ = _cli(capsys, "classify", run, *files, "--top", str(len(clf.labels)))
+    for line, row in zip(out.splitlines(), ours):
+        fields = line.split("\t")
+        printed = {fields[i]: float(fields[i + 1]) for i in range(0, len(fields), 2)}
+        assert printed == pytest.approx({label: float(p) for label, p in zip(clf.labels, row)}, abs=1e-4)
+
+
+def test_a_corrupt_or_non_image_file_in_the_folder_is_named_in_one_line(tmp_path, capsys):
+    data = _photos(tmp_path / "photos")
+    (data / "red" / "zz.png").write_bytes(b"this is not a png")
+    code, _, err = _cli(capsys, "train", "image", "--data", data, "--steps", "1", "--out", tmp_path / "r", *_TINY)
+    assert code == 2 and f"{data / 'red' / 'zz.png'}: not an image file that Pillow can read" in err, err
+    assert len(err.strip().splitlines()) == 2                     # "preparing data ..." and the error
+    (data / "red" / "zz.png").unlink()
+    good = (data / "blue" / "00.png").read_bytes()
+    (data / "blue" / "zz.png").write_bytes(good[:len(good) // 2])      # truncated
+    code, _, err = _cli(capsys, "train", "image", "--data", data, "--steps", "1", "--out", tmp_path / "r", *_TINY)
+    assert code == 2 and f"{data / 'blue' / 'zz.png'}: damaged or truncated image" in err, err
+
+
+def test_exporting_a_grey_run_says_the_pipeline_cannot_run_it(tmp_path, capsys):
+    data = _photos(tmp_path / "photos", per_class=4)
+    run, _, _ = _train(capsys, tmp_path, "grey", "--steps", "1", "--channels", "1", *_TINY, data=data)
+    code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
+    assert code == 0 and "a grey (1-channel) model: transformers' image-classification pipeline makes every " \
+        "image RGB and cannot run it" in err, err
