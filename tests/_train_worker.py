@@ -145,6 +145,43 @@ def _kill_after_shards(step: int) -> None:
     dcp.save = save_then_die
 
 
+def _fail_write(rank: int, step: int) -> None:
+    """Rank ``rank`` cannot write its shards of ``step``: the storage raises EROFS, as a read-only
+    directory on that rank's machine would."""
+    import errno
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    write = dcp.HuggingFaceStorageWriter.write_data
+
+    def refuse(self, plan, planner):
+        if f"step-{step:07d}" in str(self.path) and os.environ.get("RANK") == str(rank):
+            raise OSError(errno.EROFS, "Read-only file system", str(self.path))
+        return write(self, plan, planner)
+    dcp.HuggingFaceStorageWriter.write_data = refuse
+
+
+def _record_dtypes(trainer, path: Path) -> None:
+    """Write (rank 0) the dtypes a block's first linear layer computes with, its stored (sharded)
+    weight's, and its gradient's after one more backward."""
+    import json
+    block = trainer.model.layers[0]
+    linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+    seen = {}
+    hook = linear.register_forward_pre_hook(lambda m, a: seen.setdefault("compute", str(m.weight.dtype)))
+    trainer.fit()
+    hook.remove()
+    batch = trainer._epoch_plan(0)[0]
+    with trainer._autocast():
+        loss, _, _ = trainer.task.loss(trainer.ddp_model, batch)
+    loss.backward()
+    seen.update(stored=str(linear.weight.dtype), grad=str(linear.weight.grad.dtype),
+                optimizer=sorted({str(t.dtype) for st in trainer.optimizer.state.values() for t in st.values()
+                                  if t.dim()}))
+    if trainer.env.is_main:
+        (path / "dtypes.json").write_text(json.dumps(seen))
+
+
 def _dump_weights(trainer, path: Path) -> None:
     """The whole weights into ``path`` (rank R of an unsharded run: rank<R>; a sharded run: gathered, rank 0)."""
     from safetensors.torch import save_file, save_model
@@ -207,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", action="store_true")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--kill-after-shards-at", type=int, help="rank 1 dies in the save of this step")
+    p.add_argument("--fail-write", type=int, nargs=2, metavar=("RANK", "STEP"), help="RANK cannot write STEP")
+    p.add_argument("--record-dtypes", action="store_true", help="write dtypes.json (see _record_dtypes)")
+    p.add_argument("--grad-checkpointing", action="store_true")
     p.add_argument("--load-resharded", type=Path, help="only load this sharded checkpoint; --out gets what loaded")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -220,13 +260,16 @@ def main(argv: list[str] | None = None) -> None:
         task = NextTokenTask(args.model, args.n_examples, args.micro)
     if args.kill_after_shards_at is not None:
         _kill_after_shards(args.kill_after_shards_at)
+    if args.fail_write is not None:
+        _fail_write(*args.fail_write)
     cfg = TrainConfig(out_dir=out, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup,
                       accum_steps=args.accum, save_every=args.save_every, eval_every=args.eval_every,
                       log_every=args.log_every, precision=args.precision, device=args.device, progress=False,
-                      seed=7, clip_norm=args.clip or None, shard=args.shard)
+                      seed=7, clip_norm=args.clip or None, shard=args.shard,
+                      grad_checkpointing=args.grad_checkpointing)
     trainer = task.trainer = Trainer(task, cfg, resume=args.resume)
     try:
-        trainer.fit()
+        _record_dtypes(trainer, out) if args.record_dtypes else trainer.fit()
     except TrainingInterrupted as e:
         sys.exit(e.exit_code)
     if args.dump_weights:

@@ -17,6 +17,7 @@ to the run that was not interrupted.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -36,8 +37,9 @@ COMMON = ["--n-examples", "32", "--lr", "1e-2", "--schedule", "constant", "--war
           "--dump-weights"]
 
 
-def _torchrun(out: Path, *args: str) -> subprocess.Popen:
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(WORKER), "--out", str(out), *args]
+def _torchrun(out: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), str(WORKER), "--out", str(out),
+           *args]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -113,15 +115,64 @@ def test_killed_during_sharded_save_resumes_bit_identical(tmp_path):
     run = tmp_path / "run"
     assert (run / "latest").read_text().strip() == "step-0000002"
     assert (run / ".tmp-step-0000004-sharded" / "shards").is_dir() and not (run / "step-0000004").exists()
+    shutil.copytree(run, tmp_path / "one")          # for test_a_two_process_run_resumes_under_one_and_four
     resumed = _torchrun(run, *args, "--resume")
     log = _finish(resumed)
     assert resumed.returncode == 0, log
     log = _finish(whole)
     assert whole.returncode == 0, log
     assert not any(p.name.startswith(".tmp") for p in run.iterdir())
-    a, b = load_file(tmp_path / "whole" / "rank0.safetensors"), load_file(run / "rank0.safetensors")
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    want, b = load_file(tmp_path / "whole" / "rank0.safetensors"), load_file(run / "rank0.safetensors")
+    assert set(want) == set(b) and all(torch.equal(want[k], b[k]) for k in want)
     assert _losses(tmp_path / "whole") == _losses(run)
+    # the same killed run resumed in one process (no --shard: the shards are gathered into the whole
+    # model and AdamW state) with accumulation 4, the same 8 micro-batches a step
+    one = tmp_path / "one"
+    single = subprocess.run(_worker(one, *[a for a in args if a != "--shard"], "--accum", "4", "--resume"),
+                            env=_env(), capture_output=True, timeout=300)
+    assert single.returncode == 0, single.stderr.decode()[-3000:]
+    _assert_continues(_losses(tmp_path / "whole"), _losses(one), want, load_file(one / "rank0.safetensors"))
+    assert (one / "step-0000006" / "model.safetensors").is_file()     # one process writes a whole checkpoint
+
+
+def _assert_continues(want: list[float], got: list[float], weights: dict, got_weights: dict) -> None:
+    """The resumed run's losses equal the uninterrupted run's, all 6 steps (the first two recorded
+    before the save), within 1e-5 relative, and its final weights within 1e-5 absolute."""
+    assert len(want) == len(got) == 6, (want, got)
+    assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(want, got)), (want, got)
+    assert set(weights) == set(got_weights)
+    for k, v in weights.items():
+        assert (v - got_weights[k]).abs().max() <= 1e-5, k
+
+
+@pytest.mark.slow
+def test_a_two_process_sharded_run_resumes_under_four(tmp_path):
+    """A checkpoint of 2 sharded processes x accumulation 2, resumed by 4 sharded processes x 1 (the
+    same micro-batches a step; torch.distributed.checkpoint re-shards on load), continues with the
+    losses and weights of the uninterrupted 2-process run (1e-5 relative, 1e-5 absolute)."""
+    args = ["--model", "llama", "--shard", "--micro", "2", "--steps", "6", "--save-every", "2", *COMMON]
+    whole = _torchrun(tmp_path / "whole", *args, "--accum", "2")
+    first = _torchrun(tmp_path / "four", *args, "--accum", "2", "--steps", "2")
+    for proc in (whole, first):
+        log = _finish(proc)
+        assert proc.returncode == 0, log
+    four = _torchrun(tmp_path / "four", *args, "--accum", "1", "--resume", nproc=4)
+    log = _finish(four)
+    assert four.returncode == 0, log
+    _assert_continues(_losses(tmp_path / "whole"), _losses(tmp_path / "four"),
+                      load_file(tmp_path / "whole" / "rank0.safetensors"),
+                      load_file(tmp_path / "four" / "rank0.safetensors"))
+
+
+def test_resuming_with_another_global_batch_is_refused(tmp_path):
+    """A run of accumulation 2 cannot continue with 1 in as many processes: its steps would train
+    other micro-batches; the message names both products (processes x accum_steps)."""
+    from _train_worker import ReverseTask
+    cfg = dict(out_dir=tmp_path / "run", lr=1e-3, device="cpu", progress=False, seed=7)
+    Trainer(ReverseTask(n_examples=32, micro=4), TrainConfig(steps=1, accum_steps=2, **cfg)).fit()
+    with pytest.raises(ValueError, match=r"written by 1 processes x accum_steps 2 \(2 micro-batches a step\), this "
+                                         r"run has 1 x 1; keep processes x accum_steps \(--accum\) at 2"):
+        Trainer(ReverseTask(n_examples=32, micro=4), TrainConfig(steps=2, accum_steps=1, **cfg), resume=True)
 
 
 def test_shard_without_torchrun_is_refused(tmp_path, capsys):
