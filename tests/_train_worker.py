@@ -10,6 +10,7 @@ under FSDP2 (attnlab.train.sharded).
     python tests/_train_worker.py --out DIR --steps 10 [--resume] [--hang-at-loss-call N] ...
     torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --out DIR --micro 2 ...
     torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --model llama --shard --out DIR ...
+    torchrun --standalone --nproc_per_node 2 tests/_train_worker.py cli 1 4 train lm --shard ...   # attnlab's CLI
 """
 from __future__ import annotations
 
@@ -221,6 +222,11 @@ def _load_resharded(args, checkpoint: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cli"]:           # cli RANK STEP ARGS...: `attnlab ARGS` with _fail_write(RANK, STEP)
+        from attnlab.cli import main as attnlab
+        _fail_write(int(argv[1]), int(argv[2]))
+        sys.exit(attnlab(argv[3:]))
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10)

@@ -175,6 +175,29 @@ def test_resuming_with_another_global_batch_is_refused(tmp_path):
         Trainer(ReverseTask(n_examples=32, micro=4), TrainConfig(steps=2, accum_steps=1, **cfg), resume=True)
 
 
+def test_a_rank_that_cannot_write_its_shards_stops_every_rank_in_one_line(tmp_path):
+    """``attnlab train lm --shard`` under torchrun, rank 1's storage refusing the shards of step 4
+    (EROFS, as a read-only directory would): both processes end within the timeout (none waits at a
+    barrier), each with exit status 2 and the same one line naming rank 1, the step, the system's
+    error and the intact checkpoint of step 2; latest still names step 2."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    run = tmp_path / "lm"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(WORKER), "cli", "1", "4", "train",
+           "lm", "--data", str(text), "--out", str(run), "--shard", "--steps", "6", "--save-every", "2",
+           "--eval-every", "2", "--d-model", "16", "--heads", "2", "--layers", "2", "--context", "16",
+           "--batch-size", "4", "--sample-tokens", "0", "--no-progress"]
+    failed = subprocess.run(cmd, env=_env(), capture_output=True, timeout=240)
+    err = failed.stderr.decode()
+    lines = [line for line in err.splitlines() if line.startswith("attnlab train: error:")]
+    assert failed.returncode != 0 and len(lines) == 2 and lines[0] == lines[1], err[-3000:]
+    assert lines[0] == (f"attnlab train: error: {run}: rank 1 could not write its part of the checkpoint of step 4 "
+                        f"([Errno 30] Read-only file system: '{run}/.tmp-step-0000004-sharded/shards'); every rank "
+                        f"stopped, {run}/step-0000002 is intact and --resume continues from it"), lines[0]
+    assert "exitcode  : 2" in err
+    assert (run / "latest").read_text().strip() == "step-0000002"
+
+
 def test_shard_without_torchrun_is_refused(tmp_path, capsys):
     model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=1, dropout=0.0))
     task = type("T", (), {"model": model, "plan": lambda self, e, s: [], "loss": None})()
