@@ -162,16 +162,24 @@ def _fail_write(rank: int, step: int) -> None:
     dcp.HuggingFaceStorageWriter.write_data = refuse
 
 
-def _record_dtypes(trainer, path: Path) -> None:
-    """Write (rank 0) the dtypes a block's first linear layer computes with, its stored (sharded)
-    weight's, and its gradient's after one more backward."""
+def _record(trainer, path: Path) -> None:
+    """Train, and write (rank 0) record.json: the dtype the first block's first linear layer computes
+    with, how many times that block ran forward during training (twice a micro-batch when its
+    activations are recomputed in the backward), and after one more backward the dtypes of the
+    stored (sharded) weight, of its gradient and of the optimizer's tensors."""
     import json
     block = trainer.model.layers[0]
     linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
-    seen = {}
-    hook = linear.register_forward_pre_hook(lambda m, a: seen.setdefault("compute", str(m.weight.dtype)))
+    seen = {"block_forwards": 0}
+
+    def count(module, inputs):
+        seen["block_forwards"] += 1
+
+    hooks = [linear.register_forward_pre_hook(lambda m, a: seen.setdefault("compute", str(m.weight.dtype)) and None),
+             block.register_forward_pre_hook(count)]
     trainer.fit()
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     batch = trainer._epoch_plan(0)[0]
     with trainer._autocast():
         loss, _, _ = trainer.task.loss(trainer.ddp_model, batch)
@@ -180,7 +188,7 @@ def _record_dtypes(trainer, path: Path) -> None:
                 optimizer=sorted({str(t.dtype) for st in trainer.optimizer.state.values() for t in st.values()
                                   if t.dim()}))
     if trainer.env.is_main:
-        (path / "dtypes.json").write_text(json.dumps(seen))
+        (path / "record.json").write_text(json.dumps(seen))
 
 
 def _dump_weights(trainer, path: Path) -> None:
@@ -251,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--kill-after-shards-at", type=int, help="rank 1 dies in the save of this step")
     p.add_argument("--fail-write", type=int, nargs=2, metavar=("RANK", "STEP"), help="RANK cannot write STEP")
-    p.add_argument("--record-dtypes", action="store_true", help="write dtypes.json (see _record_dtypes)")
+    p.add_argument("--record", action="store_true", help="write record.json (see _record)")
     p.add_argument("--grad-checkpointing", action="store_true")
     p.add_argument("--load-resharded", type=Path, help="only load this sharded checkpoint; --out gets what loaded")
     args = p.parse_args(argv)
@@ -275,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                       grad_checkpointing=args.grad_checkpointing)
     trainer = task.trainer = Trainer(task, cfg, resume=args.resume)
     try:
-        _record_dtypes(trainer, out) if args.record_dtypes else trainer.fit()
+        _record(trainer, out) if args.record else trainer.fit()
     except TrainingInterrupted as e:
         sys.exit(e.exit_code)
     if args.dump_weights:

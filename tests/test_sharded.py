@@ -103,6 +103,52 @@ def test_two_sharded_processes_equal_one_process(tmp_path, family):
         assert all(torch.equal(p, got[k]) for k, p in model.state_dict().items()), "gathered weights differ"
 
 
+def test_bf16_shards_compute_in_bf16_reduce_and_keep_fp32_and_match_one_process_autocast(tmp_path):
+    """--precision bf16 under --shard: FSDP's MixedPrecisionPolicy gathers a block's weights in bf16
+    for its forward, while the stored (sharded) weights, their gradients and AdamW's moments stay
+    fp32; the losses follow one process under bf16 autocast within 5e-3 relative (measured 6e-4; bf16
+    keeps 8 bits, and autocast leaves the norms and the embedding fp32 where the policy casts them)."""
+    args = ["--model", "llama", "--steps", "4", "--precision", "bf16", *COMMON]
+    sharded = _torchrun(tmp_path / "fsdp", "--shard", "--micro", "2", "--accum", "2", "--record", *args)
+    single = subprocess.run(_worker(tmp_path / "one", "--micro", "8", *args), env=_env(), capture_output=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr.decode()[-3000:]
+    log = _finish(sharded)
+    assert sharded.returncode == 0, log
+    seen = json.loads((tmp_path / "fsdp" / "record.json").read_text())
+    assert seen == {"compute": "torch.bfloat16", "stored": "torch.float32", "grad": "torch.float32",
+                    "optimizer": ["torch.float32"], "block_forwards": 9}, seen    # 4 x 2 + the evaluation
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "fsdp")
+    assert len(one) == len(two) == 4
+    assert all(abs(a - b) <= 5e-3 * abs(a) for a, b in zip(one, two)), (one, two)     # measured: 6e-4
+
+
+def test_activation_checkpointing_under_shard_recomputes_each_block_with_equal_losses(tmp_path):
+    """--grad-checkpointing (the models' own per-block activation checkpointing) under --shard: the
+    first block runs forward twice a micro-batch (the second time in the backward, its weights
+    gathered again by FSDP), and the losses and final weights equal those of the sharded run
+    without it to fp32 round-off (1e-6 relative, 1e-6 absolute)."""
+    args = ["--model", "llama", "--shard", "--micro", "2", "--accum", "2", "--steps", "4", "--record", *COMMON]
+    plain, recompute = _torchrun(tmp_path / "plain", *args), _torchrun(tmp_path / "ac", *args, "--grad-checkpointing")
+    for proc in (plain, recompute):
+        log = _finish(proc)
+        assert proc.returncode == 0, log
+    runs = [json.loads((tmp_path / name / "record.json").read_text()) for name in ("plain", "ac")]
+    assert [r["block_forwards"] for r in runs] == [9, 17], runs   # 4 steps x 2 micro-batches a rank, + the evaluation
+    a, b = _losses(tmp_path / "plain"), _losses(tmp_path / "ac")
+    assert len(a) == 4 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)), (a, b)
+    wa, wb = load_file(tmp_path / "plain" / "rank0.safetensors"), load_file(tmp_path / "ac" / "rank0.safetensors")
+    assert all((wa[k] - wb[k]).abs().max() <= 1e-6 for k in wa)
+
+
+def test_the_policy_casts_only_under_bf16():
+    from attnlab.train.sharded import mixed_precision
+    assert (mixed_precision("bf16").param_dtype, mixed_precision("bf16").reduce_dtype) == (torch.bfloat16,
+                                                                                           torch.float32)
+    for precision in ("fp32", "fp16"):
+        assert (mixed_precision(precision).param_dtype, mixed_precision(precision).reduce_dtype) == (None, None)
+
+
 def test_killed_during_sharded_save_resumes_bit_identical(tmp_path):
     """Rank 1 is SIGKILLed after writing its shards of step 4, before rank 0 completes the step: the
     run resumes from step 2, and its weights at step 6 are those of the uninterrupted run."""
