@@ -244,6 +244,33 @@ def test_a_rank_that_cannot_write_its_shards_stops_every_rank_in_one_line(tmp_pa
     assert (run / "latest").read_text().strip() == "step-0000002"
 
 
+def test_every_family_trains_sharded_with_its_tied_weights_kept_tied(tmp_path):
+    """One torchrun launch of 2 processes wraps the tiny preset of every registered causal-lm,
+    seq2seq, classifier and image-classifier family (tests/_shard_families.py) and trains it 2 steps
+    through the Trainer with --shard: a parameter registered under two names (GPT-2's and Mamba's
+    head and token embedding, T5's head and shared embedding) is still one parameter after
+    wrapping, and equal in the gathered weights after training; before training the wrapped model's
+    outputs equal an unwrapped copy's (1e-5 relative to their scale); the losses are finite and
+    the weights move."""
+    import math
+
+    import attnlab.models  # noqa: F401
+    from attnlab.models.registry import architectures
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(Path(__file__).parent /
+           "_shard_families.py"), str(tmp_path)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, timeout=400)
+    assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
+    results = json.loads((tmp_path / "families.json").read_text())
+    kinds = ("causal-lm", "seq2seq", "classifier", "image-classifier")
+    assert set(results) == {f"{a.model_type}/{a.name}" for a in architectures() if a.kind in kinds}
+    assert {"gpt2/GPT2LMHeadModel", "mamba/MambaForCausalLM", "t5/T5ForConditionalGeneration"} <= {
+        name for name, r in results.items() if r["tied"]}
+    for name, r in results.items():
+        assert all(r["still_tied"]) and r["tied_after_training"] == [True] * len(r["tied"]), (name, r)
+        assert r["output_diff"] <= 1e-5, (name, r)
+        assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"]) and r["trained"], (name, r)
+
+
 def test_shard_without_torchrun_is_refused(tmp_path, capsys):
     model = GPT(GPTConfig(vocab_size=13, n_positions=8, d_model=8, num_heads=2, num_layers=1, dropout=0.0))
     task = type("T", (), {"model": model, "plan": lambda self, e, s: [], "loss": None})()
@@ -265,6 +292,9 @@ def test_blocks_are_the_layer_lists_entries_and_a_tied_block_is_left_to_the_root
     model.extra = nn.Linear(8, 32)
     model.extra.weight = model.layers[1].ff.linear1.weight       # used by a module outside its block
     assert transformer_blocks(model) == [model.layers[0], model.layers[2]]
+    nested = nn.Module()        # a list of lists (ALBERT's groups of layers): the inner entries
+    nested.groups = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]), nn.ModuleList([nn.Linear(2, 2)])])
+    assert transformer_blocks(nested) == [*nested.groups[0], *nested.groups[1]]
 
 
 def test_a_sharded_checkpoint_is_refused_by_the_unsharded_loader(tmp_path):

@@ -53,15 +53,21 @@ __all__ = ["shard_model", "mixed_precision", "ShardedSaveError", "transformer_bl
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The entries of the outermost ``nn.ModuleList``s that hold parameters, in order, leaving out
-    any whose parameters are also used outside it (a tied weight belongs to the root group)."""
+    """The entries of the outermost ``nn.ModuleList``s that hold parameters, in order (an entry
+    that is itself a list, such as ALBERT's groups of layers, gives its own entries: a list has no
+    forward for FSDP to hook), leaving out any whose parameters are also used outside it (a tied
+    weight belongs to the root group)."""
     blocks: list[nn.Module] = []
     inside: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not any(name.startswith(prefix) for prefix in inside):
             inside.append(f"{name}.")
-            blocks += [b for b in module if any(True for _ in b.parameters())]
+            blocks += [b for b in _entries(module) if any(True for _ in b.parameters())]
     return [b for b in blocks if not _used_outside(model, b)]
+
+
+def _entries(modules: nn.ModuleList) -> list[nn.Module]:
+    return [b for m in modules for b in (_entries(m) if isinstance(m, nn.ModuleList) else [m])]
 
 
 def _used_outside(model: nn.Module, block: nn.Module) -> bool:
