@@ -175,8 +175,10 @@ def _record(trainer, path: Path) -> None:
     def count(module, inputs):
         seen["block_forwards"] += 1
 
-    hooks = [linear.register_forward_pre_hook(lambda m, a: seen.setdefault("compute", str(m.weight.dtype)) and None),
-             block.register_forward_pre_hook(count)]
+    def compute_dtype(module, inputs):
+        seen.setdefault("compute", str(module.weight.dtype))
+
+    hooks = [linear.register_forward_pre_hook(compute_dtype), block.register_forward_pre_hook(count)]
     trainer.fit()
     for hook in hooks:
         hook.remove()

@@ -103,6 +103,7 @@ def test_two_sharded_processes_equal_one_process(tmp_path, family):
         assert all(torch.equal(p, got[k]) for k, p in model.state_dict().items()), "gathered weights differ"
 
 
+@pytest.mark.slow
 def test_bf16_shards_compute_in_bf16_reduce_and_keep_fp32_and_match_one_process_autocast(tmp_path):
     """--precision bf16 under --shard: FSDP's MixedPrecisionPolicy gathers a block's weights in bf16
     for its forward, while the stored (sharded) weights, their gradients and AdamW's moments stay
@@ -123,6 +124,7 @@ def test_bf16_shards_compute_in_bf16_reduce_and_keep_fp32_and_match_one_process_
     assert all(abs(a - b) <= 5e-3 * abs(a) for a, b in zip(one, two)), (one, two)     # measured: 6e-4
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_under_shard_recomputes_each_block_with_equal_losses(tmp_path):
     """--grad-checkpointing (the models' own per-block activation checkpointing) under --shard: the
     first block runs forward twice a micro-batch (the second time in the backward, its weights
@@ -139,6 +141,56 @@ def test_activation_checkpointing_under_shard_recomputes_each_block_with_equal_l
     assert len(a) == 4 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)), (a, b)
     wa, wb = load_file(tmp_path / "plain" / "rank0.safetensors"), load_file(tmp_path / "ac" / "rank0.safetensors")
     assert all((wa[k] - wb[k]).abs().max() <= 1e-6 for k in wa)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this one process, for fully_shard in the test process (the short versions
+    of the two-process tests); shard_model's guard reads the DistEnv, so it is told of 2 ranks."""
+    import torch.distributed as dist
+
+    from attnlab.train.distributed import DistEnv
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistEnv(world_size=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_llama(env, precision: str = "fp32"):
+    from _train_worker import NextTokenTask
+    from attnlab.train.sharded import shard_model
+    task = NextTokenTask("llama")
+    return task, shard_model(task.model, env, precision)
+
+
+def test_sharded_bf16_computes_in_bf16_and_keeps_fp32_weights_and_gradients(one_rank_group):
+    """The short version of the two-process bf16 test: under shard_model(..., "bf16") a block's
+    linear layer computes with bf16 weights; its stored weight and its gradient are fp32."""
+    task, model = _sharded_llama(one_rank_group, "bf16")
+    linear = next(m for m in model.layers[0].modules() if isinstance(m, nn.Linear))
+    seen = []
+    linear.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))      # append returns None
+    task.loss(model, task.plan(0, 0)[0])[0].backward()
+    assert seen == [torch.bfloat16]
+    assert linear.weight.dtype == torch.float32 and linear.weight.grad.dtype == torch.float32
+
+
+def test_sharded_activation_checkpointing_recomputes_with_equal_gradients(one_rank_group):
+    """The short version of the two-process test: with gradient_checkpointing a sharded block runs
+    forward twice (the second time in the backward) and every gradient equals the one without
+    (1e-6 absolute)."""
+    grads, calls = [], []
+    for recompute in (False, True):
+        task, model = _sharded_llama(one_rank_group)
+        model.gradient_checkpointing = recompute
+        count = []
+        model.layers[0].register_forward_pre_hook(lambda m, a: count.append(1))      # append returns None
+        task.loss(model, task.plan(0, 0)[0])[0].backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        calls.append(len(count))
+    assert calls == [1, 2]
+    assert all((grads[0][n] - grads[1][n]).abs().max() <= 1e-6 for n in grads[0])
 
 
 def test_the_policy_casts_only_under_bf16():
@@ -346,6 +398,13 @@ def test_attnlab_train_shard_under_torchrun_then_export_to_transformers(tmp_path
     with torch.no_grad():
         want, got = ref(ids).logits, ours.eval()(ids)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    # --resume in one process: --no-shard, and --accum 2 for the 2 micro-batches a step of 2 x 1
+    assert main(["train", "lm", "--out", str(run), "--resume", "--steps", "4", "--accum", "3", "--no-progress",
+                 "--no-shard"]) == 2
+    assert "keep processes x accum_steps (--accum) at 2" in capsys.readouterr().err
+    assert main(["train", "lm", "--out", str(run), "--resume", "--steps", "4", "--accum", "2", "--no-progress",
+                 "--no-shard", "--sample-tokens", "0"]) == 0, capsys.readouterr().err
+    assert (run / "step-0000004" / "model.safetensors").is_file()
 
 
 def test_a_checkpoint_of_two_processes_loads_resharded_into_three(tmp_path):

@@ -18,19 +18,24 @@ normalisation (multiply by W / N, N the global target-token count) is the same f
   norm over all shards, the same global norm one process would compute.
 - Evaluation runs on every rank (a forward is collective: every rank must take part in each
   gather); rank 0 records the metrics.
+- Precision: under bf16 the units gather their weights in bf16 and reduce gradients in fp32
+  (:func:`mixed_precision`); the sharded fp32 weights are the master copy AdamW updates.
 
 Checkpoints: :func:`save_sharded` has every rank write its own shards of the weights and of the
 optimizer state's tensors into one temporary directory, through ``torch.distributed.checkpoint``
 with its safetensors storage (``shards/shard-0000R-model-00001-of-00001.safetensors``, each
 tensor's offset in the whole written in the file's header: nothing is pickled, which DCP's
-default ``.metadata`` file would be). After a barrier rank 0 adds the trainer state (with the
-optimizer's param groups and non-tensor state as JSON) and the assets, the manifest, and
-renames the directory into place and moves ``latest``, as for any checkpoint
+default ``.metadata`` file would be). Once every rank has said its shards are written, rank 0
+adds the trainer state (with the optimizer's param groups and non-tensor state as JSON) and the
+assets, the manifest, and renames the directory into place and moves ``latest``, as for any checkpoint
 (:meth:`attnlab.train.checkpoint.CheckpointManager.finalise`). A run killed before that rename
 leaves ``latest`` naming the previous complete step, and the next run sweeps the temporary
-away. :func:`load_sharded` reads the shards back into a sharded model and optimizer, each rank
-the parts it holds; :func:`load_gathered` puts the whole weights together in one process
-(``attnlab generate``, ``export``, ``eval`` on a sharded run).
+away. A rank whose part fails makes every rank raise :class:`ShardedSaveError` (each phase ends
+in an exchange of outcomes, not a bare barrier a failed rank would never reach).
+:func:`load_sharded` reads the shards back into a sharded model and optimizer, each rank the
+parts it holds, at any number of processes, or whole into one process; :func:`load_gathered`
+puts the whole weights together in one process (``attnlab generate``, ``export``, ``eval`` on a
+sharded run).
 """
 from __future__ import annotations
 
@@ -48,7 +53,8 @@ from torch.optim import Optimizer
 from .checkpoint import LATEST, SHARDS_DIR, CheckpointManager, read_checkpoint_state
 from .distributed import DistEnv, all_gather_bytes
 
-__all__ = ["shard_model", "mixed_precision", "ShardedSaveError", "transformer_blocks", "skip_gradient_sync", "save_sharded", "load_sharded",
+__all__ = ["shard_model", "mixed_precision", "ShardedSaveError", "transformer_blocks", "skip_gradient_sync",
+           "save_sharded", "load_sharded",
            "full_state_dict", "load_gathered", "SHARDS_DIR"]
 
 
@@ -219,7 +225,8 @@ def save_sharded(manager: CheckpointManager | None, out_dir: Path, step: int, mo
 
     def complete(saved: dict) -> None:
         if env.is_main:
-            groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in saved["param_groups"]]
+            groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+                      for g in saved["param_groups"]]
             manager.finalise(step, staged, dict(state, optimizer=dict(saved, param_groups=groups)), assets, is_best)
 
     _together(env, out_dir, step, stage)

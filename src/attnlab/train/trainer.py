@@ -19,7 +19,9 @@ GradScaler and every RNG state (per rank). The plan of an epoch is regenerated f
 right before training continues. ``Task.plan`` and ``Task.evaluate`` run with the global
 RNGs set aside (plan under a fixed seed derived from (seed, epoch)), so neither perturbs
 the training stream. On CPU a run killed at any point and resumed ends with weights
-bit-identical to an uninterrupted run.
+bit-identical to an uninterrupted run. Another number of processes may resume a run if
+processes x ``accum_steps`` stays (the same micro-batches make each step; each rank's RNG
+streams then start again from the seed).
 
 Interruption (SIGINT, i.e. Ctrl-C, and SIGTERM, which job schedulers and torchrun send).
 During :meth:`Trainer.fit` the first such signal lets the running optimizer step finish,
@@ -46,8 +48,8 @@ from torch import Tensor, nn
 
 from ..nn.precision import asked_bf16, native_bf16
 from .budget import BudgetPlanner, fit_schedule
-from .checkpoint import SHARDS_DIR, CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume, restore_rng_state
-from .rng import isolated_rng, seed_everything
+from .checkpoint import (SHARDS_DIR, CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume,
+                         restore_rng_state)
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
 from .interrupt import TrainingInterrupted, catch_stop_signals
@@ -55,6 +57,7 @@ from .lock import lock_run
 from .metrics import plot_metrics
 from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
 from .progress import LogWindow, progress_bar
+from .rng import isolated_rng, seed_everything
 from .schedules import SCHEDULES, make_schedule
 from .sharded import load_sharded, save_sharded, shard_model, skip_gradient_sync
 
@@ -291,7 +294,7 @@ class Trainer:
                 self.metrics_path.write_text("")
             return
         # a sharded checkpoint loads into any number of sharded processes, or whole into one process
-        sharded = self.config.shard or (ckpt / SHARDS_DIR).is_dir() and not self.env.active
+        sharded = self.config.shard or ((ckpt / SHARDS_DIR).is_dir() and not self.env.active)
         state = (load_sharded if sharded else load_checkpoint)(ckpt, self.model, self.optimizer)
         self._check_resumable(ckpt, state)
         if state["step"] > self.config.steps:
