@@ -10,6 +10,7 @@ under FSDP2 (attnlab.train.sharded).
     python tests/_train_worker.py --out DIR --steps 10 [--resume] [--hang-at-loss-call N] ...
     torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --out DIR --micro 2 ...
     torchrun --standalone --nproc_per_node 2 tests/_train_worker.py --model llama --shard --out DIR ...
+    torchrun --standalone --nproc_per_node 2 tests/_train_worker.py cli 1 4 train lm --shard ...   # attnlab's CLI
 """
 from __future__ import annotations
 
@@ -145,6 +146,53 @@ def _kill_after_shards(step: int) -> None:
     dcp.save = save_then_die
 
 
+def _fail_write(rank: int, step: int) -> None:
+    """Rank ``rank`` cannot write its shards of ``step``: the storage raises EROFS, as a read-only
+    directory on that rank's machine would."""
+    import errno
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    write = dcp.HuggingFaceStorageWriter.write_data
+
+    def refuse(self, plan, planner):
+        if f"step-{step:07d}" in str(self.path) and os.environ.get("RANK") == str(rank):
+            raise OSError(errno.EROFS, "Read-only file system", str(self.path))
+        return write(self, plan, planner)
+    dcp.HuggingFaceStorageWriter.write_data = refuse
+
+
+def _record(trainer, path: Path) -> None:
+    """Train, and write (rank 0) record.json: the dtype the first block's first linear layer computes
+    with, how many times that block ran forward during training (twice a micro-batch when its
+    activations are recomputed in the backward), and after one more backward the dtypes of the
+    stored (sharded) weight, of its gradient and of the optimizer's tensors."""
+    import json
+    block = trainer.model.layers[0]
+    linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+    seen = {"block_forwards": 0}
+
+    def count(module, inputs):
+        seen["block_forwards"] += 1
+
+    def compute_dtype(module, inputs):
+        seen.setdefault("compute", str(module.weight.dtype))
+
+    hooks = [linear.register_forward_pre_hook(compute_dtype), block.register_forward_pre_hook(count)]
+    trainer.fit()
+    for hook in hooks:
+        hook.remove()
+    batch = trainer._epoch_plan(0)[0]
+    with trainer._autocast():
+        loss, _, _ = trainer.task.loss(trainer.ddp_model, batch)
+    loss.backward()
+    seen.update(stored=str(linear.weight.dtype), grad=str(linear.weight.grad.dtype),
+                optimizer=sorted({str(t.dtype) for st in trainer.optimizer.state.values() for t in st.values()
+                                  if t.dim()}))
+    if trainer.env.is_main:
+        (path / "record.json").write_text(json.dumps(seen))
+
+
 def _dump_weights(trainer, path: Path) -> None:
     """The whole weights into ``path`` (rank R of an unsharded run: rank<R>; a sharded run: gathered, rank 0)."""
     from safetensors.torch import save_file, save_model
@@ -184,6 +232,11 @@ def _load_resharded(args, checkpoint: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cli"]:           # cli RANK STEP ARGS...: `attnlab ARGS` with _fail_write(RANK, STEP)
+        from attnlab.cli import main as attnlab
+        _fail_write(int(argv[1]), int(argv[2]))
+        sys.exit(attnlab(argv[3:]))
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10)
@@ -207,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", action="store_true")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--kill-after-shards-at", type=int, help="rank 1 dies in the save of this step")
+    p.add_argument("--fail-write", type=int, nargs=2, metavar=("RANK", "STEP"), help="RANK cannot write STEP")
+    p.add_argument("--record", action="store_true", help="write record.json (see _record)")
+    p.add_argument("--grad-checkpointing", action="store_true")
     p.add_argument("--load-resharded", type=Path, help="only load this sharded checkpoint; --out gets what loaded")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -220,13 +276,16 @@ def main(argv: list[str] | None = None) -> None:
         task = NextTokenTask(args.model, args.n_examples, args.micro)
     if args.kill_after_shards_at is not None:
         _kill_after_shards(args.kill_after_shards_at)
+    if args.fail_write is not None:
+        _fail_write(*args.fail_write)
     cfg = TrainConfig(out_dir=out, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup,
                       accum_steps=args.accum, save_every=args.save_every, eval_every=args.eval_every,
                       log_every=args.log_every, precision=args.precision, device=args.device, progress=False,
-                      seed=7, clip_norm=args.clip or None, shard=args.shard)
+                      seed=7, clip_norm=args.clip or None, shard=args.shard,
+                      grad_checkpointing=args.grad_checkpointing)
     trainer = task.trainer = Trainer(task, cfg, resume=args.resume)
     try:
-        trainer.fit()
+        _record(trainer, out) if args.record else trainer.fit()
     except TrainingInterrupted as e:
         sys.exit(e.exit_code)
     if args.dump_weights:

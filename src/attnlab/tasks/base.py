@@ -173,7 +173,8 @@ TRAINING_OPTIONS = [
     Option("schedule", str, "cosine", "learning-rate schedule", choices=("noam", "cosine", "constant"), group=_O),
     Option("warmup", int, None, "warmup steps (default: the task's for its data, at most a tenth of "
            "the steps)", check=non_negative, group=_O),
-    Option("accum", int, 1, "micro-batches per optimizer step", check=positive, group=_O),
+    Option("accum", int, 1, "micro-batches per optimizer step (on --resume under another number of processes: "
+           "keep processes x --accum)", check=positive, group=_O, resumable=True),
     Option("clip", float, 1.0, "gradient-norm clipping (0 = off)", check=non_negative, group=_O),
     Option("weight_decay", float, None, "decoupled weight decay, never on norms, biases, embeddings (default: "
            "the model family's own, else 0.01)", check=non_negative, group=_O),
@@ -187,7 +188,7 @@ TRAINING_OPTIONS = [
     Option("grad_checkpointing", bool, False, "recompute activations in the backward pass to save memory",
            group=_O, resumable=True),
     Option("shard", bool, False, "under torchrun, shard the weights, gradients and optimizer state over the "
-           "processes (FSDP2) and save sharded checkpoints (docs/distributed.md)", group=_O),
+           "processes (FSDP2) and save sharded checkpoints (docs/distributed.md)", group=_O, resumable=True),
     Option("eval_every", int, None, "steps between validations (default: the task's; 0 = only at the end)",
            check=non_negative, group=_O, resumable=True),
     Option("save_every", int, None, "steps between checkpoints (default: --eval-every; 0 = only at the end)",

@@ -18,48 +18,62 @@ normalisation (multiply by W / N, N the global target-token count) is the same f
   norm over all shards, the same global norm one process would compute.
 - Evaluation runs on every rank (a forward is collective: every rank must take part in each
   gather); rank 0 records the metrics.
+- Precision: under bf16 the units gather their weights in bf16 and reduce gradients in fp32
+  (:func:`mixed_precision`); the sharded fp32 weights are the master copy AdamW updates.
 
 Checkpoints: :func:`save_sharded` has every rank write its own shards of the weights and of the
 optimizer state's tensors into one temporary directory, through ``torch.distributed.checkpoint``
 with its safetensors storage (``shards/shard-0000R-model-00001-of-00001.safetensors``, each
 tensor's offset in the whole written in the file's header: nothing is pickled, which DCP's
-default ``.metadata`` file would be). After a barrier rank 0 adds the trainer state (with the
-optimizer's param groups and non-tensor state as JSON) and the assets, the manifest, and
-renames the directory into place and moves ``latest``, as for any checkpoint
+default ``.metadata`` file would be). Once every rank has said its shards are written, rank 0
+adds the trainer state (with the optimizer's param groups and non-tensor state as JSON) and the
+assets, the manifest, and renames the directory into place and moves ``latest``, as for any checkpoint
 (:meth:`attnlab.train.checkpoint.CheckpointManager.finalise`). A run killed before that rename
 leaves ``latest`` naming the previous complete step, and the next run sweeps the temporary
-away. :func:`load_sharded` reads the shards back into a sharded model and optimizer, each rank
-the parts it holds; :func:`load_gathered` puts the whole weights together in one process
-(``attnlab generate``, ``export``, ``eval`` on a sharded run).
+away. A rank whose part fails makes every rank raise :class:`ShardedSaveError` (each phase ends
+in an exchange of outcomes, not a bare barrier a failed rank would never reach).
+:func:`load_sharded` reads the shards back into a sharded model and optimizer, each rank the
+parts it holds, at any number of processes, or whole into one process; :func:`load_gathered`
+puts the whole weights together in one process (``attnlab generate``, ``export``, ``eval`` on a
+sharded run).
 """
 from __future__ import annotations
 
+import errno
 import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .checkpoint import SHARDS_DIR, CheckpointManager, read_checkpoint_state
-from .distributed import DistEnv, barrier
+from .checkpoint import LATEST, SHARDS_DIR, CheckpointManager, read_checkpoint_state
+from .distributed import DistEnv, all_gather_bytes
 
-__all__ = ["shard_model", "transformer_blocks", "skip_gradient_sync", "save_sharded", "load_sharded",
+__all__ = ["shard_model", "mixed_precision", "ShardedSaveError", "transformer_blocks", "skip_gradient_sync",
+           "save_sharded", "load_sharded",
            "full_state_dict", "load_gathered", "SHARDS_DIR"]
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The entries of the outermost ``nn.ModuleList``s that hold parameters, in order, leaving out
-    any whose parameters are also used outside it (a tied weight belongs to the root group)."""
+    """The entries of the outermost ``nn.ModuleList``s that hold parameters, in order (an entry
+    that is itself a list, such as ALBERT's groups of layers, gives its own entries: a list has no
+    forward for FSDP to hook), leaving out any whose parameters are also used outside it (a tied
+    weight belongs to the root group)."""
     blocks: list[nn.Module] = []
     inside: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not any(name.startswith(prefix) for prefix in inside):
             inside.append(f"{name}.")
-            blocks += [b for b in module if any(True for _ in b.parameters())]
+            blocks += [b for b in _entries(module) if any(True for _ in b.parameters())]
     return [b for b in blocks if not _used_outside(model, b)]
+
+
+def _entries(modules: nn.ModuleList) -> list[nn.Module]:
+    return [b for m in modules for b in (_entries(m) if isinstance(m, nn.ModuleList) else [m])]
 
 
 def _used_outside(model: nn.Module, block: nn.Module) -> bool:
@@ -70,16 +84,30 @@ def _used_outside(model: nn.Module, block: nn.Module) -> bool:
                for m in model.modules())
 
 
-def shard_model(model: nn.Module, env: DistEnv) -> nn.Module:
-    """``fully_shard`` each transformer block of ``model`` and then ``model`` itself, in place;
-    returns ``model`` (now also an FSDPModule). ValueError if there is only one process."""
+def mixed_precision(precision: str):
+    """FSDP's policy for the Trainer's ``precision``: under "bf16" each unit's gathered weights are
+    cast to bf16, so its matmuls take bf16 operands and the all-gathers move half the bytes, while
+    the gradients are reduced in fp32 (a sum over ranks in bf16 would lose their low bits) and the
+    sharded weights that AdamW updates (the master copy), its moments and the checkpoints stay
+    fp32. Other precisions: everything fp32 (fp16 keeps autocast and its GradScaler)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model: nn.Module, env: DistEnv, precision: str = "fp32") -> nn.Module:
+    """``fully_shard`` each transformer block of ``model`` and then ``model`` itself, in place, under
+    :func:`mixed_precision` of ``precision``; returns ``model`` (now also an FSDPModule).
+    ValueError if there is only one process."""
     if not env.active:
         raise ValueError("TrainConfig: shard=True (--shard) splits the model over several processes and this is "
                          "one: run under torchrun --nproc_per_node N with N >= 2, or leave out --shard")
     from torch.distributed.fsdp import fully_shard    # here: it takes about a second to import
+    policy = mixed_precision(precision)
     for block in transformer_blocks(model):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -134,34 +162,84 @@ def _split(model: nn.Module, optimizer: Optimizer | None) -> tuple[dict, dict, d
     return model_sd, optim_sd, {"tensors": tensors, "scalars": scalars}
 
 
+class ShardedSaveError(OSError):
+    """A rank could not write its part of a sharded checkpoint. Every rank raises it, with one line
+    naming the run directory, the step, the rank and what the system said, and the checkpoint that
+    ``--resume`` continues from."""
+
+    def __init__(self, message: str, directory: Path):
+        super().__init__(errno.EIO, message, str(directory))
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _together(env: DistEnv, out_dir: Path, step: int, action: Callable[[], object]) -> object:
+    """Run ``action`` on this rank, then learn from every rank whether its part failed (the gather
+    is also the barrier): a failure on one rank must stop all of them, since the others would wait
+    at the next collective for ever. Raises :class:`ShardedSaveError` naming the lowest failed rank
+    on every rank; a failure that is not an OSError (a bug) keeps its own traceback on its rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    problem, error, result = "", None, None
+    try:
+        result = action()
+    except CheckpointException as e:          # DCP hands every rank the failures of all of them
+        rank, (error, _) = min(e.failures.items(), key=lambda item: item[0])
+        problem = f"{rank}\t{error}"
+        error = error if rank == env.rank else None
+    except Exception as e:                    # noqa: BLE001 (re-raised below, on every rank)
+        problem, error = f"{env.rank}\t{e}", e
+    failed = sorted(p.decode() for p in all_gather_bytes(problem.encode(), env) if p)
+    if not failed:
+        return result
+    if error is not None and not isinstance(error, OSError):
+        raise error
+    rank, what = failed[0].split("\t", 1)
+    latest = Path(out_dir) / LATEST
+    intact = (f"{Path(out_dir) / latest.read_text().strip()} is intact and --resume continues from it"
+              if latest.is_file() else "there is no earlier checkpoint")
+    raise ShardedSaveError(f"{out_dir}: rank {rank} could not write its part of the checkpoint of step {step} "
+                           f"({' '.join(what.split())}); every rank stopped, {intact}", Path(out_dir)) from None
+
+
 def save_sharded(manager: CheckpointManager | None, out_dir: Path, step: int, model: nn.Module,
                  optimizer: Optimizer, state: dict, assets: Callable[[Path], None] | None, is_best: bool,
                  env: DistEnv) -> Path:
     """Checkpoint ``step`` of a sharded run (collective; ``manager`` is rank 0's). Returns the
-    checkpoint directory on every rank."""
+    checkpoint directory on every rank; :class:`ShardedSaveError` on every rank if any failed."""
     name = f"step-{step:07d}"
     staged = Path(out_dir) / f".tmp-{name}-sharded"
-    if env.is_main:
-        shutil.rmtree(staged, ignore_errors=True)
-        staged.mkdir(parents=True)
-    barrier(env)
-    import torch.distributed.checkpoint as dcp
-    _, optim_sd, parts = _split(model, optimizer)
-    writer = dcp.HuggingFaceStorageWriter(str(staged / SHARDS_DIR), save_distributed=True)   # one file per rank
-    dcp.save(parts["tensors"], storage_writer=writer)
-    barrier(env)                                 # every rank's shards are on disk before the step is made final
-    if env.is_main:
-        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd["param_groups"]]
-        state = dict(state, optimizer={"param_groups": groups, "scalars": parts["scalars"]})
-        manager.finalise(step, staged, state, assets, is_best)
-    barrier(env)
+
+    def stage() -> None:
+        if env.is_main:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+
+    def write_shards() -> dict:
+        import torch.distributed.checkpoint as dcp
+        _, optim_sd, parts = _split(model, optimizer)
+        writer = dcp.HuggingFaceStorageWriter(str(staged / SHARDS_DIR), save_distributed=True)   # one file per rank
+        dcp.save(parts["tensors"], storage_writer=writer)
+        return {"param_groups": optim_sd["param_groups"], "scalars": parts["scalars"]}
+
+    def complete(saved: dict) -> None:
+        if env.is_main:
+            groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+                      for g in saved["param_groups"]]
+            manager.finalise(step, staged, dict(state, optimizer=dict(saved, param_groups=groups)), assets, is_best)
+
+    _together(env, out_dir, step, stage)
+    saved = _together(env, out_dir, step, write_shards)   # every rank's shards are on disk before the step is final
+    _together(env, out_dir, step, lambda: complete(saved))
     return Path(out_dir) / name
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: Optimizer | None = None) -> dict:
     """Load a sharded checkpoint into the sharded ``model`` (and ``optimizer``): every rank reads
-    the parts of the shards it holds, whatever the number of processes that wrote them. Returns
-    the trainer state dict as :func:`attnlab.train.checkpoint.load_checkpoint` does."""
+    the parts of the shards it holds, whatever the number of processes that wrote them; without a
+    process group, into a whole ``model`` in this one process. Returns the trainer state dict as
+    :func:`attnlab.train.checkpoint.load_checkpoint` does."""
     ckpt, state = read_checkpoint_state(path, with_optimizer=optimizer is not None)
     if not (ckpt / SHARDS_DIR).is_dir():
         raise ValueError(f"{ckpt}: written by a run without --shard (no {SHARDS_DIR}/); resume it without --shard")
@@ -171,7 +249,11 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: Optimizer | None
     if optimizer is not None and len(state["optimizer"]["param_groups"]) != len(optim_sd["param_groups"]):
         raise ValueError(f"{ckpt}: {len(state['optimizer']['param_groups'])} optimizer param groups, the optimizer "
                          f"has {len(optim_sd['param_groups'])}")
-    dcp.load(parts["tensors"], storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)))
+    import torch.distributed as dist
+    with warnings.catch_warnings():        # DCP warns when it loads in one process, which is then the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(parts["tensors"], storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)),
+                 no_dist=not dist.is_initialized())
     stored = parts["tensors"]["model"]
     loaded = dict(stored, **{name: stored[first] for name, first in _tied(model).items()})
     if optimizer is None:

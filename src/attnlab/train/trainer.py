@@ -19,7 +19,9 @@ GradScaler and every RNG state (per rank). The plan of an epoch is regenerated f
 right before training continues. ``Task.plan`` and ``Task.evaluate`` run with the global
 RNGs set aside (plan under a fixed seed derived from (seed, epoch)), so neither perturbs
 the training stream. On CPU a run killed at any point and resumed ends with weights
-bit-identical to an uninterrupted run.
+bit-identical to an uninterrupted run. Another number of processes may resume a run if
+processes x ``accum_steps`` stays (the same micro-batches make each step; each rank's RNG
+streams then start again from the seed).
 
 Interruption (SIGINT, i.e. Ctrl-C, and SIGTERM, which job schedulers and torchrun send).
 During :meth:`Trainer.fit` the first such signal lets the running optimizer step finish,
@@ -33,22 +35,21 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..nn.precision import asked_bf16, native_bf16
 from .budget import BudgetPlanner, fit_schedule
-from .checkpoint import CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume, restore_rng_state
+from .checkpoint import (SHARDS_DIR, CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume,
+                         restore_rng_state)
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
 from .interrupt import TrainingInterrupted, catch_stop_signals
@@ -56,6 +57,7 @@ from .lock import lock_run
 from .metrics import plot_metrics
 from .optim import OPTIMIZERS, build_optimizer, param_groups, split_decay
 from .progress import LogWindow, progress_bar
+from .rng import isolated_rng, seed_everything
 from .schedules import SCHEDULES, make_schedule
 from .sharded import load_sharded, save_sharded, shard_model, skip_gradient_sync
 
@@ -220,27 +222,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-@contextmanager
-def isolated_rng(seed: int | None = None) -> Iterator[None]:
-    """Run a block with the global RNGs (python, numpy, torch, CUDA) set aside, optionally
-    seeded; afterwards they are exactly as before."""
-    saved = capture_rng_state()
-    try:
-        if seed is not None:
-            random.seed(seed)
-            np.random.seed(seed % 2 ** 32)
-            torch.manual_seed(seed)
-        yield
-    finally:
-        restore_rng_state(saved)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-
-
 # ----------------------------------------------------------------------------- the trainer
 class Trainer:
     """Trains ``task.model`` on ``task``'s plan; see the module docstring for the guarantees.
@@ -263,7 +244,7 @@ class Trainer:
         self.model = task.model.to(self.device)
         if config.grad_checkpointing and hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = True
-        self.ddp_model = (shard_model(self.model, self.env) if config.shard
+        self.ddp_model = (shard_model(self.model, self.env, self.precision) if config.shard
                           else wrap_model(self.model, self.env, config.find_unused_parameters))
         self.optimizer = build_optimizer(self.model, config)
         d_model = config.d_model or getattr(getattr(self.model, "config", None), "d_model", None)
@@ -312,7 +293,9 @@ class Trainer:
             if self.env.is_main:
                 self.metrics_path.write_text("")
             return
-        state = (load_sharded if self.config.shard else load_checkpoint)(ckpt, self.model, self.optimizer)
+        # a sharded checkpoint loads into any number of sharded processes, or whole into one process
+        sharded = self.config.shard or ((ckpt / SHARDS_DIR).is_dir() and not self.env.active)
+        state = (load_sharded if sharded else load_checkpoint)(ckpt, self.model, self.optimizer)
         self._check_resumable(ckpt, state)
         if state["step"] > self.config.steps:
             raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
@@ -323,9 +306,17 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch, self.batch_pos = state["step"], state["epoch"], state["batch_pos"]
+        # batch_pos counts one rank's micro-batches: as many global ones go to W ranks as to W' ranks
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.batch_pos = state["batch_pos"] * state["world_size"] // self.env.world_size
         self.best, self.records, self.elapsed_before = state["best"], state["metrics"], state["elapsed_s"]
-        self._rng_to_restore = state["rng"][self.env.rank]
+        # each rank's RNG streams are its own: a rank the saving run did not have starts its own seed
+        rng = state["rng"]
+        self._rng_to_restore = rng[self.env.rank] if len(rng) == self.env.world_size else None
+        if len(rng) != self.env.world_size and self.env.is_main:
+            log.warning("resume: %d processes saved %s, this run has %d: the data position and the weights carry "
+                        "over, the random streams (dropout) start again from the seed", len(rng), ckpt.name,
+                        self.env.world_size)
         self._window = LogWindow(**state["log_window"])
         self.last_checkpoint = ckpt
         log.info("resuming from %s (step %d, epoch %d)", ckpt, self.step, self.epoch)
@@ -338,13 +329,16 @@ class Trainer:
     def _check_resumable(self, ckpt: Path, state: dict) -> None:
         """Refuse changes that would move the data position; warn about settings the checkpoint overrides."""
         saved = state["config"]
-        if state["world_size"] != self.env.world_size:
-            raise ValueError(f"Trainer: {ckpt} was written by {state['world_size']} processes, this run has "
-                             f"{self.env.world_size}; resume with the same number to keep the data position")
-        for key in ("accum_steps", "seed"):
-            if saved[key] != getattr(self.config, key):
-                raise ValueError(f"Trainer: {ckpt} was trained with {key}={saved[key]}, this run asks for "
-                                 f"{getattr(self.config, key)}; the data position would not match")
+        # a step trains micro-batches [k G, (k + 1) G) of the epoch's plan, G = processes x accum_steps
+        then, now = state["world_size"] * saved["accum_steps"], self.env.world_size * self.config.accum_steps
+        if then != now:
+            raise ValueError(f"Trainer: {ckpt} was written by {state['world_size']} processes x accum_steps "
+                             f"{saved['accum_steps']} ({then} micro-batches a step), this run has {self.env.world_size}"
+                             f" x {self.config.accum_steps}; keep processes x accum_steps (--accum) at {then} to "
+                             "keep the data position")
+        if saved["seed"] != self.config.seed:
+            raise ValueError(f"Trainer: {ckpt} was trained with seed={saved['seed']}, this run asks for "
+                             f"{self.config.seed}; the data position would not match")
         before = saved.get("optimizer", "adamw")          # checkpoints from before the choice: AdamW
         if before != self.config.optimizer:
             raise ValueError(f"Trainer: {ckpt} was trained with the {before} optimizer, "
