@@ -153,6 +153,18 @@ class SwinStage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.downsample = downsample
 
+    def forward(self, x: Tensor, size: tuple[int, int], checkpointed: bool = False) -> tuple[Tensor, tuple[int, int]]:
+        """(B, H * W, C) at ``size`` -> the next stage's input and size. One call per stage (not
+        its blocks one by one from outside), so that a wrapper of the stage, such as FSDP's, sees
+        its forward."""
+        for block in self.blocks:
+            x = checkpoint(block, x, size) if checkpointed else block(x, size)
+        if self.downsample is not None:
+            x = self.downsample(x.view(x.size(0), *size, -1))
+            size = x.shape[1:3]
+            x = x.flatten(1, 2)
+        return x, size
+
 
 class SwinEncoder(Encoder):
     """Patches, stages and the final norm (see the module docstring), shared by the bare model and
@@ -212,16 +224,9 @@ class SwinEncoder(Encoder):
             x = F.pad(x, (0, -W % p, 0, -H % p))
         x = self.dropout(self.embed_norm(self.patch_embed(x)))
         size = (-(-H // p), -(-W // p))
+        checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for stage in self.stages:
-            for block in stage.blocks:
-                if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                    x = checkpoint(block, x, size)
-                else:
-                    x = block(x, size)
-            if stage.downsample is not None:
-                x = stage.downsample(x.view(x.size(0), *size, -1))
-                size = x.shape[1:3]
-                x = x.flatten(1, 2)
+            x, size = stage(x, size, checkpointed)
         return self.norm(x)
 
 
