@@ -235,6 +235,14 @@ def test_a_6_layer_12_head_page_over_128_tokens_is_small_and_fast(browser, tmp_p
     assert m["bytes"] < 5_000_000, m
     assert m["first_view_ms"] < 2000, m
     _keep(browser, "explorer-128-tokens.png", tmp_path)
+    _record(m)
+
+
+def _record(m: dict) -> None:
+    """The figures docs/explorer.md quotes, kept beside the screenshots."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / f"explorer-{m['tokens']}-tokens.json").write_text(json.dumps({k: v for k, v in m.items()
+                                                                              if k != "page"}))
 
 
 @pytest.mark.parametrize("T", [512, pytest.param(2048, marks=pytest.mark.slow)])
@@ -253,5 +261,4 @@ def test_long_inputs_stay_usable(browser, tmp_path, T):
     ActionChains(browser).move_to_element(token).perform()
     assert {q for _, q, _, _ in _lines(browser)} == {str(T // 2)}
     m["hover_ms"] = round(1000 * (time.time() - started))
-    ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / f"explorer-{T}-tokens.json").write_text(json.dumps({k: v for k, v in m.items() if k != "page"}))
+    _record(m)

@@ -102,8 +102,11 @@
     return Math.min(m, 24) * 7.5 + 12;
   }
 
+  // the head view's frame (tokens, caption) is drawn once per view, layer and head choice; a
+  // hover redraws only the lines, so that a long input answers at once
+  let frame = null;
   function drawHeadView() {
-    const v = view(), d = layerData(v, state.layer), T = v.rows.length, S = v.cols.length;
+    const v = view(), T = v.rows.length, S = v.cols.length;
     const rowH = T > 200 || S > 200 ? 13 : 18, lw = labelWidth(v.rows), rw = labelWidth(v.cols);
     const xl = lw + 14, xr = xl + 260, width = xr + rw + 10, top = 24;
     const height = top + Math.max(T, S) * rowH + 10;
@@ -113,8 +116,25 @@
     caption.textContent = `${v.title}, layer ${state.layer + 1}, heads ${[...state.heads].sort((a, b) => a - b).map((h) => h + 1).join(" ") || "none"}`;
     const y = (i) => top + i * rowH + rowH / 2;
     const lines = svgEl("g", { id: "lines" }, svg), rests = svgEl("g", { id: "rests" }, svg);
-    const f = state.focus;
-    const heads = [...state.heads].sort((a, b) => a - b);
+    const tokens = (labels, x, anchor, side) => {
+      const g = svgEl("g", { class: "tokens-" + side }, svg);
+      labels.forEach((s, i) => {
+        const e = svgEl("text", { x, y: y(i) + 4, "text-anchor": anchor, fill: "#222", "data-side": side, "data-index": i }, g);
+        e.textContent = s.length > 24 ? s.slice(0, 23) + "…" : s;
+      });
+      return g;
+    };
+    frame = { v, xl, xr, y, lines, rests, q: tokens(v.rows, xl - 14, "end", "q"), k: tokens(v.cols, xr + 6, "start", "k"), bold: null };
+    $("head-view").replaceChildren(svg);
+    drawLines();
+    $("hint").textContent = `Lines: each query (left) to its ${state.links} strongest keys (right), one colour per head, ` +
+      `opacity = weight; a grey bar is the weight of the keys not drawn. Hover a token to see only its lines.`;
+  }
+
+  function drawLines() {
+    const { v, xl, xr, y, lines, rests } = frame, d = layerData(v, state.layer), T = v.rows.length;
+    const f = state.focus, heads = [...state.heads].sort((a, b) => a - b);
+    const lineSet = document.createDocumentFragment(), restSet = document.createDocumentFragment();
     for (const h of heads) {
       for (let t = 0; t < T; t++) {
         if (f && f.side === "q" && f.index !== t) continue;
@@ -123,27 +143,18 @@
           if (f && f.side === "k" && f.index !== s) continue;
           svgEl("line", { x1: xl, y1: y(t), x2: xr, y2: y(s), stroke: color(h), "stroke-width": 2,
                           "stroke-opacity": Math.min(1, w * (f ? 1.5 : 1)).toFixed(3),
-                          "data-q": t, "data-k": s, "data-h": h }, lines);
+                          "data-q": t, "data-k": s, "data-h": h }, lineSet);
         }
         if (rest > 0.02 && !(f && f.side === "k"))
           svgEl("rect", { x: xl - 10, y: y(t) - 3 + (heads.indexOf(h) % 3), width: 8 * rest + 1, height: 2,
-                          fill: "#999", "data-q": t, "data-rest": rest.toFixed(3) }, rests);
+                          fill: "#999", "data-q": t, "data-rest": rest.toFixed(3) }, restSet);
       }
     }
-    const tokens = (labels, x, anchor, side) => {
-      const g = svgEl("g", { class: "tokens-" + side }, svg);
-      labels.forEach((s, i) => {
-        const e = svgEl("text", { x, y: y(i) + 4, "text-anchor": anchor, fill: "#222", "data-side": side, "data-index": i }, g);
-        e.textContent = s.length > 24 ? s.slice(0, 23) + "…" : s;
-        if (f && f.side === side && f.index === i) e.setAttribute("font-weight", "bold");
-      });
-    };
-    tokens(v.rows, xl - 14, "end", "q");
-    tokens(v.cols, xr + 6, "start", "k");
-    const host = $("head-view");
-    host.replaceChildren(svg);
-    $("hint").textContent = `Lines: each query (left) to its ${state.links} strongest keys (right), one colour per head, ` +
-      `opacity = weight; a grey bar is the weight of the keys not drawn. Hover a token to see only its lines.`;
+    lines.replaceChildren(lineSet);
+    rests.replaceChildren(restSet);
+    if (frame.bold) frame.bold.removeAttribute("font-weight");
+    frame.bold = f ? frame[f.side].children[f.index] : null;
+    if (frame.bold) frame.bold.setAttribute("font-weight", "bold");
   }
 
   // ------------------------------------------------------------------ model view
@@ -281,9 +292,9 @@
     if (!side) return;
     const index = +e.target.dataset.index;
     if (state.focus && state.focus.side === side && state.focus.index === index) return;
-    state.focus = { side, index }; drawHeadView();
+    state.focus = { side, index }; drawLines();
   });
-  on("head-view", "mouseleave", () => { if (state.focus) { state.focus = null; drawHeadView(); } });
+  on("head-view", "mouseleave", () => { if (state.focus) { state.focus = null; drawLines(); } });
 
   // ------------------------------------------------------------------ export
   function svgText(svg) {
