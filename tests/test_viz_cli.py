@@ -149,3 +149,27 @@ def test_views_keep_every_label_and_a_long_view_goes_top_k():
     assert (rest - (1 - top.sum(-1))).abs().max() <= 0.5 / 255 + 1e-6
     with pytest.raises(ValueError, match="do not match"):
         View("y", "y", w, ["a"], ["b"])
+
+
+def test_serve_prints_a_url_that_answers_the_page_and_ctrl_c_stops_it(runs, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    page = tmp_path / "served.html"
+    proc = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "viz", str(runs / "lm"), "the fox", "--html",
+                             str(page), "--serve"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == f"wrote {page}"
+        line = proc.stdout.readline()
+        assert line.startswith("serving served.html at http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split(" at ", 1)[1].split()[0]
+        assert urllib.request.urlopen(url, timeout=30).read() == page.read_bytes()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "stopped" in out, err
