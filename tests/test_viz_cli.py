@@ -173,3 +173,25 @@ def test_serve_prints_a_url_that_answers_the_page_and_ctrl_c_stops_it(runs, tmp_
             proc.kill()
             proc.wait()
     assert proc.returncode == 0 and "stopped" in out, err
+
+
+def test_a_hugging_face_encoder_decoder_directory(tmp_path, capsys):
+    """T5: one tokenizer for both sides, the decoder started from the config's start id."""
+    import attnlab
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from attnlab.models.registry import architectures
+    arch = next(a for a in architectures() if a.name == "T5ForConditionalGeneration")
+    torch.manual_seed(0)
+    model = arch.build(arch.family.preset("tiny")).eval()
+    attnlab.save_pretrained(model, tmp_path / "t5")
+    words = ["<pad>", "</s>", "<unk>", "one", "two", "three"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "t5" / "tokenizer.json"))
+    assert main(["viz", str(tmp_path / "t5"), "one two three", "--target", "three two", "--out",
+                 str(tmp_path / "figs"), "--layer", "1"]) == 0
+    names = [p.name for p in _printed(capsys)]
+    assert names[0] == "alignment.png" and len(names) == 4 and any("cross" in n for n in names), names
+    page = tmp_path / "t5.html"
+    assert main(["viz", str(tmp_path / "t5"), "one two three", "--target", "three two", "--html", str(page)]) == 0
+    assert '"cols":["one","two","three"]' in page.read_text()

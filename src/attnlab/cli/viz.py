@@ -76,15 +76,26 @@ def _text_views(args, info, kind: str):
 
 
 def _translation_views(args, info, kind: str):
-    from ..tasks import get_task
+    """A translation run (its source and target tokenizers) or a Hugging Face encoder-decoder
+    directory (T5: one tokenizer for both sides)."""
     from ..viz.translation import draw_alignment, translation_views
-    t = get_task(info.run.task).load(info.run, "cpu")
-    views, translation = translation_views(t.model, t.src_tok, t.tgt_tok, args.text, args.target)
+    if info.kind == "run":
+        from ..tasks import get_task
+        t = get_task(info.run.task).load(info.run, "cpu")
+        model, src_tok, tgt_tok = t.model, t.src_tok, t.tgt_tok
+    else:
+        model, src_tok = _text_model(info, args.checkpoint)
+        tgt_tok = src_tok
+    legacy = args.out is not None and args.out.endswith(".png")
     if args.html is None and not args.serve:
-        where = Path(args.out) if args.out and args.out.endswith(".png") else _out_dir(args, info) / "alignment.png"
-        path, _ = draw_alignment(t.model, t.src_tok, t.tgt_tok, args.text, where, layer=args.layer, head=args.head,
-                                 grid=args.grid, target=args.target)
+        where = Path(args.out) if legacy else _out_dir(args, info) / "alignment.png"
+        path, translation = draw_alignment(model, src_tok, tgt_tok, args.text, where, layer=args.layer,
+                                           head=args.head, grid=args.grid, target=args.target)
         print(f"wrote {path}")
+        if legacy:                               # scripts/main.sh: the alignment figure alone
+            print(translation)
+            return [], translation
+    views, translation = translation_views(model, src_tok, tgt_tok, args.text, args.target)
     print(translation)
     return views, f"{args.text} -> {translation}"
 
@@ -107,12 +118,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out}: give a folder; a .png name is only for a translation's alignment figure")
     if args.target is not None and kind != "seq2seq":
         raise UserError("--target is for a translation model's decoder side; this model reads one text")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
     views, title = LOADERS.get(kind, _text_views)(args, info, kind)
     if args.html is not None or args.serve:
         return _page(args, info, views, title)
     from ..viz.figures import write_figures
-    if args.out is not None and args.out.endswith(".png"):
-        return 0
     for path in write_figures(views, _out_dir(args, info), layer=args.layer, head=args.head):
         print(f"wrote {path}")
     return 0

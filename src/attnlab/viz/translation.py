@@ -14,6 +14,13 @@ from .views import View, seq2seq_views
 __all__ = ["cross_attention", "draw_alignment", "translation_views"]
 
 
+def _start(model, tgt_tok) -> int:
+    """The id the decoder starts from: the model's own where its config names one (T5 starts
+    from its pad id), else the target tokenizer's BOS."""
+    start = getattr(model.config, "decoder_start_token_id", None)
+    return tgt_tok.bos_id if start is None else start
+
+
 def _pair(model, src_tok, tgt_tok, text: str, target: str | None, max_len: int | None):
     """(source ids, target ids ending in EOS): ``target`` encoded, or the greedy translation of ``text``."""
     device = next(model.parameters()).device
@@ -28,7 +35,7 @@ def _pair(model, src_tok, tgt_tok, text: str, target: str | None, max_len: int |
     limit = 2 * len(src) + 10
     longest = getattr(model.config, "max_seq_len", None)     # None: relative positions (T5) set no limit
     limit = max_len or (limit if longest is None else min(limit, longest))
-    out = greedy_decode(model, torch.tensor([src], device=device), max_len=limit, bos_id=tgt_tok.bos_id,
+    out = greedy_decode(model, torch.tensor([src], device=device), max_len=limit, bos_id=_start(model, tgt_tok),
                         eos_id=tgt_tok.eos_id, pad_id=tgt_tok.pad_id)[0].tolist()
     while out and out[-1] == tgt_tok.pad_id:
         out.pop()
@@ -49,7 +56,8 @@ def cross_attention(model, src_tok, tgt_tok, text: str, max_len: int | None = No
     device = next(model.parameters()).device
     src_ids, out = _pair(model, src_tok, tgt_tok, text, target, max_len)
     src = torch.tensor([src_ids], device=device)
-    tgt_in = torch.tensor([[tgt_tok.bos_id] + out[:-1]] if out else [[tgt_tok.bos_id]], device=device)
+    bos = _start(model, tgt_tok)
+    tgt_in = torch.tensor([[bos] + out[:-1]] if out else [[bos]], device=device)
     memory = model.encode(src)
     with record_attention(model) as record:
         model.decode(tgt_in, memory)
@@ -61,7 +69,8 @@ def translation_views(model, src_tok, tgt_tok, text: str, target: str | None = N
     """(every attention of the translation as views: encoder self, decoder self, cross; the
     translation). Decoder row t is the step that produced target piece t, as in :func:`cross_attention`."""
     src_ids, out = _pair(model, src_tok, tgt_tok, text, target, None)
-    tgt_in = [tgt_tok.bos_id] + out[:-1] if out else [tgt_tok.bos_id]
+    bos = _start(model, tgt_tok)
+    tgt_in = [bos] + out[:-1] if out else [bos]
     src_labels = [readable_piece(p) for p in src_tok.tokens(src_ids)]
     tgt_labels = [readable_piece(p) for p in _pieces(tgt_tok, out)]
     return seq2seq_views(model, src_ids, tgt_in, src_labels, tgt_labels), tgt_tok.decode(out)
