@@ -195,3 +195,16 @@ def test_a_hugging_face_encoder_decoder_directory(tmp_path, capsys):
     page = tmp_path / "t5.html"
     assert main(["viz", str(tmp_path / "t5"), "one two three", "--target", "three two", "--html", str(page)]) == 0
     assert '"cols":["one","two","three"]' in page.read_text()
+
+
+def test_a_long_input_keeps_its_figures_a_readable_size(tmp_path):
+    from attnlab.viz.figures import write_figures
+    from attnlab.viz.views import View
+    T = 300
+    w = torch.softmax(torch.randn(2, 4, T, T), -1)
+    view = View("layers/self", "self-attention", w, [str(i) for i in range(T)], [str(i) for i in range(T)])
+    for kwargs in ({}, {"layer": 2, "head": 3}):
+        (path,) = write_figures([view], tmp_path, **kwargs) if kwargs else write_figures([view], tmp_path)[:1]
+        png = path.read_bytes()
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert 300 < width <= 1600 and 300 < height <= 1600, (path.name, width, height)

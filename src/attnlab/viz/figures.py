@@ -67,8 +67,17 @@ def write_figures(views: list[View], out_dir: str | Path, *, layer: int | None =
             if head is None:
                 paths.append(_layer_grid(v, i, out / figure_name(v, i)))
             else:
-                w = v.weights[i, head - 1] / v.scale
-                paths.append(plot_attention(w, v.rows, v.cols, out / figure_name(v, i, head - 1),
-                                            title=f"{v.title}, layer {i + 1}, head {head}",
-                                            xlabel="keys", ylabel="queries"))
+                paths.append(_one_head(v, i, head - 1, out / figure_name(v, i, head - 1)))
     return paths
+
+
+def _one_head(view: View, layer: int, head: int, path: Path) -> Path:
+    w = view.weights[layer, head] / view.scale
+    title = f"{view.title}, layer {layer + 1}, head {head + 1}"
+    if max(w.shape) <= LABELLED:
+        return plot_attention(w, view.rows, view.cols, path, title=title, xlabel="keys", ylabel="queries")
+    fig, ax = plt.subplots(figsize=(7.0, 6.0))
+    fig.colorbar(_draw(ax, w, view.rows, view.cols, title, ticks=False), ax=ax, fraction=0.046, pad=0.04)
+    ax.set_xlabel(f"keys (0..{w.size(1) - 1})")
+    ax.set_ylabel(f"queries (0..{w.size(0) - 1})")
+    return _save(fig, path, dpi=110)
