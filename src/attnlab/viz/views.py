@@ -54,12 +54,10 @@ class View:
         return 1.0 if self.kind == "attention" else max(float(self.weights.max()), 1e-12)
 
 
-_PART_TITLES = {"encoder_layers": "encoder", "decoder_layers": "decoder", "layers": ""}
-
-
 def _title(part: str, role: str) -> str:
-    where = _PART_TITLES.get(part, part.rsplit(".", 1)[-1].replace("_", " "))
-    return f"{where} {role}-attention".strip()
+    """ "encoder_layers", "self" -> "encoder self-attention"; "decoder.layers" -> "decoder ..."; "layers" -> "self-attention"."""
+    words = [w for w in part.replace(".", " ").replace("_", " ").split() if w != "layers"]
+    return " ".join(words + [f"{role}-attention"])
 
 
 def record_views(record: AttentionRecord, rows: Sequence[str], cols: Sequence[str], cross_cols: Sequence[str] = (),
