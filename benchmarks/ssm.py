@@ -1,18 +1,23 @@
-"""Mamba's speed and memory: attnlab's chunked selective scan against transformers' pure-PyTorch
-path (the one it takes without the CUDA kernels), with the same weights, and a GPT of the same
-width and depth (attnlab, SDPA attention) for scale.
+"""Mamba's and Mamba-2's speed and memory: attnlab's chunked scans against transformers'
+pure-PyTorch paths (the ones it takes without the CUDA kernels), with the same weights, and a GPT
+of the same width and depth (attnlab, SDPA attention) for scale.
 
-The transformers model (MambaForCausalLM, d_model 256, 4 layers, state 16, expand 2, vocabulary
-96) is built with its own initialisation, written with ``save_pretrained`` and loaded by
-``attnlab.from_pretrained``: both hold the same numbers, which the script checks (same logits at
-the shortest length) before timing. Modes: ``fwd`` (eval, no gradient) and ``fwd+bwd`` (train
-mode, forward, the mean of the squared logits, backward). Batch 4. All contenders of one length
-are timed round-robin in one process; peak memory is what torch's allocator handed out during
-one call (benchmarks/_util.py). The GPT is attnlab's GPT-2 (4 heads, d_ff 1024, context the
-length).
+``--models mamba``: transformers' MambaForCausalLM (d_model 256, 4 layers, state 16, expand 2,
+vocabulary 96) against attnlab's Mamba (the chunked selective scan of attnlab.nn.ssm) and the GPT.
+``--models mamba2``: transformers' Mamba2ForCausalLM (d_model 256, 4 layers, 8 heads of 64
+channels, state 128, one group, its chunk 256; its torch_forward) against attnlab's Mamba2 (the
+SSD of attnlab.nn.ssd). Each transformers model is built with its own initialisation, written with
+``save_pretrained`` and loaded by ``attnlab.from_pretrained``: both hold the same numbers, which
+the script checks (same logits at the shortest length) before timing. Modes: ``fwd`` (eval, no
+gradient) and ``fwd+bwd`` (train mode, forward, the mean of the squared logits, backward). Batch
+4. All contenders of one family and length are timed round-robin in one process; peak memory is
+what torch's allocator handed out during one call (benchmarks/_util.py). The GPT is attnlab's
+GPT-2 (4 heads, d_ff 1024, context the length). Ratios are against the family's transformers model.
+attnlab's Mamba-3 (its own initialisation; transformers has none) runs beside the Mamba family.
 
 Usage:
-  python benchmarks/ssm.py --markdown                   # lengths 128, 512 (2048 with --lengths)
+  python benchmarks/ssm.py --markdown                   # both families, lengths 128, 512
+  python benchmarks/ssm.py --markdown --models mamba2 --lengths 128,512,2048
   python benchmarks/ssm.py --quick                      # tiny shapes, seconds (smoke test)
 """
 from __future__ import annotations
@@ -31,22 +36,38 @@ from _util import environment, fmt_mib, fmt_ms, measure, render_table  # noqa: E
 
 import attnlab  # noqa: E402
 from attnlab.models import GPT, GPTConfig  # noqa: E402
+from attnlab.models.mamba3 import Mamba3, Mamba3Config  # noqa: E402
 
 
-def _models(d_model: int, layers: int, vocab: int, longest: int):
+def _from_transformers(hf):
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        return attnlab.from_pretrained(d)
+
+
+def _models(family: str, d_model: int, layers: int, vocab: int, longest: int, quick: bool):
+    """name -> model, attnlab's first and transformers' (the reference of the ratios) second."""
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
+    if family == "mamba2":
+        heads = 2 if quick else 8
+        config = transformers.Mamba2Config(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers,
+                                           state_size=16 if quick else 128, expand=2, conv_kernel=4,
+                                           head_dim=2 * d_model // heads, num_heads=heads, n_groups=1,
+                                           use_cache=False)
+        hf = transformers.Mamba2ForCausalLM(config)
+        return {"attnlab Mamba2 (chunked SSD)": _from_transformers(hf),
+                "transformers Mamba2ForCausalLM (torch_forward)": hf}
     config = transformers.MambaConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers, state_size=16,
                                       expand=2, conv_kernel=4, use_cache=False)
     hf = transformers.MambaForCausalLM(config)
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        ours = attnlab.from_pretrained(d)
     gpt = GPT(GPTConfig(vocab_size=vocab, n_positions=longest, d_model=d_model, num_heads=4, num_layers=layers,
                         dropout=0.0))
-    return {"attnlab Mamba (chunked scan)": ours, "transformers MambaForCausalLM (slow path)": hf,
-            "attnlab GPT (SDPA), same width and depth": gpt}
+    # Mamba-3 at the authors' defaults (d_state 128, headdim 64, SISO, rope_fraction 0.5, chunk 64)
+    mamba3 = Mamba3(Mamba3Config(vocab_size=vocab, d_model=d_model, num_layers=layers))
+    return {"attnlab Mamba (chunked scan)": _from_transformers(hf), "transformers MambaForCausalLM (slow path)": hf,
+            "attnlab GPT (SDPA), same width and depth": gpt, "attnlab Mamba-3 (chunked, SISO)": mamba3}
 
 
 def _logits(model, ids):
@@ -85,6 +106,7 @@ def _calls(models, ids, mode: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__[__doc__.index("Usage"):])
+    p.add_argument("--models", default="mamba,mamba2", help="comma-separated families: mamba, mamba2 (default both)")
     p.add_argument("--lengths", default="128,512", help="comma-separated sequence lengths (default 128,512)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -102,20 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         a.lengths, a.d_model, a.layers, a.batch, a.repeats, a.budget = "16,40", 32, 2, 2, 1, 0.0
     lengths = [int(n) for n in a.lengths.split(",")]
     warnings.filterwarnings("ignore")
-    models = _models(a.d_model, a.layers, 96, max(lengths))
     g = torch.Generator().manual_seed(0)
     print(environment("cpu", torch.float32) + f"; {os.cpu_count()} CPUs")
-    print(_check(models, torch.randint(0, 96, (a.batch, lengths[0]), generator=g)))
     rows = []
-    for length in lengths:
-        ids = torch.randint(0, 96, (a.batch, length), generator=g)
-        for mode in a.modes.split(","):
-            results = measure(_calls(models, ids, mode), repeats=a.repeats, min_repeats=1, budget_s=a.budget)
-            ref_t, ref_m = results[list(models)[1]][0].median, results[list(models)[1]][1]
-            for name, (timing, peak) in results.items():
-                rows.append([mode, length, name, fmt_ms(timing.median), timing.n, fmt_mib(peak),
-                             f"{ref_t / timing.median:.1f}", f"{peak / max(ref_m, 1):.2f}"])
-            print(f"# measured {mode} at {length}", file=sys.stderr, flush=True)
+    for family in a.models.split(","):
+        models = _models(family, a.d_model, a.layers, 96, max(lengths), a.quick)
+        print(_check(models, torch.randint(0, 96, (a.batch, lengths[0]), generator=g)))
+        for length in lengths:
+            ids = torch.randint(0, 96, (a.batch, length), generator=g)
+            for mode in a.modes.split(","):
+                results = measure(_calls(models, ids, mode), repeats=a.repeats, min_repeats=1, budget_s=a.budget)
+                ref_t, ref_m = results[list(models)[1]][0].median, results[list(models)[1]][1]
+                for name, (timing, peak) in results.items():
+                    rows.append([mode, length, name, fmt_ms(timing.median), timing.n, fmt_mib(peak),
+                                 f"{ref_t / timing.median:.1f}", f"{peak / max(ref_m, 1):.2f}"])
+                print(f"# measured {family} {mode} at {length}", file=sys.stderr, flush=True)
     print()
     print(render_table(["mode", "length", "implementation", "median ms", "calls", "peak MiB",
                         "speed vs transformers", "memory vs transformers"], rows, markdown=a.markdown))

@@ -190,6 +190,12 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         return cli("train", "lm", "--model", "mamba", "--data", "text.txt", "--out", "r", "--d-ff", "64")
     if name == "pre-norm-with-t5":
         return cli("train", "translate", "--model", "t5", "--data", "pairs.tsv", "--out", "r", "--pre-norm")
+    if name == "mamba2-heads":
+        return cli("train", "lm", "--model", "mamba2", "--data", "text.txt", "--out", "r", "--d-model", "16",
+                   "--heads", "3")
+    if name == "mamba2-groups":
+        return cli("train", "lm", "--model", "mamba2", "--data", "text.txt", "--out", "r", "--d-model", "16",
+                   "--heads", "4", "--n-groups", "3")
     if name == "experts-with-gpt":
         return cli("train", "lm", "--data", "text.txt", "--out", "r", "--experts", "4")
     if name == "limit-negative":

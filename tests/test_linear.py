@@ -24,9 +24,11 @@ def _pair(k, n, bias=True, seed=0):
 @pytest.fixture
 def spy(monkeypatch):
     """Records oneDNN calls; the size threshold is lifted so the tests' small layers qualify, and
-    fp32 products take oneDNN whatever the CPU's vendor (where this torch has it)."""
+    fp32 products take oneDNN whatever the CPU's vendor (where this torch has it), those of many
+    rows as on a CPU without AVX-512."""
     monkeypatch.setattr(linear_mod, "MIN_WEIGHT_ELEMENTS", 0)
     monkeypatch.setattr(linear_mod, "_FP32_ONEDNN", linear_mod.onednn_available())
+    monkeypatch.setattr(linear_mod, "_AVX512", False)
     calls = []
     real = linear_mod._dnn_linear
 
@@ -61,6 +63,43 @@ def test_many_rows_stay_on_the_gemm(spy):
         assert_close_scaled(fast(few), lin(few), FP32)
         assert_close_scaled(fast(many), lin(many), FP32)
     assert spy == [(rows, 64)], "only the product of at most MAX_FP32_ONEDNN_ROWS rows takes oneDNN"
+
+
+@needs_onednn
+def test_many_rows_take_onednn_on_avx512_whatever_the_weights_size(spy, monkeypatch):
+    """With AVX-512 MKL's GEMM is the slower one at compute-bound shapes too: every gradient-free
+    fp32 product takes oneDNN, small weights included; the result is F.linear's."""
+    monkeypatch.setattr(linear_mod, "MIN_WEIGHT_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(linear_mod, "_AVX512", True)
+    lin, fast = _pair(64, 72)
+    rows = linear_mod.MAX_FP32_ONEDNN_ROWS
+    with torch.no_grad():
+        few, many = torch.randn(rows, 64), torch.randn(2, rows, 64)
+        assert_close_scaled(fast(few), lin(few), FP32)
+        assert_close_scaled(fast(many), lin(many), FP32)
+    assert spy == [(2, rows, 64)], "the small weight's few-row product stays on F.linear, the many-row one does not"
+    x = torch.randn(2, rows, 64, requires_grad=True)
+    fast(x).sum().backward()                               # a gradient wanted: F.linear
+    assert spy == [(2, rows, 64)]
+
+
+@needs_onednn
+def test_autocast_bf16_uses_the_packed_weight_and_gives_autocasts_product(spy, monkeypatch):
+    """Under CPU bf16 autocast a gradient-free call computes from the cached packed bf16 weight what
+    autocast's F.linear computes from a fresh cast of it, and returns bf16 as autocast does; the
+    oneDNN self-check run first inside autocast still passes."""
+    monkeypatch.setattr(linear_mod, "_ONEDNN", None)
+    lin, fast = _pair(96, 80)
+    x = torch.randn(5, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear_mod.onednn_available()
+        with torch.no_grad():
+            want, got = lin(x), fast(x)
+        assert got.dtype == want.dtype == torch.bfloat16 and spy.count((5, 96)) == 1   # besides the checks' probes
+        assert_close_scaled(got.float(), want.float(), 1e-2)
+        fast(x.requires_grad_()).float().sum().backward()   # training under autocast: autocast's own F.linear
+    assert spy.count((5, 96)) == 1 and fast.weight.grad is not None
+    assert "_low_precision_cache" in fast.__dict__
 
 
 def test_shares_parameters_and_falls_back_when_a_gradient_is_needed(spy):

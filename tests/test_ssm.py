@@ -129,7 +129,8 @@ def test_ssm_benchmark_quick_runs():
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "ssm.py"), "--quick", "--threads", "1"],
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "ssm.py"), "--quick", "--threads", "1",
+                           "--models", "mamba"],
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "same weights: logits agree" in proc.stdout

@@ -8,7 +8,9 @@ are drawn from views alone:
   the text through the run's own tokenizer (or the directory's);
 - a translation: encoder, decoder and cross-attention of the model's own translation, or of
   ``--target``; also the alignment figure (``alignment.png``: the cross-attention averaged over
-  layers and heads, or ``--layer``/``--head``; ``--grid``: every layer and head).
+  layers and heads, or ``--layer``/``--head``; ``--grid``: every layer and head);
+- an image classifier, with ``--image img.png``: where its class token looks, over the image
+  (attnlab.viz.image; one PNG, beside the run's checkpoints).
 
 Output: PNGs (one per view and layer, its heads in a grid; ``--layer``/``--head``: one) in
 ``--out DIR`` (default: a ``viz/`` folder inside the run or model directory), each path printed;
@@ -19,23 +21,28 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "draw a model's attention for one input: PNG heatmaps, or an interactive page (--html, --serve)"
+HELP = ("draw a model's attention for one input: PNG heatmaps, an interactive page (--html, --serve), or an "
+        "image classifier's attention over an image (--image)")
 EXAMPLE = ('attnlab viz runs/lm "the cat sat on the mat"\n'
            '  attnlab viz runs/translate "the dog sees forty-seven cats" --layer 2 --head 1\n'
            '  attnlab viz all-MiniLM-L6-v2/ "a cat sits on the mat" --html cat.html\n'
-           '  attnlab viz runs/classify "what a film" --serve')
+           '  attnlab viz runs/classify "what a film" --serve\n'
+           '  attnlab viz runs/image --image cat.png --layer 4          # writes runs/image/attention-cat.png')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a run directory or checkpoint (lm, mlm, classify, translate) or a Hugging "
-                   "Face model directory (config.json, weights, tokenizer.json)")
-    p.add_argument("text", help="the text to look at (a translation's source sentence)")
+    p.add_argument("checkpoint", help="a run directory or checkpoint (lm, mlm, classify, translate, image) or a "
+                   "Hugging Face model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("text", nargs="?", help="the text to look at (a translation's source sentence)")
+    p.add_argument("--image", default=None, help="an image file (an image run): draws the attention rollout and the "
+                                                 "class token's attention per head over it")
     p.add_argument("--target", metavar="TEXT", help="translation: the target sentence the decoder reads "
                    "(default: the model's own greedy translation)")
     p.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: viz/ inside the run "
                    "or model directory); for a translation, a name ending in .png is where the alignment "
-                   "figure alone goes")
-    p.add_argument("--layer", type=int, default=None, help="only this layer (1-based; default: every layer)")
+                   "figure alone goes; with --image, the PNG to write (default RUN/attention-IMAGE.png)")
+    p.add_argument("--layer", type=int, default=None, help="only this layer (1-based; default: every layer; with "
+                   "--image, the last for the per-head panels)")
     p.add_argument("--head", type=int, default=None, help="only this head (1-based; default: all heads in a grid)")
     p.add_argument("--grid", action="store_true", help="translation: the alignment figure with one panel per "
                    "layer and head")
@@ -100,6 +107,25 @@ def _translation_views(args, info, kind: str):
     return views, f"{args.text} -> {translation}"
 
 
+def _image(args: argparse.Namespace, info) -> int:
+    from . import UserError
+    from ..tasks import get_task
+    from ..viz.image import draw_image_attention
+    if args.text is not None or args.head is not None or args.grid:
+        raise UserError("--image draws an image run's attention: it takes no text, --head or --grid")
+    if args.target is not None or args.html is not None or args.serve:
+        raise UserError("--image draws one PNG: --target, --html and --serve are for text models")
+    if info.kind != "run":
+        raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab viz --image' takes an image run, which "
+                        f"records its image processor (train one with: attnlab train image)")
+    clf = get_task(info.run.task).load(info.run, "cpu")
+    # beside the run's checkpoints (RUN/best, RUN/step-N), not inside one
+    out = Path(args.out) if args.out else Path(info.run.path).parent / f"attention-{Path(args.image).stem}.png"
+    path = draw_image_attention(clf.model, clf.processor, args.image, out, layer=args.layer)
+    print(f"wrote {path}")
+    return 0
+
+
 def _out_dir(args, info) -> Path:
     if args.out is not None and not args.out.endswith(".png"):
         return Path(args.out)
@@ -113,7 +139,17 @@ TEXT_KINDS = ("causal-lm", "masked-lm", "base", "classifier", "pretraining", "re
 
 def run(args: argparse.Namespace) -> int:
     from . import UserError, open_model_path
-    info, kind = open_model_path(args.checkpoint, "viz", TEXT_KINDS + tuple(LOADERS))
+    info, kind = open_model_path(args.checkpoint, "viz", TEXT_KINDS + tuple(LOADERS) + ("image-classifier",))
+    if args.image is not None:
+        if kind != "image-classifier":
+            raise UserError(f"--image {args.image}: {args.checkpoint} is {info.describe()}, not an image "
+                            f"classifier; --image takes an image run (attnlab train image)")
+        return _image(args, info)
+    if kind == "image-classifier":
+        raise UserError(f"{args.checkpoint}: {info.describe()}; give the image to look at with --image FILE")
+    if args.text is None:
+        what = "the source sentence to translate" if kind == "seq2seq" else "the text to look at"
+        raise UserError(f"give {what} (or --image FILE with an image run)")
     if args.out is not None and args.out.endswith(".png") and kind != "seq2seq":
         raise UserError(f"--out {args.out}: give a folder; a .png name is only for a translation's alignment figure")
     if args.target is not None and kind != "seq2seq":

@@ -132,12 +132,12 @@ class MambaMixer(nn.Module):
 
 
 class MambaLayer(nn.Module):
-    """x + Mixer(RMSNorm(x)) (Pre-Norm residual block)."""
+    """x + Mixer(RMSNorm(x)) (Pre-Norm residual block); ``mixer`` builds the mixer from the config."""
 
-    def __init__(self, c: MambaConfig):
+    def __init__(self, c: MambaConfig, mixer=MambaMixer):
         super().__init__()
         self.norm = RMSNorm(c.d_model, c.rms_norm_eps)
-        self.mixer = MambaMixer(c)
+        self.mixer = mixer(c)
 
     def forward(self, x: Tensor, real: Tensor | None = None, state=None):
         out, state = self.mixer(self.norm(x), real, state)
@@ -150,13 +150,14 @@ class Mamba(GenerationMixin, SavePretrained, nn.Module):
     ``positions`` are accepted and unused (the order lives in the recurrence)."""
 
     init_std = 0.02
+    mixer_cls = MambaMixer       # the layers' mixer: Mamba-2 plugs in its own and keeps the rest
 
     def __init__(self, config: MambaConfig):
         super().__init__()
         self.config, c = config, config
         self.gradient_checkpointing = False
         self.token_embedding = nn.Embedding(c.vocab_size, c.d_model)
-        self.layers = nn.ModuleList(MambaLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(MambaLayer(c, self.mixer_cls) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.d_model, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.reset_parameters()

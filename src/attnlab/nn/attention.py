@@ -200,7 +200,11 @@ def scaled_dot_product_attention(
     if mask is not None and not only_causal:
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         empty_rows = ~allowed.any(dim=-1, keepdim=True)                 # (..., T, 1)
-        if mask.dtype == torch.bool:
+        # most masks empty no row (a padding mask with no all-padding sequence, Swin's windows):
+        # on the CPU, where reading the flag costs no device sync, skip the two copies then
+        if q.device.type == "cpu" and not bool(empty_rows.any()):
+            empty_rows = None
+        elif mask.dtype == torch.bool:
             mask = mask | empty_rows
         else:
             mask = mask.masked_fill(empty_rows, 0.0)

@@ -38,11 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
-           "prepare_for_inference", "onednn_available", "fp32_onednn", "MIN_WEIGHT_ELEMENTS",
+           "prepare_for_inference", "onednn_available", "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS",
            "MAX_FP32_ONEDNN_ROWS"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
+_AVX512: bool | None = None            # whether torch's CPU kernels run AVX-512 (compute_bound_onednn)
+_AUTOCAST_INPUTS = (torch.float32, torch.bfloat16)
 
 # oneDNN costs ~20 us more per call than MKL here; it pays off once the weight is large enough
 # for its faster streaming to matter. Measured (one row, 2 threads): 256 x 256 takes 27 us instead
@@ -52,7 +54,8 @@ MIN_WEIGHT_ELEMENTS = 1 << 19          # 2 MB of fp32: smaller weights stay on F
 # product is compute-bound and MKL's GEMM is as fast or faster (AVX2 AMD EPYC, 2 threads, ms for
 # 2304x768 / 3072x768 / 768x3072: 64 rows 1.00x / 1.10x / 1.00x oneDNN's speedup, 128 rows
 # 1.6x / 0.97x / 0.85x, 1024 rows 0.87x / 1.01x / 0.78x; a BERT-base forward of 1024 tokens ran
-# 0.95x transformers with oneDNN for every product). So fp32 calls of more rows stay on F.linear.
+# 0.95x transformers with oneDNN for every product). So fp32 calls of more rows stay on F.linear,
+# except on AVX-512 CPUs (compute_bound_onednn).
 MAX_FP32_ONEDNN_ROWS = 64
 
 
@@ -78,7 +81,14 @@ def _pack_bf16(weight: Tensor) -> tuple[Tensor, bool]:
 
 
 def _self_check() -> bool:
-    """Whether this torch has the oneDNN linear op and it agrees with F.linear (checked once)."""
+    """Whether this torch has the oneDNN linear op and it agrees with F.linear (checked once).
+    Autocast is turned off around the check: the first call may come under it, and F.linear would
+    then answer in bf16 and fail the comparison for good."""
+    with torch.autocast("cpu", enabled=False):
+        return _compare_with_f_linear()
+
+
+def _compare_with_f_linear() -> bool:
     try:
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
             return False
@@ -108,6 +118,19 @@ def _cpu_vendor() -> str:
     except OSError:
         pass
     return ""
+
+
+def compute_bound_onednn() -> bool:
+    """Whether gradient-free fp32 products of many rows (more than :data:`MAX_FP32_ONEDNN_ROWS`:
+    an encoder's or a ViT's batch, compute-bound) run oneDNN too, whatever the weight's size: where
+    :func:`fp32_onednn` holds and the CPU has AVX-512. There MKL's GEMM is the slower one (a 2-core
+    AMD EPYC Zen 4, one thread, ViT-S/16's four products at 1,576 rows: 58.7 ms with oneDNN
+    against 67.9 ms with MKL; a whole ViT-S/16 forward 1.08x -> 1.39x transformers' CPU time),
+    where on AVX2 it was the faster (the measurement behind :data:`MAX_FP32_ONEDNN_ROWS`)."""
+    global _AVX512
+    if _AVX512 is None:
+        _AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return _AVX512 and fp32_onednn()
 
 
 def fp32_onednn() -> bool:
@@ -164,10 +187,19 @@ class InferenceLinear(nn.Linear):
 
     def _fast(self, x: Tensor) -> bool:
         w = self.weight
-        if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not w.is_contiguous() \
-                or w.numel() < MIN_WEIGHT_ELEMENTS or x.numel() > MAX_FP32_ONEDNN_ROWS * x.size(-1):
+        if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not w.is_contiguous():
             return False
-        return self._no_grad(x) and fp32_onednn()
+        if x.numel() > MAX_FP32_ONEDNN_ROWS * x.size(-1):          # compute-bound
+            return self._no_grad(x) and compute_bound_onednn()
+        return w.numel() >= MIN_WEIGHT_ELEMENTS and self._no_grad(x) and fp32_onednn()
+
+    def _autocast_bf16(self, x: Tensor) -> bool:
+        """A gradient-free fp32 layer called under CPU bf16 autocast: it computes from its cached
+        packed bf16 weight what autocast's F.linear computes from a fresh cast of the weight on
+        every call (the same bf16 product, returned in bf16 as autocast returns it)."""
+        return (x.device.type == "cpu" and self.weight.dtype == torch.float32 and x.dtype in _AUTOCAST_INPUTS
+                and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                and self._no_grad(x) and onednn_available())
 
     def _low_precision(self, x: Tensor) -> torch.dtype | None:
         """The dtype of a gradient-free call's cached weight copy, or None for the plain path: the
@@ -202,6 +234,12 @@ class InferenceLinear(nn.Linear):
         if x.size(-1) != self.in_features:                 # oneDNN's own message would be obscure
             raise ValueError(f"{type(self).__name__}: input last dim {x.size(-1)} != in_features "
                              f"{self.in_features} (shape {tuple(x.shape)})")
+        if self._autocast_bf16(x):
+            if x.numel() == 0:
+                return x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
+            w, b, packed = self._low_precision_weights(torch.bfloat16)
+            x = x.to(torch.bfloat16)
+            return _dnn_linear(x.contiguous(), w, b) if packed else F.linear(x, w, b)
         low = self._low_precision(x)
         if low is not None:
             if x.numel() == 0:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LayerNorm", "RMSNorm", "DyT", "make_norm", "NORM_KINDS"]
+__all__ = ["LayerNorm", "RMSNorm", "GatedRMSNorm", "DyT", "make_norm", "NORM_KINDS"]
 
 
 def _check_width(name: str, d: int, x: Tensor | None = None) -> None:
@@ -84,6 +84,34 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
+
+
+class GatedRMSNorm(RMSNorm):
+    r"""GatedRMSNorm(x, z) = RMSNorm(x * SiLU(z)) with the statistic taken over each of ``groups``
+    equal slices of the last axis (Mamba-2's output norm, whose groups are its B/C head groups, so
+    that a layer split across devices by groups normalises each part alone).
+
+    The gate and the statistic run in fp32, the result is cast back and then scaled by
+    ``weight``, as :class:`RMSNorm` and transformers' ``MambaRMSNormGated``.
+
+    Shapes: x, z (..., E) -> (..., E). Parameter ``weight`` (E,).
+    """
+
+    def __init__(self, d: int, groups: int = 1, eps: float = 1e-6):
+        super().__init__(d, eps)
+        if groups <= 0 or d % groups:
+            raise ValueError(f"GatedRMSNorm: {groups} groups do not divide the width {d}")
+        self.groups = groups
+
+    def forward(self, x: Tensor, z: Tensor | None = None) -> Tensor:
+        _check_width("GatedRMSNorm", self.d, x)
+        x32 = x.float() if z is None else x.float() * F.silu(z.float())
+        x32 = x32.unflatten(-1, (self.groups, -1))
+        x32 = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, groups={self.groups}, eps={self.eps}"
 
 
 class DyT(nn.Module):

@@ -1,0 +1,142 @@
+"""Where an image classifier looks: attention over the patch grid, drawn on the image.
+
+Two maps of the class token's attention over the patches, both from the per-call records of
+:func:`~attnlab.viz.record.record_attention` (whatever kernel the model ran):
+
+- **attention rollout** (Abnar and Zuidema 2020, "Quantifying Attention Flow in Transformers",
+  section 3): each layer's weights averaged over the heads, the residual connection added as an
+  identity and the rows renormalised, A_l = (mean_h W_l + I) / 2, then multiplied through the
+  layers, R = A_L ... A_2 A_1. Row 0 of R says how much of the class token's final state comes,
+  through every path of attention and residual, from each input token; its patch columns make the map.
+- **per-head attention** of one layer: row 0 of W_l for each head, over the patch columns (what
+  the class token read in that layer, before any mixing by later layers).
+
+Shapes: L layers, H heads, T = prefix + rows * cols tokens (prefix: the class token, DeiT's
+distillation token). The maps are (rows, cols); :func:`draw_image_attention` paints them over the
+image the model saw (after its processor's resize and crop), one patch per cell.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+from .labels import PatchGrid  # noqa: E402
+from .record import record_attention  # noqa: E402
+
+__all__ = ["attention_rollout", "image_attention", "class_token_maps", "draw_image_attention", "figure_layout",
+           "PANEL_INCHES", "DPI"]
+
+PANEL_INCHES, DPI, MAX_COLUMNS = 2.4, 100, 4
+PREFIX_NAMES = ("[CLS]", "[DIST]")
+
+
+def attention_rollout(weights: Tensor) -> Tensor:
+    """(L, H, T, T) self-attention weights of one image, layers in order -> the rollout R (T, T):
+    ``R = A_L ... A_1`` with ``A_l = (mean over heads of W_l + I) / 2`` renormalised by rows."""
+    if weights.dim() != 4 or weights.size(-1) != weights.size(-2):
+        raise ValueError(f"attention_rollout: expected (layers, heads, T, T) weights, got {tuple(weights.shape)}")
+    w = weights.detach().double()
+    eye = torch.eye(w.size(-1), dtype=w.dtype, device=w.device)
+    rollout = eye
+    for layer in w:
+        a = layer.mean(0) + eye
+        a = a / a.sum(-1, keepdim=True)
+        rollout = a @ rollout
+    return rollout.float()
+
+
+@torch.no_grad()
+def image_attention(model: nn.Module, pixel_values: Tensor) -> tuple[Tensor, PatchGrid]:
+    """Run ``model`` on one image, pixel_values (1, C, H, W), recording its attention: (weights
+    (L, H, T, T) of every self-attention layer in order, the :class:`PatchGrid` of its tokens).
+
+    The grid comes from the model's patch size (``model.config.patch_size``) and the image's size;
+    the tokens before the patches are the prefix. A model whose attention is not over that grid
+    (no patch size, or attention within windows of it) is a ValueError saying so."""
+    if pixel_values.dim() != 4 or pixel_values.size(0) != 1:
+        raise ValueError(f"image_attention: expected pixel values of one image (1, C, H, W), got "
+                         f"{tuple(pixel_values.shape)}")
+    patch = getattr(getattr(model, "config", None), "patch_size", None)
+    if not isinstance(patch, int):
+        raise ValueError(f"image_attention: {type(model).__name__} states no patch size (config.patch_size), so "
+                         f"its tokens are not known to be an image's patches")
+    model.eval()
+    with record_attention(model) as record:
+        model(pixel_values)
+    weights = record.stack("self")[:, 0]                              # (L, H, T, T)
+    rows, cols = pixel_values.size(2) // patch, pixel_values.size(3) // patch
+    T, prefix = weights.size(-1), weights.size(-1) - rows * cols
+    if weights.size(-2) != T or not 0 <= prefix <= len(PREFIX_NAMES):
+        raise ValueError(f"image_attention: {type(model).__name__} attends over {tuple(weights.shape[-2:])} tokens, "
+                         f"not the {rows}x{cols} patch grid (and a class token) of its input")
+    return weights, PatchGrid((rows * patch, cols * patch), patch, PREFIX_NAMES[:prefix])
+
+
+def class_token_maps(weights: Tensor, grid: PatchGrid, layer: int = -1) -> tuple[Tensor, Tensor]:
+    """(rollout map (rows, cols), per-head map of ``layer`` (H, rows, cols)): the class token's row
+    over the patches, from (L, H, T, T) weights (see the module docstring); ``layer`` 0-based."""
+    n = len(grid.prefix)
+    if n == 0:
+        raise ValueError("class_token_maps: the tokens have no class token to read a row of")
+    rollout = attention_rollout(weights)[0, n:].reshape(grid.rows, grid.cols)
+    heads = weights[layer, :, 0, n:].float().reshape(-1, grid.rows, grid.cols)
+    return rollout, heads
+
+
+def figure_layout(num_heads: int) -> tuple[int, int, tuple[int, int]]:
+    """(panel rows, panel columns, PNG (width, height) in pixels) of a figure with the image, the
+    rollout and ``num_heads`` head panels."""
+    panels = 2 + num_heads
+    cols = min(panels, MAX_COLUMNS)
+    rows = math.ceil(panels / cols)
+    return rows, cols, (round(cols * PANEL_INCHES * DPI), round(rows * PANEL_INCHES * DPI))
+
+
+def _overlay(ax, image, heat: Tensor, title: str) -> None:
+    H, W = image.shape[:2]
+    ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
+    heat = heat / heat.max().clamp_min(1e-12)
+    # one cell per patch, stretched over the pixels it covers
+    ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(0, W, H, 0), interpolation="nearest",
+              vmin=0.0, vmax=1.0)
+    ax.set_title(title, fontsize=8)
+    ax.set_axis_off()
+
+
+def draw_image_attention(model: nn.Module, processor, image, path: str | Path, *, layer: int | None = None) -> Path:
+    """Write a PNG of ``image`` (a path, PIL image or uint8 array; ``processor`` an
+    :class:`attnlab.processors.ImageProcessor`) as ``model`` sees it, then the attention rollout and
+    the class token's attention per head in ``layer`` (1-based; default the last) over it.
+    Returns the path. Its size in pixels is :func:`figure_layout`'s."""
+    shown = processor.resized(image)                                  # (C, H, W) uint8, what the model reads
+    pixels = processor.finish(shown)[None].to(next(model.parameters()).device)
+    weights, grid = image_attention(model, pixels)
+    L, H = weights.shape[:2]
+    if layer is not None and not 1 <= layer <= L:
+        raise ValueError(f"viz: --layer must be in 1..{L}, got {layer}")
+    layer = L if layer is None else layer
+    rollout, heads = class_token_maps(weights.cpu(), grid, layer - 1)
+    picture = shown.permute(1, 2, 0).numpy()
+    picture = picture[..., 0] if picture.shape[-1] == 1 else picture
+    picture = picture[: grid.rows * grid.patch_size[0], : grid.cols * grid.patch_size[1]]
+    rows, cols, _ = figure_layout(H)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * PANEL_INCHES, rows * PANEL_INCHES), dpi=DPI, squeeze=False)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    axes.flat[0].imshow(picture, cmap="gray" if picture.ndim == 2 else None)
+    axes.flat[0].set_title("input", fontsize=8)
+    _overlay(axes.flat[1], picture, rollout, f"rollout, {L} layers")
+    for h in range(H):
+        _overlay(axes.flat[2 + h], picture, heads[h], f"layer {layer}, head {h + 1}")
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.92, wspace=0.05, hspace=0.15)
+    path = Path(path)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
