@@ -101,7 +101,7 @@ def _keep(driver, name: str, tmp_path: Path) -> None:
 def small_page(tmp_path_factory):
     torch.manual_seed(1)
     w = torch.softmax(3 * torch.randn(2, 4, 12, 12), -1)
-    labels = ["the", "cat", "sat", "on", "the", "mat", "and", "the", "dog", "ran", "</s>", "<x>"]
+    labels = ["the", "cat", "sat", "on", "the", "mat", "and", "the", "dog", "ran", "</s>", "</script><!--"]
     cross = torch.softmax(3 * torch.randn(2, 4, 5, 12), -1)
     # a "matrix" view: any non-negative (L, H, T, S) array, drawn relative to its largest value
     matrix = 7 * torch.rand(1, 2, 12, 12, generator=torch.Generator().manual_seed(2)).tril()
@@ -126,6 +126,9 @@ def test_the_page_loads_without_errors_or_network_requests(browser, small_page, 
     assert all(u.startswith("data:") for u in resources), resources
     assert browser.title.startswith("the <cat> sat")
     assert len(_lines(browser)) > 0
+    shown = browser.execute_script(
+        "return [...document.querySelectorAll('#head-view text[data-side=q]')].map(t => t.textContent)")
+    assert shown[-2:] == ["</s>", "</script><!--"]           # labels that would end a careless <script>
     _keep(browser, "explorer-head-view.png", tmp_path)
 
 

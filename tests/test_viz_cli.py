@@ -85,7 +85,7 @@ def test_a_translation_gets_its_views_and_the_alignment_figure(runs, tmp_path, c
     page = tmp_path / "t.html"
     assert main(["viz", str(runs / "translate"), "one cat", "--target", "cat one", "--html", str(page)]) == 0
     html = page.read_text()
-    assert '"cols":["one","cat"]' in html and '"rows":["cat","one","<\\/s>"]' in html
+    assert '"cols":["one","cat"]' in html and '"rows":["cat","one","\\u003c/s>"]' in html
 
 
 @pytest.mark.parametrize("args, message", [

@@ -88,8 +88,9 @@ def _asset(name: str) -> str:
 def page(views: list[View], title: str = "", **options) -> str:
     """The whole HTML page as a string."""
     data = json.dumps(payload(views, title, **options), separators=(",", ":"), ensure_ascii=True)
-    # the JSON sits inside a <script> element: "</" must not end it early
-    data = data.replace("</", "<\\/")
+    # the JSON sits inside a <script> element, which "</script>" or "<!--" in a label would end
+    # or derail: no "<" is left in it (JSON reads the escape as the same character)
+    data = data.replace("<", "\\u003c")
     parts = {"TITLE": _escape(title or "attention"), "STYLE": _asset("explorer.css"), "DATA": data,
              "SCRIPT": _asset("explorer.js")}
     # one pass, so that a placeholder inside the inserted text (a token label) stays as it is
