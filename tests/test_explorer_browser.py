@@ -272,7 +272,7 @@ def test_long_inputs_stay_usable(browser, tmp_path, T):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     m = _measure(browser, tmp_path, T)
-    assert m["bytes"] < 5_000_000 * (T // 128), m
+    assert m["bytes"] < 5_000_000, m                        # fewer keys kept per row as T grows
     assert m["first_view_ms"] < 5000, m
     drawn = _lines(browser)
     assert 0 < len(drawn) <= 3 * T                           # the strongest 3 keys per token, the rest a bar

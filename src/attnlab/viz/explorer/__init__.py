@@ -20,7 +20,8 @@ quantised to uint8 (value / scale * 255, rounded): a step of 1/255 of the larges
 than a colour map or a line's opacity shows.
 
 - "dense": each layer is H*T*S bytes, head-major then row-major.
-- "topk" (long inputs, where the dense array would pass ``DENSE_LIMIT`` bytes): per layer,
+- "topk" (long inputs, where the dense array would pass ``DENSE_LIMIT`` bytes): each row keeps
+  its k strongest keys (``TOP_K``, fewer where the whole would pass ``SPARSE_BUDGET``); per layer,
   H*T*k little-endian uint16 key indices, then H*T*k uint8 values (each row's k strongest keys,
   strongest first), then H*T uint8 of the rest: the mass of the keys not kept, which the page
   shows as one aggregate per row instead of thousands of faint links.
@@ -45,6 +46,9 @@ __all__ = ["payload", "page", "write_page", "serve", "DENSE_LIMIT", "TOP_K"]
 
 DENSE_LIMIT = 2_500_000      # bytes of one view's dense payload, beyond which rows keep their top k
 TOP_K = 12
+# bytes of one view's top-k payload (before base64's 4/3): a longer input keeps fewer keys per row,
+# down to MIN_K, so that a 6 x 12-head page over 2,048 tokens stays under 5 MB
+SPARSE_BUDGET, MIN_K = 3_500_000, 4
 
 
 def _quantise(x: torch.Tensor) -> np.ndarray:
@@ -63,6 +67,8 @@ def _view_payload(view: View, dense_limit: int, k: int) -> dict:
     if L * H * T * S <= dense_limit or S <= k:
         out.update(encoding="dense", data=[_b64(_quantise(w[i])) for i in range(L)])
         return out
+    rows = L * H * T
+    k = max(MIN_K, min(k, (SPARSE_BUDGET // rows - 1) // 3))       # 2 + 1 bytes per kept key, 1 for the rest
     data = []
     for i in range(L):
         values, index = w[i].topk(k, dim=-1)                                  # (H, T, k), strongest first
