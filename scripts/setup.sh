@@ -5,6 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Debian's Chromium and its driver, for the explorer's browser tests (tests/test_explorer_browser.py):
+# a system package, so no Python package downloads a browser of its own
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get install -y -q chromium chromium-driver >/dev/null
+    elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+        sudo apt-get install -y -q chromium chromium-driver >/dev/null
+    else
+        echo "setup.sh: Chromium is missing (/usr/bin/chromium) and apt-get needs root: run 'sudo apt-get install -y chromium chromium-driver'" >&2
+        exit 1
+    fi
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

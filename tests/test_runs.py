@@ -89,8 +89,6 @@ def test_a_model_of_the_wrong_kind_names_the_command_that_takes_it(runs, tmp_pat
     assert main(["generate", str(runs / "translate"), "--prompt", "one"]) == 2
     assert "'translate' run (transformer), which 'attnlab generate' does not take; use 'attnlab translate'" \
         in _error(capsys)
-    assert main(["viz", str(runs / "lm"), "the"]) == 2
-    assert "which 'attnlab viz' does not take" in _error(capsys)
     tiny_gpt2_dir(tmp_path / "hf", n_embd=32)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, architectures=["GPT2Model"])))

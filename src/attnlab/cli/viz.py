@@ -1,26 +1,110 @@
-"""``attnlab viz RUN "text"``: draw the cross-attention alignment of a translation;
-``attnlab viz RUN --image img.png``: draw where an image classifier's class token looks."""
+"""``attnlab viz RUN_OR_HF_DIR "text"``: draw what every attention layer of a model does with one input.
+
+Each kind of model is turned into *views* (attnlab.viz.views: one (layers, heads, T, S) array
+per layer stack and role, with token labels) by its own loader below; the figures and the page
+are drawn from views alone:
+
+- a text model whose forward takes token ids (causal LM, masked LM, encoder, classifier):
+  the text through the run's own tokenizer (or the directory's);
+- a translation: encoder, decoder and cross-attention of the model's own translation, or of
+  ``--target``; also the alignment figure (``alignment.png``: the cross-attention averaged over
+  layers and heads, or ``--layer``/``--head``; ``--grid``: every layer and head);
+- an image classifier, with ``--image img.png``: where its class token looks, over the image
+  (attnlab.viz.image; one PNG, beside the run's checkpoints).
+
+Output: PNGs (one per view and layer, its heads in a grid; ``--layer``/``--head``: one) in
+``--out DIR`` (default: a ``viz/`` folder inside the run or model directory), each path printed;
+``--html FILE``: the self-contained explorer page instead; ``--serve``: the page on localhost.
+"""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-HELP = "draw attention as a PNG: a translation's alignment, or an image classifier's attention over an image"
-EXAMPLE = ('attnlab viz runs/translate "the dog sees forty-seven cats" --out align.png\n'
+HELP = ("draw a model's attention for one input: PNG heatmaps, an interactive page (--html, --serve), or an "
+        "image classifier's attention over an image (--image)")
+EXAMPLE = ('attnlab viz runs/lm "the cat sat on the mat"\n'
+           '  attnlab viz runs/translate "the dog sees forty-seven cats" --layer 2 --head 1\n'
+           '  attnlab viz all-MiniLM-L6-v2/ "a cat sits on the mat" --html cat.html\n'
+           '  attnlab viz runs/classify "what a film" --serve\n'
            '  attnlab viz runs/image --image cat.png --layer 4          # writes runs/image/attention-cat.png')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a translation run, or an image run (attnlab train image)")
-    p.add_argument("text", nargs="?", help="the source sentence (a translation run)")
+    p.add_argument("checkpoint", help="a run directory or checkpoint (lm, mlm, classify, translate, image) or a "
+                   "Hugging Face model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("text", nargs="?", help="the text to look at (a translation's source sentence)")
     p.add_argument("--image", default=None, help="an image file (an image run): draws the attention rollout and the "
                                                  "class token's attention per head over it")
-    p.add_argument("--out", default=None, help="PNG to write (default: attention.png for a translation, "
-                                               "RUN/attention-IMAGE.png for an image)")
-    p.add_argument("--layer", type=int, default=None, help="one layer (1-based; default: all layers for a "
-                                                           "translation, the last for the per-head image panels)")
-    p.add_argument("--head", type=int, default=None, help="one head (1-based; default: average of heads; translation)")
-    p.add_argument("--grid", action="store_true", help="one panel per layer and head (translation)")
+    p.add_argument("--target", metavar="TEXT", help="translation: the target sentence the decoder reads "
+                   "(default: the model's own greedy translation)")
+    p.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: viz/ inside the run "
+                   "or model directory); for a translation, a name ending in .png is where the alignment "
+                   "figure alone goes; with --image, the PNG to write (default RUN/attention-IMAGE.png)")
+    p.add_argument("--layer", type=int, default=None, help="only this layer (1-based; default: every layer; with "
+                   "--image, the last for the per-head panels)")
+    p.add_argument("--head", type=int, default=None, help="only this head (1-based; default: all heads in a grid)")
+    p.add_argument("--grid", action="store_true", help="translation: the alignment figure with one panel per "
+                   "layer and head")
+    p.add_argument("--html", metavar="FILE", help="write the interactive explorer page here (one file; no network "
+                   "needed to view it) instead of PNGs")
+    p.add_argument("--serve", action="store_true", help="serve the explorer page on localhost and print its "
+                   "URL (Ctrl-C stops)")
+    p.add_argument("--port", type=int, default=0, help="--serve on this port (default: a free one)")
+
+
+# ----------------------------------------------------------------------------- loading, one per kind
+def _text_model(info, path: str):
+    """(model, tokenizer) of a run or Hugging Face directory of a text model."""
+    if info.kind == "run":
+        from ..tasks.run import load_model, load_tokenizers
+        tokenizers = load_tokenizers(info.run)
+        tok = tokenizers.get("text") or next(iter(tokenizers.values()))
+        return load_model(info.run), tok
+    from ..hub import from_pretrained
+    from ..processors import load_processor
+    return from_pretrained(path), load_processor(path, "text")
+
+
+def _text_views(args, info, kind: str):
+    from . import UserError
+    from ..tasks.run import model_context
+    from ..viz import TokenLabels
+    from ..viz.views import text_views
+    model, tok = _text_model(info, args.checkpoint)
+    ids = tok.encode(args.text)
+    if not ids:
+        raise UserError("the text is empty after tokenisation: give some text to look at")
+    context = model_context(model)
+    if context is not None and len(ids) > context:
+        raise UserError(f"the text is {len(ids)} tokens, longer than this model's context of {context} tokens: "
+                        f"shorten it")
+    return text_views(model, ids, TokenLabels(tok, ids)()), args.text
+
+
+def _translation_views(args, info, kind: str):
+    """A translation run (its source and target tokenizers) or a Hugging Face encoder-decoder
+    directory (T5: one tokenizer for both sides)."""
+    from ..viz.translation import draw_alignment, translation_views
+    if info.kind == "run":
+        from ..tasks import get_task
+        t = get_task(info.run.task).load(info.run, "cpu")
+        model, src_tok, tgt_tok = t.model, t.src_tok, t.tgt_tok
+    else:
+        model, src_tok = _text_model(info, args.checkpoint)
+        tgt_tok = src_tok
+    legacy = args.out is not None and args.out.endswith(".png")
+    if args.html is None and not args.serve:
+        where = Path(args.out) if legacy else _out_dir(args, info) / "alignment.png"
+        path, translation = draw_alignment(model, src_tok, tgt_tok, args.text, where, layer=args.layer,
+                                           head=args.head, grid=args.grid, target=args.target)
+        print(f"wrote {path}")
+        if legacy:                               # scripts/main.sh: the alignment figure alone
+            print(translation)
+            return [], translation
+    views, translation = translation_views(model, src_tok, tgt_tok, args.text, args.target)
+    print(translation)
+    return views, f"{args.text} -> {translation}"
 
 
 def _image(args: argparse.Namespace, info) -> int:
@@ -29,6 +113,8 @@ def _image(args: argparse.Namespace, info) -> int:
     from ..viz.image import draw_image_attention
     if args.text is not None or args.head is not None or args.grid:
         raise UserError("--image draws an image run's attention: it takes no text, --head or --grid")
+    if args.target is not None or args.html is not None or args.serve:
+        raise UserError("--image draws one PNG: --target, --html and --serve are for text models")
     if info.kind != "run":
         raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab viz --image' takes an image run, which "
                         f"records its image processor (train one with: attnlab train image)")
@@ -40,23 +126,57 @@ def _image(args: argparse.Namespace, info) -> int:
     return 0
 
 
+def _out_dir(args, info) -> Path:
+    if args.out is not None and not args.out.endswith(".png"):
+        return Path(args.out)
+    base = info.path if info.path.is_dir() else info.path.parent
+    return base / "viz"
+
+
+LOADERS = {"seq2seq": _translation_views}
+TEXT_KINDS = ("causal-lm", "masked-lm", "base", "classifier", "pretraining", "replaced-token")
+
+
 def run(args: argparse.Namespace) -> int:
     from . import UserError, open_model_path
-    from ..tasks import get_task
-    from ..viz.translation import draw_alignment
-    info, kind = open_model_path(args.checkpoint, "viz", ("seq2seq", "image-classifier"))
+    info, kind = open_model_path(args.checkpoint, "viz", TEXT_KINDS + tuple(LOADERS) + ("image-classifier",))
     if args.image is not None:
         if kind != "image-classifier":
             raise UserError(f"--image {args.image}: {args.checkpoint} is {info.describe()}, not an image "
                             f"classifier; --image takes an image run (attnlab train image)")
         return _image(args, info)
-    if kind != "seq2seq":
+    if kind == "image-classifier":
         raise UserError(f"{args.checkpoint}: {info.describe()}; give the image to look at with --image FILE")
     if args.text is None:
-        raise UserError("give the source sentence to translate (or --image FILE with an image run)")
-    t = get_task(info.run.task).load(info.run, "cpu")
-    path, translation = draw_alignment(t.model, t.src_tok, t.tgt_tok, args.text, args.out or "attention.png",
-                                       layer=args.layer, head=args.head, grid=args.grid)
-    print(translation)
+        what = "the source sentence to translate" if kind == "seq2seq" else "the text to look at"
+        raise UserError(f"give {what} (or --image FILE with an image run)")
+    if args.out is not None and args.out.endswith(".png") and kind != "seq2seq":
+        raise UserError(f"--out {args.out}: give a folder; a .png name is only for a translation's alignment figure")
+    if args.target is not None and kind != "seq2seq":
+        raise UserError("--target is for a translation model's decoder side; this model reads one text")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
+    views, title = LOADERS.get(kind, _text_views)(args, info, kind)
+    if args.html is not None or args.serve:
+        return _page(args, info, views, title)
+    from ..viz.figures import write_figures
+    for path in write_figures(views, _out_dir(args, info), layer=args.layer, head=args.head):
+        print(f"wrote {path}")
+    return 0
+
+
+def _page(args, info, views, title: str) -> int:
+    from ..viz.explorer import serve, write_page
+    path = write_page(views, args.html or _out_dir(args, info) / "attention.html", title=title)
     print(f"wrote {path}")
+    if not args.serve:
+        return 0
+    server = serve(path, args.port)
+    print(f"serving {path.name} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped")
+    finally:
+        server.server_close()
     return 0

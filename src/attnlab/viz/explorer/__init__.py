@@ -1,0 +1,139 @@
+"""The attention explorer: ONE self-contained HTML page (data, script and style inline; it makes
+no network request) with a head view, a model view and PNG/SVG export.
+
+    write_page(views, "attention.html", title="the cat sat")
+
+The page's code lives beside this file (page.html, explorer.css, explorer.js) and is inlined when
+a page is written. What it draws comes from :func:`payload`, a JSON object::
+
+    {"format": 1, "title": str,
+     "views": [{"name", "title", "kind": "attention" | "matrix", "scale": float,
+                "layers": L, "heads": H, "rows": [T labels], "cols": [S labels],
+                "encoding": "dense" | "topk", "k": int (topk only),
+                "data": [one base64 string per layer]}]}
+
+Every view is an (L, H, T, S) array read the same way (row t: how much query t takes from each
+key), so a new kind of model adds views, not page code: self- and cross-attention per layer stack
+now; a "matrix" view (any non-negative (L, H, T, S) array with labels, drawn relative to its
+``scale``, such as a state-space model's implicit attention) needs nothing more. Values are
+quantised to uint8 (value / scale * 255, rounded): a step of 1/255 of the largest weight, finer
+than a colour map or a line's opacity shows.
+
+- "dense": each layer is H*T*S bytes, head-major then row-major.
+- "topk" (long inputs, where the dense array would pass ``DENSE_LIMIT`` bytes): each row keeps
+  its k strongest keys (``TOP_K``, fewer where the whole would pass ``SPARSE_BUDGET``); per layer,
+  H*T*k little-endian uint16 key indices, then H*T*k uint8 values (each row's k strongest keys,
+  strongest first), then H*T uint8 of the rest: the mass of the keys not kept, which the page
+  shows as one aggregate per row instead of thousands of faint links.
+
+The page decodes a layer only when a view first needs it.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..views import View
+
+__all__ = ["payload", "page", "write_page", "serve", "DENSE_LIMIT", "TOP_K"]
+
+DENSE_LIMIT = 2_500_000      # bytes of one view's dense payload, beyond which rows keep their top k
+TOP_K = 12
+# bytes of one view's top-k payload (before base64's 4/3): a longer input keeps fewer keys per row,
+# down to MIN_K, so that a 6 x 12-head page over 2,048 tokens stays under 5 MB
+SPARSE_BUDGET, MIN_K = 3_500_000, 4
+
+
+def _quantise(x: torch.Tensor) -> np.ndarray:
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+
+def _b64(*parts: np.ndarray) -> str:
+    return base64.b64encode(b"".join(np.ascontiguousarray(p).tobytes() for p in parts)).decode("ascii")
+
+
+def _view_payload(view: View, dense_limit: int, k: int) -> dict:
+    w = view.weights / view.scale
+    L, H, T, S = w.shape
+    out = {"name": view.name, "title": view.title, "kind": view.kind, "scale": view.scale, "layers": L,
+           "heads": H, "rows": view.rows, "cols": view.cols}
+    if L * H * T * S <= dense_limit or S <= k:
+        out.update(encoding="dense", data=[_b64(_quantise(w[i])) for i in range(L)])
+        return out
+    rows = L * H * T
+    k = max(MIN_K, min(k, (SPARSE_BUDGET // rows - 1) // 3))       # 2 + 1 bytes per kept key, 1 for the rest
+    data = []
+    for i in range(L):
+        values, index = w[i].topk(k, dim=-1)                                  # (H, T, k), strongest first
+        rest = (w[i].sum(-1) - values.sum(-1)).clamp_min(0)                  # (H, T)
+        data.append(_b64(index.numpy().astype("<u2"), _quantise(values), _quantise(rest)))
+    out.update(encoding="topk", k=k, data=data)
+    return out
+
+
+def payload(views: list[View], title: str = "", *, dense_limit: int = DENSE_LIMIT, k: int = TOP_K) -> dict:
+    """The page's data (module docstring) for ``views``."""
+    if not views:
+        raise ValueError("explorer: no views to show")
+    if any(max(len(v.cols), 1) > 65535 for v in views):
+        raise ValueError("explorer: a view has more than 65,535 keys, beyond the page's uint16 indices")
+    return {"format": 1, "title": title, "views": [_view_payload(v, dense_limit, k) for v in views]}
+
+
+def _asset(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
+
+def page(views: list[View], title: str = "", **options) -> str:
+    """The whole HTML page as a string."""
+    data = json.dumps(payload(views, title, **options), separators=(",", ":"), ensure_ascii=True)
+    # the JSON sits inside a <script> element, which "</script>" or "<!--" in a label would end
+    # or derail: no "<" is left in it (JSON reads the escape as the same character)
+    data = data.replace("<", "\\u003c")
+    parts = {"TITLE": _escape(title or "attention"), "STYLE": _asset("explorer.css"), "DATA": data,
+             "SCRIPT": _asset("explorer.js")}
+    # one pass, so that a placeholder inside the inserted text (a token label) stays as it is
+    return re.sub(r"/\*@([A-Z]+)@\*/", lambda m: parts[m.group(1)], _asset("page.html"))
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def write_page(views: list[View], path: str | Path, title: str = "", **options) -> Path:
+    """Write the page to ``path`` (its folder made if missing); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page(views, title, **options), encoding="utf-8")
+    return path
+
+
+def serve(path: str | Path, port: int = 0) -> ThreadingHTTPServer:
+    """An HTTP server on 127.0.0.1 (``port`` 0: a free one, see ``server.server_address``) that
+    answers "/" and "/NAME" with the page at ``path`` and nothing else; the caller runs
+    ``serve_forever()``. The page needs nothing but itself, so no other file is exposed."""
+    body = Path(path).read_bytes()
+    name = "/" + Path(path).name
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.split("?")[0] not in ("/", name):
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):        # library code never prints
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", port), Page)

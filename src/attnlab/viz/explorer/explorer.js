@@ -1,0 +1,371 @@
+/* attnlab attention explorer. Reads the JSON payload in #attnlab-data (its format is documented
+   in attnlab/viz/explorer/__init__.py): views of (layers, heads, T, S) weights, one base64 string
+   per layer, decoded the first time a layer is drawn. Makes no network request. */
+(function () {
+  "use strict";
+  const DATA = JSON.parse(document.getElementById("attnlab-data").textContent);
+  const SVGNS = "http://www.w3.org/2000/svg";
+  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#843c39", "#7b4173"];
+  // viridis, sampled at 0, .25, .5, .75, 1
+  const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  const $ = (id) => document.getElementById(id);
+  const state = { view: 0, layer: 0, heads: new Set([0]), tab: "head", focus: null, enlarged: null, links: 0 };
+  const decoded = new Map();
+
+  const color = (h) => COLORS[h % COLORS.length];
+  const view = () => DATA.views[state.view];
+
+  function colormap(x) {
+    const f = Math.min(Math.max(x, 0), 1) * (STOPS.length - 1), i = Math.min(Math.floor(f), STOPS.length - 2);
+    const a = STOPS[i], b = STOPS[i + 1], t = f - i;
+    return [a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t, a[2] + (b[2] - a[2]) * t];
+  }
+
+  // ------------------------------------------------------------------ data
+  function layerData(v, l) {
+    const key = v.name + "#" + l;
+    if (decoded.has(key)) return decoded.get(key);
+    const text = atob(v.data[l]), bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+    const T = v.rows.length, S = v.cols.length, H = v.heads;
+    let d;
+    if (v.encoding === "dense") {
+      d = { dense: bytes, T, S };
+    } else {
+      const n = H * T * v.k;
+      d = { index: new Uint16Array(bytes.buffer, 0, n), values: bytes.subarray(2 * n, 3 * n),
+            rest: bytes.subarray(3 * n, 3 * n + H * T), k: v.k, T, S };
+    }
+    decoded.set(key, d);
+    return d;
+  }
+
+  // the strongest keys of query t in head h: [[key, weight], ...] strongest first, and the weight left out
+  function rowLinks(d, h, t, limit) {
+    let out = [], rest = 0;
+    if (d.dense) {
+      const base = (h * d.T + t) * d.S;
+      for (let s = 0; s < d.S; s++) { const w = d.dense[base + s]; if (w) out.push([s, w / 255]); }
+      out.sort((a, b) => b[1] - a[1]);
+      for (let i = limit; i < out.length; i++) rest += out[i][1];
+    } else {
+      const base = (h * d.T + t) * d.k;
+      for (let i = 0; i < d.k; i++) { const w = d.values[base + i]; if (w) out.push([d.index[base + i], w / 255]); }
+      for (let i = limit; i < out.length; i++) rest += out[i][1];
+      rest += d.rest[h * d.T + t] / 255;
+    }
+    return [out.slice(0, limit), rest];
+  }
+
+  // ------------------------------------------------------------------ controls
+  function fillControls() {
+    const vs = $("view-select");
+    vs.innerHTML = "";
+    DATA.views.forEach((v, i) => vs.add(new Option(v.title + (v.kind === "matrix" ? " (matrix)" : ""), i)));
+    vs.value = state.view;
+    const ls = $("layer-select"), v = view();
+    ls.innerHTML = "";
+    for (let l = 0; l < v.layers; l++) ls.add(new Option(String(l + 1), l));
+    state.layer = Math.min(state.layer, v.layers - 1);
+    ls.value = state.layer;
+    const heads = $("heads");
+    heads.innerHTML = "";
+    state.heads = new Set([...state.heads].filter((h) => h < v.heads));
+    if (!state.heads.size) state.heads.add(0);         // a view with fewer heads: show its first
+    for (let h = 0; h < v.heads; h++) {
+      const b = document.createElement("button");
+      b.type = "button"; b.textContent = "h" + (h + 1); b.dataset.head = h;
+      b.style.borderColor = color(h);
+      b.title = "head " + (h + 1) + ": click to show or hide, double-click to show it alone";
+      heads.appendChild(b);
+    }
+    if (!state.links) state.links = v.rows.length > 256 ? 3 : 8;
+    $("links").value = state.links;
+    markHeads();
+  }
+
+  function markHeads() {
+    for (const b of $("heads").children) b.classList.toggle("off", !state.heads.has(+b.dataset.head));
+  }
+
+  // ------------------------------------------------------------------ head view
+  function svgEl(name, attrs, parent) {
+    const e = document.createElementNS(SVGNS, name);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+
+  function labelWidth(labels) {
+    let m = 1;
+    for (const s of labels) m = Math.max(m, s.length);
+    return Math.min(m, 24) * 7.5 + 12;
+  }
+
+  // the head view's frame (tokens, caption) is drawn once per view, layer and head choice; a
+  // hover redraws only the lines, so that a long input answers at once
+  let frame = null;
+  function drawHeadView() {
+    const v = view(), T = v.rows.length, S = v.cols.length;
+    const rowH = T > 200 || S > 200 ? 13 : 18, lw = labelWidth(v.rows), rw = labelWidth(v.cols);
+    const xl = lw + 14, xr = xl + 260, width = xr + rw + 10, top = 24;
+    const height = top + Math.max(T, S) * rowH + 10;
+    const svg = svgEl("svg", { xmlns: SVGNS, width, height, viewBox: `0 0 ${width} ${height}`, id: "head-svg" });
+    svgEl("rect", { x: 0, y: 0, width, height, fill: "#ffffff" }, svg);
+    const caption = svgEl("text", { x: 4, y: 14, fill: "#444", "font-size": 12 }, svg);
+    caption.textContent = `${v.title}, layer ${state.layer + 1}, heads ${[...state.heads].sort((a, b) => a - b).map((h) => h + 1).join(" ") || "none"}`;
+    const y = (i) => top + i * rowH + rowH / 2;
+    const lines = svgEl("g", { id: "lines" }, svg), rests = svgEl("g", { id: "rests" }, svg);
+    const tokens = (labels, x, anchor, side) => {
+      const g = svgEl("g", { class: "tokens-" + side }, svg);
+      labels.forEach((s, i) => {
+        const e = svgEl("text", { x, y: y(i) + 4, "text-anchor": anchor, fill: "#222", "data-side": side, "data-index": i }, g);
+        e.textContent = s.length > 24 ? s.slice(0, 23) + "…" : s;
+      });
+      return g;
+    };
+    frame = { v, xl, xr, y, lines, rests, q: tokens(v.rows, xl - 14, "end", "q"), k: tokens(v.cols, xr + 6, "start", "k"), bold: null };
+    $("head-view").replaceChildren(svg);
+    drawLines();
+    $("hint").textContent = `Lines: each query (left) to its ${state.links} strongest keys (right), one colour per head, ` +
+      `opacity = weight; a grey bar is the weight of the keys not drawn. Hover a token to see only its lines.`;
+  }
+
+  function drawLines() {
+    const { v, xl, xr, y, lines, rests } = frame, d = layerData(v, state.layer), T = v.rows.length;
+    const f = state.focus, heads = [...state.heads].sort((a, b) => a - b);
+    const lineSet = document.createDocumentFragment(), restSet = document.createDocumentFragment();
+    for (const h of heads) {
+      for (let t = 0; t < T; t++) {
+        if (f && f.side === "q" && f.index !== t) continue;
+        const [links, rest] = rowLinks(d, h, t, state.links);
+        for (const [s, w] of links) {
+          if (f && f.side === "k" && f.index !== s) continue;
+          svgEl("line", { x1: xl, y1: y(t), x2: xr, y2: y(s), stroke: color(h), "stroke-width": 2,
+                          "stroke-opacity": Math.min(1, w * (f ? 1.5 : 1)).toFixed(3),
+                          "data-q": t, "data-k": s, "data-h": h }, lineSet);
+        }
+        if (rest > 0.02 && !(f && f.side === "k"))
+          svgEl("rect", { x: xl - 10, y: y(t) - 3 + (heads.indexOf(h) % 3), width: 8 * rest + 1, height: 2,
+                          fill: "#999", "data-q": t, "data-rest": rest.toFixed(3) }, restSet);
+      }
+    }
+    lines.replaceChildren(lineSet);
+    rests.replaceChildren(restSet);
+    if (frame.bold) frame.bold.removeAttribute("font-weight");
+    frame.bold = f ? frame[f.side].children[f.index] : null;
+    if (frame.bold) frame.bold.setAttribute("font-weight", "bold");
+  }
+
+  // ------------------------------------------------------------------ model view
+  function heatmap(d, h, size) {
+    // max over the cells each pixel covers, so a sharp link stays visible in a small thumbnail
+    const rows = Math.min(size, d.T), cols = Math.min(size, d.S), px = new Float32Array(rows * cols);
+    const put = (t, s, w) => { const i = Math.floor(t * rows / d.T) * cols + Math.floor(s * cols / d.S); if (w > px[i]) px[i] = w; };
+    if (d.dense) {
+      for (let t = 0; t < d.T; t++) { const base = (h * d.T + t) * d.S; for (let s = 0; s < d.S; s++) put(t, s, d.dense[base + s]); }
+    } else {
+      for (let t = 0; t < d.T; t++) { const base = (h * d.T + t) * d.k; for (let i = 0; i < d.k; i++) put(t, d.index[base + i], d.values[base + i]); }
+    }
+    let top = 1;
+    for (const w of px) if (w > top) top = w;
+    const img = new ImageData(cols, rows);
+    for (let i = 0; i < px.length; i++) {
+      const c = colormap(px[i] / top);
+      img.data[4 * i] = c[0]; img.data[4 * i + 1] = c[1]; img.data[4 * i + 2] = c[2]; img.data[4 * i + 3] = 255;
+    }
+    return img;
+  }
+
+  function paint(canvas, img, width, height) {
+    const tmp = document.createElement("canvas");
+    tmp.width = img.width; tmp.height = img.height;
+    tmp.getContext("2d").putImageData(img, 0, 0);
+    canvas.width = width; canvas.height = height;
+    const ctx = canvas.getContext("2d");
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(tmp, 0, 0, width, height);
+    return ctx;
+  }
+
+  let modelJob = 0;
+  function drawModelView() {
+    const v = view(), grid = $("thumbs"), job = ++modelJob;
+    if (state.enlarged) return drawEnlarged();
+    $("enlarged").hidden = true;
+    grid.hidden = false;
+    grid.replaceChildren();
+    const size = v.layers * v.heads > 144 ? 48 : 72;
+    grid.style.gridTemplateColumns = `3em repeat(${v.heads}, ${size + 2}px)`;
+    grid.appendChild(Object.assign(document.createElement("span"), { className: "collabel" }));
+    for (let h = 0; h < v.heads; h++)
+      grid.appendChild(Object.assign(document.createElement("span"), { className: "collabel", textContent: "h" + (h + 1) }));
+    const row = (l) => {
+      if (job !== modelJob) return;               // the view changed while rows were still being drawn
+      const d = layerData(v, l);
+      grid.appendChild(Object.assign(document.createElement("span"), { className: "rowlabel", textContent: "L" + (l + 1) }));
+      for (let h = 0; h < v.heads; h++) {
+        const c = document.createElement("canvas");
+        c.dataset.layer = l; c.dataset.head = h; c.title = `layer ${l + 1}, head ${h + 1}: click to enlarge`;
+        paint(c, heatmap(d, h, size), size, size);
+        grid.appendChild(c);
+      }
+      if (l + 1 < v.layers) requestAnimationFrame(() => row(l + 1));
+      else grid.dataset.complete = "1";
+    };
+    grid.dataset.complete = "";
+    row(0);
+    $("hint").textContent = "Every layer (rows) and head (columns): rows of a panel are queries, columns keys. Click a panel to enlarge it.";
+  }
+
+  function drawEnlarged() {
+    const v = view(), { layer, head } = state.enlarged, d = layerData(v, layer);
+    $("thumbs").hidden = true;
+    $("enlarged").hidden = false;
+    const T = v.rows.length, S = v.cols.length, labelled = Math.max(T, S) <= 64;
+    const cell = Math.max(1, Math.min(24, Math.floor(640 / Math.max(T, S))));
+    const margin = labelled ? labelWidth(v.rows.concat(v.cols)) : 10, top = 24;
+    const canvas = $("enlarged-canvas");
+    const img = heatmap(d, head, 1024);
+    const w = Math.max(cell * S, Math.min(S, 1024)), hgt = Math.max(cell * T, Math.min(T, 1024));
+    canvas.width = margin + w + 10; canvas.height = top + hgt + margin;
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    const tmp = document.createElement("canvas");
+    tmp.width = img.width; tmp.height = img.height;
+    tmp.getContext("2d").putImageData(img, 0, 0);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(tmp, margin, top, w, hgt);
+    ctx.fillStyle = "#222"; ctx.font = "12px sans-serif";
+    ctx.fillText(`${v.title}, layer ${layer + 1}, head ${head + 1} (rows: queries, columns: keys)`, 4, 15);
+    if (labelled) {
+      ctx.font = "11px monospace"; ctx.textAlign = "right";
+      v.rows.forEach((s, i) => ctx.fillText(s.slice(0, 24), margin - 4, top + (i + 0.7) * hgt / T));
+      ctx.save();
+      v.cols.forEach((s, i) => {
+        ctx.setTransform(1, 0, 0, 1, margin + (i + 0.7) * w / S, top + hgt + 4);
+        ctx.rotate(-Math.PI / 2); ctx.fillText(s.slice(0, 24), 0, 0);
+      });
+      ctx.restore();
+    }
+    $("hint").textContent = "One head, large: darker is less weight, yellow the most.";
+  }
+
+  // ------------------------------------------------------------------ drawing and events
+  function draw() {
+    $("head-view").hidden = state.tab !== "head";
+    $("model-view").hidden = state.tab !== "model";
+    $("tab-head").classList.toggle("active", state.tab === "head");
+    $("tab-model").classList.toggle("active", state.tab === "model");
+    if (state.tab === "head") drawHeadView(); else drawModelView();
+  }
+
+  function on(id, event, handler) { $(id).addEventListener(event, handler); }
+
+  on("view-select", "change", (e) => { state.view = +e.target.value; state.focus = null; state.enlarged = null; state.links = 0; fillControls(); draw(); });
+  on("layer-select", "change", (e) => { state.layer = +e.target.value; state.focus = null; if (state.enlarged) state.enlarged.layer = state.layer; draw(); });
+  on("links", "change", (e) => { state.links = Math.max(1, Math.min(64, Math.round(+e.target.value) || 1)); draw(); });
+  on("tab-head", "click", () => { state.tab = "head"; draw(); });
+  on("tab-model", "click", () => { state.tab = "model"; draw(); });
+  on("close-enlarged", "click", () => { state.enlarged = null; draw(); });
+  on("heads", "click", (e) => {
+    const h = e.target.dataset && e.target.dataset.head;
+    if (h === undefined) return;
+    if (state.heads.has(+h)) state.heads.delete(+h); else state.heads.add(+h);
+    markHeads(); if (state.tab === "head") drawHeadView();
+  });
+  on("heads", "dblclick", (e) => {
+    const h = e.target.dataset && e.target.dataset.head;
+    if (h === undefined) return;
+    state.heads = new Set([+h]); markHeads(); if (state.tab === "head") drawHeadView();
+  });
+  on("thumbs", "click", (e) => {
+    const c = e.target;
+    if (c.tagName !== "CANVAS") return;
+    state.enlarged = { layer: +c.dataset.layer, head: +c.dataset.head };
+    state.layer = state.enlarged.layer; state.heads = new Set([state.enlarged.head]);
+    $("layer-select").value = state.layer; markHeads();
+    draw();
+  });
+  on("head-view", "mouseover", (e) => {
+    const side = e.target.dataset && e.target.dataset.side;
+    if (!side) return;
+    const index = +e.target.dataset.index;
+    if (state.focus && state.focus.side === side && state.focus.index === index) return;
+    state.focus = { side, index }; drawLines();
+  });
+  on("head-view", "mouseleave", () => { if (state.focus) { state.focus = null; drawLines(); } });
+
+  // ------------------------------------------------------------------ export
+  function svgText(svg) {
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(svg);
+  }
+
+  function svgDataUrl(text) {
+    return "data:image/svg+xml;base64," + btoa(unescape(encodeURIComponent(text)));
+  }
+
+  function currentCanvas() {
+    // the model view as one picture: the enlarged head, or every thumbnail on one canvas
+    if (state.enlarged) return $("enlarged-canvas");
+    const thumbs = [...$("thumbs").querySelectorAll("canvas")], v = view();
+    if (!thumbs.length) return null;
+    const size = thumbs[0].width, gap = 3, left = 30, top = 20;
+    const c = document.createElement("canvas");
+    c.width = left + v.heads * (size + gap); c.height = top + v.layers * (size + gap);
+    const ctx = c.getContext("2d");
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, c.width, c.height);
+    ctx.fillStyle = "#222"; ctx.font = "11px sans-serif";
+    for (const t of thumbs) {
+      const l = +t.dataset.layer, h = +t.dataset.head;
+      ctx.drawImage(t, left + h * (size + gap), top + l * (size + gap));
+      if (h === 0) ctx.fillText("L" + (l + 1), 2, top + l * (size + gap) + size / 2);
+      if (l === 0) ctx.fillText("h" + (h + 1), left + h * (size + gap) + size / 2 - 6, 14);
+    }
+    return c;
+  }
+
+  // resolves to {png, svg}: data URLs of the current view
+  function exportView() {
+    if (state.tab === "head") {
+      const text = svgText($("head-svg")), url = svgDataUrl(text);
+      return new Promise((resolve, reject) => {
+        const img = new Image();
+        img.onload = () => {
+          const c = document.createElement("canvas");
+          c.width = img.width; c.height = img.height;
+          c.getContext("2d").drawImage(img, 0, 0);
+          resolve({ png: c.toDataURL("image/png"), svg: url });
+        };
+        img.onerror = () => reject(new Error("the head view could not be rasterised"));
+        img.src = url;
+      });
+    }
+    const c = currentCanvas();
+    if (!c) return Promise.reject(new Error("nothing drawn yet"));
+    const png = c.toDataURL("image/png");
+    const svg = svgEl("svg", { xmlns: SVGNS, width: c.width, height: c.height, viewBox: `0 0 ${c.width} ${c.height}` });
+    svgEl("image", { href: png, x: 0, y: 0, width: c.width, height: c.height }, svg);
+    return Promise.resolve({ png, svg: svgDataUrl(svgText(svg)) });
+  }
+
+  function download(kind) {
+    exportView().then((urls) => {
+      const a = $("download-" + kind);
+      a.href = urls[kind];
+      a.click();
+    }).catch((e) => { $("hint").textContent = "export failed: " + e.message; });
+  }
+  on("export-png", "click", () => download("png"));
+  on("export-svg", "click", () => download("svg"));
+
+  window.attnlabExplorer = { state, exportView, draw };
+  fillControls();
+  draw();
+  requestAnimationFrame(() => requestAnimationFrame(() => {
+    // the first frame with the head view on screen
+    window.attnlabReady = performance.now();
+    document.body.dataset.ready = "1";
+  }));
+})();

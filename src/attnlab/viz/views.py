@@ -1,0 +1,110 @@
+"""What the PNG figures and the HTML explorer draw: a list of *views*, each one (L, H, T, S) array
+of non-negative weights with a label per row (query) and per column (key).
+
+    views = text_views(model, ids, labels)         # one view per layer stack and role that ran
+    views[0].name, views[0].weights.shape          # "layers/self", (L, H, T, S)
+
+A view of kind "attention" holds softmax weights (each row sums to 1, or 0 for a query with no
+allowed key). A view of kind "matrix" is any other (L, H, T, S) array that reads the same way (a
+state-space model's implicit attention, a relevance map): the figures and the page draw it
+scaled by its largest value, and nothing else about it needs to be known to them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.attention import MultiHeadAttention
+from .record import AttentionRecord, record_attention
+
+__all__ = ["View", "record_views", "text_views", "seq2seq_views"]
+
+KINDS = ("attention", "matrix")
+
+
+@dataclass
+class View:
+    """One drawable array. name: a short unique id ("encoder_layers/self"); title: what a reader
+    sees ("encoder self-attention"); weights: (L, H, T, S), float, >= 0; rows: T labels (the
+    queries), cols: S labels (the keys); kind: "attention" or "matrix" (module docstring)."""
+    name: str
+    title: str
+    weights: Tensor
+    rows: list[str]
+    cols: list[str]
+    kind: str = "attention"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"View {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        w = torch.as_tensor(self.weights).detach().float().cpu()
+        if w.dim() != 4 or w.shape[2:] != (len(self.rows), len(self.cols)):
+            raise ValueError(f"View {self.name!r}: weights of shape {tuple(w.shape)} do not match (layers, heads, "
+                             f"{len(self.rows)} row labels, {len(self.cols)} column labels)")
+        if not torch.isfinite(w).all() or (w < 0).any():
+            raise ValueError(f"View {self.name!r}: weights must be finite and >= 0")
+        self.weights = w
+
+    @property
+    def scale(self) -> float:
+        """What the largest drawn value stands for: 1 for attention, the largest entry of a matrix."""
+        return 1.0 if self.kind == "attention" else max(float(self.weights.max()), 1e-12)
+
+
+def _title(part: str, role: str) -> str:
+    """ "encoder_layers", "self" -> "encoder self-attention"; "decoder.layers" -> "decoder ..."; "layers" -> "self-attention"."""
+    words = [w for w in part.replace(".", " ").replace("_", " ").split() if w != "layers"]
+    return " ".join(words + [f"{role}-attention"])
+
+
+def record_views(record: AttentionRecord, rows: Sequence[str], cols: Sequence[str], cross_cols: Sequence[str] = (),
+                 batch: int = 0) -> list[View]:
+    """One view per (part, role) that ran, in the order each first ran, from batch row ``batch``:
+    queries labelled ``rows``, keys ``cols`` (``cross_cols`` for cross-attention)."""
+    order = list(dict.fromkeys((c.part, c.role) for c in record))
+    views = []
+    for part, role in order:
+        w = record.stack(role, part=part)[:, batch]
+        keys = cross_cols if role == "cross" else cols
+        views.append(View(f"{part or 'layer'}/{role}", _title(part, role), w, list(rows), list(keys)))
+    return views
+
+
+def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
+    if not any(isinstance(m, MultiHeadAttention) for m in model.modules()):
+        raise ValueError(f"viz: {type(model).__name__} has no attention layers to draw (it is built without "
+                         f"attnlab's MultiHeadAttention)")
+    with record_attention(model) as record:
+        model(*args)
+    return record
+
+
+@torch.no_grad()
+def text_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str]) -> list[View]:
+    """Views of one text through a model whose forward takes ``input_ids`` (B, T) alone: a causal
+    or masked LM, an encoder, a classifier. ``labels``: one per token."""
+    if len(ids) != len(labels):
+        raise ValueError(f"viz: {len(ids)} token ids but {len(labels)} labels")
+    model.eval()
+    device = next(model.parameters()).device
+    record = _forward_recorded(model, torch.tensor([list(ids)], device=device))
+    return record_views(record, labels, labels)
+
+
+@torch.no_grad()
+def seq2seq_views(model: nn.Module, src: Sequence[int], tgt: Sequence[int], src_labels: Sequence[str],
+                  tgt_labels: Sequence[str]) -> list[View]:
+    """Encoder self-, decoder self- and cross-attention of ``tgt`` (the decoder input, BOS first)
+    given ``src``, for a model with ``encode(src)`` and ``decode(tgt, memory)``: the encoder and
+    the decoder are recorded apart, so each view knows which sequence its rows are."""
+    model.eval()
+    device = next(model.parameters()).device
+    s, t = torch.tensor([list(src)], device=device), torch.tensor([list(tgt)], device=device)
+    with record_attention(model) as encoder:
+        memory = model.encode(s)
+    with record_attention(model) as decoder:
+        model.decode(t, memory)
+    return record_views(encoder, src_labels, src_labels) + record_views(decoder, tgt_labels, tgt_labels, src_labels)

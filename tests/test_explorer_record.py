@@ -1,0 +1,188 @@
+"""The weights the explorer draws, for every registered architecture built from attnlab's attention
+(its family's "tiny" preset, as tests/contract.py builds them):
+
+- recorded while the fused (SDPA) kernel computes the output, they equal the weights the explicit
+  path (matmul, scale, mask, softmax) returns when it computes that output itself, call by call;
+- they equal transformers' ``output_attentions`` (eager attention) with the same weights, for
+  every architecture transformers has;
+- recording leaves the outputs bit-identical (a classifier's within a rounding of its last layer,
+  see below), and the fused kernel really ran for every call;
+- a module the explorer was not written for (built in this test from MultiHeadAttention) goes
+  end to end into views, figures and a page.
+"""
+import pytest
+import torch
+from torch import nn
+
+import attnlab
+import attnlab.nn.attention as attention_module
+from attnlab.models.registry import architectures
+from attnlab.nn import MultiHeadAttention
+from attnlab.viz import record_attention
+from attnlab.viz.explorer import payload, write_page
+from attnlab.viz.figures import write_figures
+from attnlab.viz.views import record_views
+import contract  # noqa: E402  (tests/ is on sys.path under pytest)
+from _tolerance import FP32, assert_close_scaled  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+def _has_attention(arch) -> bool:
+    return any(isinstance(m, MultiHeadAttention) for m in contract.tiny(arch).modules())
+
+
+ATTENDING = [a for a in architectures() if _has_attention(a)]
+HF = [a for a in ATTENDING if a.family.hf]
+FIRST_ONLY = ("classifier", "image-classifier")
+IDS = lambda archs: [f"{a.model_type}-{a.name}" for a in archs]  # noqa: E731
+
+
+def _explicit(model, x):
+    """The model's outputs and every attention call's weights, each module forced onto the
+    explicit path (``return_weights=True``), which returns the weights it computed the output with."""
+    seen = []
+    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+
+    def forced(m):
+        def forward(*args, **kwargs):
+            out, w = type(m).forward(m, *args, **{**kwargs, "return_weights": True})
+            seen.append(w.detach())
+            return out, w
+        return forward
+
+    for m in modules:
+        m.forward = forced(m)
+    try:
+        out = model(*x)
+    finally:
+        for m in modules:
+            del m.forward
+    return out, seen
+
+
+def test_every_architecture_is_drawn_or_refused_in_one_line():
+    """The state-space families (Mamba) hold no attention module: the explorer says so."""
+    from attnlab.viz.views import text_views
+    without = [a for a in architectures() if a not in ATTENDING]
+    assert len(ATTENDING) >= 25 and {a.model_type for a in without} >= {"mamba"}
+    for arch in without:
+        if arch.family.modality == "text":
+            with pytest.raises(ValueError, match="has no attention layers to draw"):
+                text_views(contract.tiny(arch), [1, 2, 3], ["a", "b", "c"])
+
+
+@pytest.mark.parametrize("arch", ATTENDING, ids=IDS(ATTENDING))
+def test_recorded_weights_equal_the_explicit_path_and_outputs_stay_the_same(arch, monkeypatch):
+    model = contract.tiny(arch, randomize=True)
+    x = contract.inputs(arch, model)
+    fused = []
+    plain_sdpa = attention_module.F.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        fused.append(1)
+        return plain_sdpa(*args, **kwargs)
+
+    with torch.no_grad():
+        plain = model(*x)
+        monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", counting)
+        with record_attention(model) as record:
+            recorded = model(*x)
+        monkeypatch.undo()
+        explicit, want = _explicit(model, x)
+    if arch.kind in FIRST_ONLY:
+        # a head that reads the first position alone lets the last layer compute that query
+        # only; while recorded it computes every query (the record wants them), and a one-row
+        # product rounds differently from a many-row one in the last bit
+        for got, ref in zip(contract.outputs(recorded), contract.outputs(plain)):
+            assert_close_scaled(got, ref, 1e-6, f"{arch}: recorded vs plain outputs")
+    else:
+        assert contract.same(recorded, plain), f"{arch}: recording changed the outputs"
+    assert len(record) == len(want) > 0 and len(fused) == len(record), \
+        f"{arch}: {len(fused)} fused kernel calls for {len(record)} recorded calls"
+    for got, ref in zip(contract.outputs(explicit), contract.outputs(plain)):
+        if got.is_floating_point():
+            assert_close_scaled(got, ref, FP32, f"{arch}: explicit vs fused outputs")
+    for i, (call, w) in enumerate(zip(record, want)):
+        got = call.weights
+        if arch.kind in FIRST_ONLY and w.size(-2) == 1:      # unrecorded, that last layer ran its first query
+            got = got[..., :1, :]
+        assert got.shape == w.shape, f"{arch} call {i} ({call.module})"
+        assert_close_scaled(got, w, FP32, f"{arch} call {i} ({call.module}) weights")
+
+
+@pytest.mark.parametrize("arch", HF, ids=IDS(HF))
+def test_recorded_weights_equal_transformers_output_attentions(arch, tmp_path):
+    model = contract.tiny(arch, randomize=True)
+    directory = attnlab.save_pretrained(model, tmp_path)
+    cls = getattr(transformers, arch.name)
+    hf = cls.from_pretrained(directory, attn_implementation="eager").eval()
+    example = contract.example(arch, model.config)
+    with torch.no_grad():
+        with record_attention(model) as record:
+            model(*example.values())
+        out = hf(**example, output_attentions=True)
+    if arch.kind == "seq2seq":                 # encoder self, decoder self, cross: one stack each
+        order = list(dict.fromkeys((c.part, c.role) for c in record))
+        wanted = (out.encoder_attentions, out.decoder_attentions, out.cross_attentions)
+        assert [role for _, role in order] == ["self", "self", "cross"], order
+        for (part, role), want in zip(order, wanted, strict=True):
+            got = record.stack(role, part=part)
+            assert got.size(0) == len(want), f"{arch} {part}: {got.size(0)} layers recorded, transformers {len(want)}"
+            for layer, w in enumerate(want):
+                assert_close_scaled(got[layer], w, FP32, f"{arch} {part} {role} layer {layer}")
+        return
+    # one entry per attention call, in call order (Swin's windows: (B * windows, H, N, N) per
+    # block); a masked-image model's decoder runs after the encoder, whose calls transformers returns
+    want = out.attentions
+    calls = list(record)
+    if arch.kind == "masked-image-model":
+        calls = calls[:len(want)]
+    if arch.model_type == "swin":
+        # transformers' SwinStage returns the attentions of its last block alone: one per stage
+        last = {c.module.split(".blocks.")[0]: c for c in calls}
+        calls = list(last.values())
+    assert len(calls) == len(want) > 0, f"{arch}: {len(record)} calls recorded, transformers {len(want)}"
+    for i, (call, w) in enumerate(zip(calls, want)):
+        assert call.weights.shape == w.shape, f"{arch} call {i} ({call.module})"
+        assert_close_scaled(call.weights, w, FP32, f"{arch} call {i} ({call.module})")
+
+
+class _Unforeseen(nn.Module):
+    """A model no file of attnlab knows: two attention modules of its own arrangement (a
+    self-attention and an attention over a fixed memory), no registry entry, no labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.memory = nn.Parameter(torch.randn(5, 16))
+        self.blocks = nn.ModuleList([MultiHeadAttention(16, 4, 0.0) for _ in range(2)])
+        self.cross_reader = MultiHeadAttention(16, 2, 0.0)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x, is_causal=True)[0]
+        memory = self.memory.expand(ids.size(0), -1, -1)
+        return x + self.cross_reader(x, memory, memory)[0]
+
+
+def test_a_model_the_explorer_was_not_written_for_goes_into_a_page(tmp_path):
+    torch.manual_seed(0)
+    model = _Unforeseen().eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    labels = [f"w{i}" for i in range(7)]
+    with torch.no_grad(), record_attention(model) as record:
+        model(ids)
+    views = record_views(record, labels, labels, [f"m{j}" for j in range(5)])
+    assert [(v.name, tuple(v.weights.shape)) for v in views] == [("blocks/self", (2, 4, 7, 7)),
+                                                                 ("layer/cross", (1, 2, 7, 5))]
+    causal = views[0].weights
+    assert torch.all(causal.triu(1) == 0) and torch.allclose(causal.sum(-1), torch.ones(2, 4, 7))
+    paths = write_figures(views, tmp_path / "png")
+    assert [p.name for p in paths] == ["blocks-self-layer1.png", "blocks-self-layer2.png", "layer-cross-layer1.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    page = write_page(views, tmp_path / "page.html", title="unforeseen")
+    data = payload(views, "unforeseen")
+    assert [v["heads"] for v in data["views"]] == [4, 2] and data["views"][1]["cols"] == [f"m{j}" for j in range(5)]
+    assert "attnlab-data" in page.read_text() and page.stat().st_size < 100_000
