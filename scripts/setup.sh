@@ -7,11 +7,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # Debian's Chromium and its driver, for the explorer's browser tests (tests/test_explorer_browser.py):
 # a system package, so no Python package downloads a browser of its own
+apt_install() {    # the package lists of a fresh machine may be missing: update once, then retry
+    "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null ||
+        { "$@" apt-get update -q >/dev/null && "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }
+}
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     if [ "$(id -u)" = 0 ]; then
-        apt-get install -y -q chromium chromium-driver >/dev/null
+        apt_install
     elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-        sudo apt-get install -y -q chromium chromium-driver >/dev/null
+        apt_install sudo -n
     else
         echo "setup.sh: Chromium is missing (/usr/bin/chromium) and apt-get needs root: run 'sudo apt-get install -y chromium chromium-driver'" >&2
         exit 1
