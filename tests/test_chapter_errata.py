@@ -300,7 +300,7 @@ def test_sinusoidal_positions_beyond_training_are_new_inputs():
     seen_lo, seen_hi = table[:trained].min(0).values, table[:trained].max(0).values
     beyond = table[2 * trained]
     unseen = ((beyond < seen_lo - 1e-3) | (beyond > seen_hi + 1e-3)).float().mean().item()
-    assert unseen > 0.3, f"only {unseen:.0%} of the channels leave the trained range"
+    assert 0.35 < unseen < 0.45, f"only {unseen:.0%} of the channels leave the trained range"
     with pytest.raises(RuntimeError):
         ChapterPositionalEncoding(8, max_len=16)(torch.zeros(17, 1, 8))   # and the chapter's table ends
 
