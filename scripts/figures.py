@@ -223,7 +223,9 @@ def draw_norm_gradients(data, path):
 
 def _alignment_run(run: Path | None) -> tuple[Path, str]:
     if run is not None:
-        return run, f"the run given with --run ({run.name})"
+        import yaml
+        settings = yaml.safe_load((run / "config.yaml").read_text())["settings"]
+        return run, f"a run of attnlab train translate, {settings['steps']} steps, seed {settings['seed']}"
     main = ROOT / "runs" / "translate"
     if (main / "latest").exists():
         return main, "runs/translate (the main job)"
