@@ -12,7 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # the lesson pages: each opens with the intuition and ends with exercises
-LESSONS = ["attention.md", "masks.md", "feed-forward.md", "positions.md", "trainer.md"]
+LESSONS = ["attention.md", "masks.md", "multi-head-attention.md", "feed-forward.md", "positions.md", "norms.md",
+           "trainer.md"]
 EXERCISE = re.compile(r"^### Exercise (\d+)[^\n]*\n(.*?)(?=^### |^## |^\[\^|\Z)", re.MULTILINE | re.DOTALL)
 SOLUTION = re.compile(r'<details markdown="1">\s*<summary>Solution</summary>(.*?)</details>', re.DOTALL)
 PYTHON = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
