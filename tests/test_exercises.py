@@ -63,3 +63,34 @@ def test_source_excerpts_are_verbatim():
             source = (ROOT / path).read_text(encoding="utf-8")
             assert excerpt in source, f"{page.name}: the excerpt of {path} is not in it (any more)"
     assert found >= len(LESSONS) - 1
+
+
+# the chapter's sections (seed 000's headings) and the article's (A1-A7)
+CHAPTER_SECTIONS = ([f"1.{i}" for i in range(1, 5)] + [f"2.{i}" for i in range(1, 5)] + [f"3.{i}" for i in range(1, 6)]
+                    + [f"4.{i}" for i in range(1, 7)] + [f"5.{i}" for i in range(1, 7)] + [f"6.{i}" for i in range(1, 7)]
+                    + ["7.1", "7.2"] + [f"8.{i}" for i in range(1, 5)] + ["9"] + [f"A{i}" for i in range(1, 8)])
+EXERCISE_PAGES = {"attention": "attention.md", "masks": "masks.md", "multi-head": "multi-head-attention.md",
+                  "feed-forward": "feed-forward.md", "positions": "positions.md", "norms": "norms.md",
+                  "trainer": "trainer.md"}
+
+
+def test_coverage_table_is_complete_and_true():
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    table = index.split("## Coverage of the chapter", 1)[1].split("\n## ", 1)[0]
+    rows = [r.split("|")[1:-1] for r in table.splitlines() if r.startswith("| ") and not r.startswith("| section")]
+    rows = [[c.strip() for c in r] for r in rows if not set(r[0].strip()) <= {"-", " "}]
+    assert [r[0].split()[0] for r in rows] == CHAPTER_SECTIONS
+    figures = {p.name for p in (DOCS / "figures").glob("*.png")}
+    for section, pages, _code, figure, exercises in rows:
+        for name in re.findall(r"`([\w.-]+\.png)`", figure):
+            assert name in figures, f"{section}: no figure {name}"
+        for ref in filter(None, (e.strip() for e in exercises.split(","))):
+            words = ref.split()
+            if len(words) == 2:
+                page, number = words
+            else:
+                number = words[0]                      # "masks 2, 3": the page carries over
+            listed = {n for n, _ in _exercises(EXERCISE_PAGES[page])}
+            assert number in listed, f"{section}: {page}.md has no exercise {number}"
+        for link in re.findall(r"\]\(([\w-]+\.md)", pages):
+            assert (DOCS / link).is_file(), f"{section}: {link} does not exist"
