@@ -231,6 +231,19 @@ def test_erratum_7_torch_order_call_swaps_the_chapter_s_masks():
     assert (ours(x, m2)[:, 0] - y[:, 0]).abs().max() > 1e-3, "attnlab's query 0 reads every source key"
 
 
+def test_erratum_4_chapter_sentinel_overflows_fp16():
+    """The chapter's masked_fill(mask == 0, -1e9) on fp16 scores (autocast, section 8.4) raises;
+    attnlab's fp16 attention with the same mask is finite and puts no weight on blocked keys."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8).half() for _ in range(3))
+    keep = causal_mask(4)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(8)
+    with pytest.raises(RuntimeError, match="overflow"):
+        scores.masked_fill(keep.int() == 0, -1e9)
+    out, w = scaled_dot_product_attention(q, k, v, keep, return_weights=True)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all() and (w[..., ~keep] == 0).all()
+
+
 # ---------------------------------------------------------------- the items the review added
 
 def test_xavier_embedding_is_fainter_than_the_positions_it_is_added_to():
@@ -352,3 +365,21 @@ def test_plot_attention_has_no_weights_to_plot(tmp_path):
     w = record.weights(0)[0]                                    # (H, T, S)
     assert w.shape == (2, 4, 4) and torch.allclose(w.sum(-1), torch.ones(2, 4))
     assert plot_attention(w.mean(0), sentence, sentence, tmp_path / "w.png").is_file()
+
+
+def test_every_erratum_names_tests_that_exist():
+    """docs/chapter-errata.md: each numbered erratum cites at least one test, and every test it
+    cites is defined where it says."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "chapter-errata.md").read_text(encoding="utf-8")
+    sections = re.split(r"^## (?=\d+\. )", page, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 16
+    for section in sections:
+        title = section.splitlines()[0]
+        cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", section)
+        assert cited, f"erratum {title!r} cites no test"
+        for path, name in cited:
+            source = (root / path).read_text(encoding="utf-8")
+            assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"{path}::{name} (erratum {title!r}) does not exist"
