@@ -34,7 +34,8 @@ def python_blocks(page: Path) -> list[str]:
 def test_docs_exist():
     names = {p.name for p in PAGES}
     for want in ("index.md", "attention.md", "multi-head-attention.md", "masks.md", "positions.md",
-                 "norms.md", "encoder-decoder.md", "causal-lm.md", "chapter-errata.md", "extending.md"):
+                 "norms.md", "encoder-decoder.md", "causal-lm.md", "chapter-errata.md", "extending.md",
+                 "feed-forward.md", "trainer.md", "summary.md"):
         assert want in names, f"docs/{want} is missing"
 
 

@@ -1,0 +1,315 @@
+"""Draw the walk-through's figures from attnlab's own code into docs/figures/.
+
+    PYTHONPATH=src .venv/bin/python scripts/figures.py            # every figure
+    PYTHONPATH=src .venv/bin/python scripts/figures.py masks rope  # some of them
+
+Each figure is two functions: ``data_NAME()`` computes the numbers the figure shows with attnlab
+(seeded, a second or less), ``draw_NAME(data, path)`` plots them with matplotlib's Agg backend.
+docs/figures/manifest.json records, per figure, the page that embeds it, a fingerprint of its
+data (up to 64 of its numbers) and the PNG's SHA-256. tests/test_figures.py recomputes each
+fingerprint and compares it with the manifest, so a figure whose numbers attnlab no longer
+produces fails the suite; PNG bytes are not compared across machines (fonts differ), only
+against the manifest that was written with them.
+
+The alignment figure is measured from a trained translation run: ``--run DIR``, else
+``runs/translate`` when the main job has run (scripts/main.sh), else a short seeded run trained
+here (150 steps, about a minute on an idle two-core CPU). Its manifest entry names the run and the
+translation instead of a fingerprint: the test cannot retrain it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from attnlab.nn import (causal_mask, combine_masks, padding_mask,  # noqa: E402
+                        scaled_dot_product_attention)
+from attnlab.nn.block import EncoderLayer  # noqa: E402
+from attnlab.nn.position import RotaryEmbedding, sinusoidal_table  # noqa: E402
+from attnlab.train.schedules import noam  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ROOT / "docs" / "figures"
+MANIFEST = FIGURES / "manifest.json"
+ALIGN_SENTENCE = "when the old teacher sees forty-seven red birds , the girl helps the dog"
+
+
+# --------------------------------------------------------------------------- data
+
+def data_hand_example() -> dict:
+    """The chapter's section 1.4 example (seed 42, three tokens, d_k = 4): its weights."""
+    torch.manual_seed(42)
+    Q, K, V = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    _, w = scaled_dot_product_attention(Q, K, V, return_weights=True)
+    return {"weights": w.numpy()}
+
+
+def data_scaling() -> dict:
+    """Mean largest softmax weight of random unit-variance q, k, with and without 1/sqrt(d_k)."""
+    g = torch.Generator().manual_seed(0)
+    dims = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    scaled, unscaled = [], []
+    for d in dims:
+        q, k = torch.randn(256, d, generator=g), torch.randn(16, d, generator=g)
+        v = torch.zeros(16, 1)
+        _, ws = scaled_dot_product_attention(q, k, v, return_weights=True)
+        _, wu = scaled_dot_product_attention(q, k, v, scale=1.0, return_weights=True)
+        scaled.append(ws.max(-1).values.mean().item())
+        unscaled.append(wu.max(-1).values.mean().item())
+    return {"d_k": np.array(dims, dtype=np.float64), "scaled": np.array(scaled), "unscaled": np.array(unscaled)}
+
+
+def data_masks() -> dict:
+    """Padding (the second sentence has two pads), causal, and the two combined, for batch row 1."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
+    pad = padding_mask(ids, pad_id=0)                         # (B, S), True = real token
+    padding = pad[1][None, :].expand(5, 5)                    # as seen by every query of row 1
+    causal = causal_mask(5)
+    combined = combine_masks(pad[:, None, None, :], causal)[1, 0]
+    return {"padding": padding.float().numpy(), "causal": causal.float().numpy(),
+            "combined": combined.float().numpy()}
+
+
+def data_sinusoidal() -> dict:
+    return {"table": sinusoidal_table(64, 64).numpy()}
+
+
+def data_rope() -> dict:
+    """q . k after RoPE for the same vector at every distance m - n (head_dim 64)."""
+    g = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(64)
+    distances = torch.arange(0, 128)
+    out = {"distance": distances.double().numpy()}
+    for name, x in (("ones", torch.ones(1, 1, 1, 64)), ("random", torch.randn(1, 1, 1, 64, generator=g))):
+        q, _ = rope.transform(x, x, torch.tensor([0]))                       # the query at position 0
+        row = x.expand(1, 1, 128, 64)
+        k, _ = rope.transform(row, row, distances)                           # the same vector at 0..127
+        out[name] = (q @ k.transpose(-1, -2))[0, 0, 0].numpy()
+    return out
+
+
+def data_warmup() -> dict:
+    steps = np.arange(1, 20001)
+    lr = {w: np.array([noam(int(s), 512, w) for s in steps[::50]]) for w in (1000, 4000, 8000)}
+    return {"step": steps[::50].astype(np.float64), "w1000": lr[1000], "w4000": lr[4000], "w8000": lr[8000]}
+
+
+def _layer_grad_norms(norm_first: bool, depth: int, seed: int) -> list[float]:
+    torch.manual_seed(seed)
+    d = 64
+    layers = torch.nn.ModuleList([EncoderLayer(d, 4, 4 * d, dropout=0.0, norm_first=norm_first)
+                                  for _ in range(depth)])
+    final = torch.nn.LayerNorm(d) if norm_first else torch.nn.Identity()
+    head = torch.nn.Linear(d, 100)
+    x = torch.randn(8, 32, d)
+    target = torch.randint(0, 100, (8, 32))
+    h = x
+    for layer in layers:
+        h = layer(h)
+    loss = torch.nn.functional.cross_entropy(head(final(h)).flatten(0, 1), target.flatten())
+    loss.backward()
+    return [math.sqrt(sum(float(p.grad.pow(2).sum()) for p in layer.parameters())) for layer in layers]
+
+
+def data_norm_gradients() -> dict:
+    """Gradient norm of each layer's parameters at initialisation, 12 layers, mean of 3 seeds."""
+    depth = 12
+    post = np.mean([_layer_grad_norms(False, depth, s) for s in range(3)], axis=0)
+    pre = np.mean([_layer_grad_norms(True, depth, s) for s in range(3)], axis=0)
+    return {"layer": np.arange(1, depth + 1, dtype=np.float64), "post_norm": post, "pre_norm": pre}
+
+
+# --------------------------------------------------------------------------- drawing
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _heatmap(ax, w, labels_x, labels_y, title):
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0)
+    ax.set_xticks(range(len(labels_x)), labels=labels_x)
+    ax.set_yticks(range(len(labels_y)), labels=labels_y)
+    ax.set_title(title, fontsize=10)
+    return im
+
+
+def draw_hand_example(data, path):
+    w = data["weights"]
+    fig, ax = plt.subplots(figsize=(4, 3.4))
+    im = _heatmap(ax, w, ["k0", "k1", "k2"], ["q0", "q1", "q2"], "softmax(QKᵀ/√4), seed 42")
+    for i in range(3):
+        for j in range(3):
+            ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", color="w" if w[i, j] < 0.6 else "k")
+    fig.colorbar(im, ax=ax)
+    _save(fig, path)
+
+
+def draw_scaling(data, path):
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.semilogx(data["d_k"], data["unscaled"], "o-", label="unscaled: softmax(q·k)")
+    ax.semilogx(data["d_k"], data["scaled"], "s-", label="scaled: softmax(q·k/√d_k)")
+    ax.axhline(1 / 16, color="grey", lw=0.8, ls=":", label="uniform over 16 keys")
+    ax.set_xlabel("d_k")
+    ax.set_ylabel("mean largest weight")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_masks(data, path):
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3.2))
+    keys = [f"k{j}" for j in range(5)]
+    queries = [f"q{i}" for i in range(5)]
+    for ax, name in zip(axes, ("padding", "causal", "combined")):
+        _heatmap(ax, data[name], keys, queries, f"{name} (True = may attend)")
+    _save(fig, path)
+
+
+def draw_sinusoidal(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    im = ax.imshow(data["table"], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
+    ax.set_xlabel("channel (even: sin, odd: cos)")
+    ax.set_ylabel("position")
+    fig.colorbar(im, ax=ax)
+    _save(fig, path)
+
+
+def draw_rope(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot(data["distance"], data["ones"], label="q = k = all ones")
+    ax.plot(data["distance"], data["random"], label="q = k = one random vector", alpha=0.8)
+    ax.set_xlabel("distance m - n")
+    ax.set_ylabel("q_m · k_n after RoPE")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_warmup(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for w in (1000, 4000, 8000):
+        ax.plot(data["step"], data[f"w{w}"], label=f"warmup = {w}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate (d_model = 512)")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_norm_gradients(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot(data["layer"], data["post_norm"], "o-", label="Post-Norm (the paper)")
+    ax.plot(data["layer"], data["pre_norm"], "s-", label="Pre-Norm (+ final norm)")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer (1 = next to the input)")
+    ax.set_ylabel("‖∂loss/∂θ_layer‖ at initialisation")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- alignment (measured)
+
+def _alignment_run(run: Path | None) -> tuple[Path, str]:
+    if run is not None:
+        import yaml
+        settings = yaml.safe_load((run / "config.yaml").read_text())["settings"]
+        return run, f"a run of attnlab train translate, {settings['steps']} steps, seed {settings['seed']}"
+    main = ROOT / "runs" / "translate"
+    if (main / "latest").exists():
+        return main, "runs/translate (the main job)"
+    out = Path(tempfile.mkdtemp(prefix="attnlab-figures-")) / "run"
+    cmd = [sys.executable, "-m", "attnlab.cli", "train", "translate", "--out", str(out), "--steps", "150",
+           "--seed", "0", "--no-progress"]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return out, "a short run: attnlab train translate --steps 150 --seed 0"
+
+
+def alignment(path: Path, run: Path | None = None) -> dict:
+    from attnlab.tasks import get_task, inspect_path
+    from attnlab.viz.translation import cross_attention
+    run, source = _alignment_run(run)
+    info = inspect_path(str(run))
+    task = get_task(info.run.task).load(info.run, "cpu")
+    cross, src, tgt, translation = cross_attention(task.model, task.src_tok, task.tgt_tok, ALIGN_SENTENCE)
+    w = cross.mean(dim=(0, 1))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(src) + 2), max(3.0, 0.3 * len(tgt) + 1.8)))
+    im = ax.imshow(w.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
+    ax.set_xticks(range(len(src)), labels=src, rotation=90, fontsize=8)
+    ax.set_yticks(range(len(tgt)), labels=tgt, fontsize=8)
+    ax.set_xlabel("English (source)")
+    ax.set_ylabel("German (produced)")
+    ax.set_title("cross-attention, mean of layers and heads", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    _save(fig, path)
+    return {"source": source, "translation": translation}
+
+
+# --------------------------------------------------------------------------- manifest
+
+FIGURES_BY_PAGE = {
+    "hand_example": "attention.md", "scaling": "attention.md", "masks": "masks.md",
+    "sinusoidal": "positions.md", "rope": "positions.md", "warmup": "trainer.md",
+    "norm_gradients": "norms.md",
+}
+MEASURED = {"alignment": "encoder-decoder.md"}
+
+
+def fingerprint(data: dict) -> list[float]:
+    """Up to 64 numbers spread over all the figure's data, in a fixed order."""
+    flat = np.concatenate([np.asarray(data[k], dtype=np.float64).ravel() for k in sorted(data)])
+    idx = np.linspace(0, flat.size - 1, num=min(64, flat.size)).round().astype(int)
+    return [float(f"{v:.7g}") for v in flat[idx]]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build(names: list[str], run: Path | None = None) -> dict:
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
+    module = sys.modules[__name__]
+    for name in names:
+        path = FIGURES / f"{name}.png"
+        if name in MEASURED:
+            entry = {"page": MEASURED[name], **alignment(path, run)}
+        else:
+            data = getattr(module, f"data_{name}")()
+            getattr(module, f"draw_{name}")(data, path)
+            entry = {"page": FIGURES_BY_PAGE[name], "fingerprint": fingerprint(data)}
+        entry["png_sha256"] = _sha256(path)
+        manifest[name] = entry
+        print(f"wrote {path.relative_to(ROOT)}")
+    MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    return manifest
+
+
+def main(argv=None) -> int:
+    every = list(FIGURES_BY_PAGE) + list(MEASURED)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", metavar="NAME", help=f"figures to draw (default all): {', '.join(every)}")
+    p.add_argument("--run", type=Path, default=None,
+                   help="translation run for the alignment (default runs/translate, else a short run trained here)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.names) - set(every))
+    if unknown:
+        p.error(f"unknown figure {', '.join(unknown)}; choose from {', '.join(every)}")
+    torch.set_num_threads(1)
+    build(args.names or every, args.run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

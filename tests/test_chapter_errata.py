@@ -1,0 +1,385 @@
+"""The chapter's code as written, next to attnlab: each test re-types the few chapter lines an
+erratum in docs/chapter-errata.md is about (with the chapter's bug), shows the bug happen, and
+shows attnlab's result right. "The chapter" is seed 000 (its section numbers), "the article" the
+from-scratch self-attention article (seed 002).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.models import Transformer
+from attnlab.nn import MultiHeadAttention, PositionalEncoding, causal_mask, scaled_dot_product_attention
+from attnlab.nn.block import DecoderLayer, EncoderLayer
+from attnlab.nn.position import sinusoidal_table
+from attnlab.train.schedules import make_schedule
+from attnlab.viz import plot_attention, record_attention
+
+from _tolerance import FP32, assert_close_scaled  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- the chapter's code (section 7.1)
+
+class ChapterMHA(nn.Module):
+    """Section 7.1's MultiHeadAttention, as written (dropout left out: the tests run in eval)."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.scale = math.sqrt(self.d_k)
+
+    def forward(self, query, memory=None, mask=None):
+        batch_size = query.size(0)
+        if memory is None:
+            memory = query
+        q = self.qkv_proj(query)[:, :, :self.d_model]
+        kv = self.qkv_proj(memory)[:, :, self.d_model:]
+        k, v = kv.chunk(2, dim=-1)
+        q = q.view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        k = k.view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        v = v.view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / self.scale
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        attn = F.softmax(scores, dim=-1)
+        context = torch.matmul(attn, v).transpose(1, 2).contiguous().view(batch_size, -1, self.d_model)
+        return self.out_proj(context)
+
+
+class ChapterFFN(nn.Module):
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.linear1, self.linear2, self.activation = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model), nn.GELU()
+
+    def forward(self, x):
+        return self.linear2(self.activation(self.linear1(x)))
+
+
+class ChapterEncoderLayer(nn.Module):
+    def __init__(self, d_model, num_heads, d_ff):
+        super().__init__()
+        self.self_attn, self.feed_forward = ChapterMHA(d_model, num_heads), ChapterFFN(d_model, d_ff)
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+
+    def forward(self, x, mask=None):
+        x = x + self.self_attn(self.norm1(x), mask)              # the chapter's call: mask lands in memory
+        return x + self.feed_forward(self.norm2(x))
+
+
+class ChapterDecoderLayer(nn.Module):
+    def __init__(self, d_model, num_heads, d_ff):
+        super().__init__()
+        self.self_attn, self.cross_attn = ChapterMHA(d_model, num_heads), ChapterMHA(d_model, num_heads)
+        self.feed_forward = ChapterFFN(d_model, d_ff)
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d_model), nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+
+    def forward(self, x, memory, src_mask=None, tgt_mask=None):
+        x = x + self.self_attn(self.norm1(x), tgt_mask)
+        x = x + self.cross_attn(self.norm2(x), memory=memory, mask=src_mask)
+        return x + self.feed_forward(self.norm3(x))
+
+
+class ChapterPositionalEncoding(nn.Module):
+    """Section 7.1's table: sequence-first, indexed by the first axis."""
+
+    def __init__(self, d_model, max_len=5000):
+        super().__init__()
+        pe = torch.zeros(max_len, d_model)
+        position = torch.arange(0, max_len, dtype=torch.float).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d_model, 2).float() * (-math.log(10000.0) / d_model))
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe.unsqueeze(0).transpose(0, 1))
+
+    def forward(self, x):
+        return x + self.pe[:x.size(0), :]
+
+
+# ---------------------------------------------------------------- the article's code (seed 002)
+
+def article_attention(Q, K, V):
+    dim_k = K.size(-1)
+    scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(dim_k))
+    return torch.matmul(F.softmax(scores, dim=-1), V)
+
+
+class ArticleMHA(nn.Module):
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.Wq, self.Wk = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+        self.Wv, self.Wo = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+
+    def split_heads(self, x):
+        return x.view(x.size(0), -1, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, Q, K, V):
+        batch_size = Q.size(0)
+        out = article_attention(self.split_heads(self.Wq(Q)), self.split_heads(self.Wk(K)), self.split_heads(self.Wv(V)))
+        return self.Wo(out.transpose(1, 2).contiguous().view(batch_size, -1, self.embed_dim))
+
+
+ARTICLE_POSITIONAL_ENCODING = """
+class PositionalEncoding(nn.Module):
+    def __init__(self, d_model, max_len=5000):
+        super().__init__()
+        pe = torch.zeros(max_len, d_model)
+        position = torch.arange(0, max_len, dtype=torch.float).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d_model, 2).float() * (-math.log(10000.0) / d_model))
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term)
+        self.register_buffer('pe', pe.unsqueeze(0))
+    def forward(self, x):
+        return x + self.pe[:, :x.size(1)]
+PositionalEncoding(8, max_len=16)
+"""
+
+
+# ---------------------------------------------------------------- errata 2, 3, 5, 7
+
+def test_erratum_2_chapter_layer_projects_the_mask_as_memory():
+    torch.manual_seed(0)
+    d, T = 32, 15
+    chapter = ChapterDecoderLayer(d, 4, 64).eval()
+    x, memory = torch.randn(2, T, d), torch.randn(2, 20, d)
+    tgt_mask = torch.triu(torch.ones(T, T), diagonal=1).masked_fill(torch.triu(torch.ones(T, T), 1) == 1,
+                                                                    float("-inf"))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        chapter(x, memory, tgt_mask=tgt_mask)                    # the (15, 15) mask goes through qkv_proj
+    # without masks it runs, and its self-attention is not causal
+    out = chapter(x, memory)
+    x2 = x.clone()
+    x2[:, -1] += torch.randn(d)                                 # LayerNorm would erase a constant shift
+    assert (chapter(x2, memory)[:, :-1] - out[:, :-1]).abs().max() > 1e-3, "the chapter sees the future"
+    ours = DecoderLayer(d, 4, 64, dropout=0.0).eval()
+    mine = ours(x, memory)
+    assert_close_scaled(ours(x2, memory)[:, :-1], mine[:, :-1], FP32, "attnlab's decoder is causal")
+
+
+def test_erratum_3_chapter_positions_index_the_batch_axis():
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 16
+    x = torch.zeros(B, T, d)                                     # batch-first, as the rest of the model
+    added = ChapterPositionalEncoding(d)(x)
+    # every token of batch element b got position b's row; positions along the sequence got nothing
+    for b in range(B):
+        assert torch.allclose(added[b], sinusoidal_table(B, d)[b].expand(T, d))
+    ours = PositionalEncoding(d, max_len=64).eval()(x)
+    assert torch.allclose(ours, sinusoidal_table(T, d).expand(B, T, d))
+
+
+def test_erratum_5_chapter_encoder_layer_is_pre_norm_with_gelu():
+    """The chapter's "Transformer as in the paper" equals torch's Pre-Norm GELU layer, not the
+    paper's Post-Norm ReLU layer, with the same weights."""
+    torch.manual_seed(0)
+    d, H, ff = 32, 4, 64
+    chapter = ChapterEncoderLayer(d, H, ff).eval()
+    pre = nn.TransformerEncoderLayer(d, H, ff, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+    post = nn.TransformerEncoderLayer(d, H, ff, dropout=0.0, activation="relu", batch_first=True, norm_first=False)
+    for layer in (pre, post):
+        sd = {"self_attn.in_proj_weight": chapter.self_attn.qkv_proj.weight,
+              "self_attn.in_proj_bias": chapter.self_attn.qkv_proj.bias,
+              "self_attn.out_proj.weight": chapter.self_attn.out_proj.weight,
+              "self_attn.out_proj.bias": chapter.self_attn.out_proj.bias,
+              "linear1.weight": chapter.feed_forward.linear1.weight, "linear1.bias": chapter.feed_forward.linear1.bias,
+              "linear2.weight": chapter.feed_forward.linear2.weight, "linear2.bias": chapter.feed_forward.linear2.bias,
+              "norm1.weight": chapter.norm1.weight, "norm1.bias": chapter.norm1.bias,
+              "norm2.weight": chapter.norm2.weight, "norm2.bias": chapter.norm2.bias}
+        layer.load_state_dict(sd)
+        layer.eval()
+    x = torch.randn(2, 6, d)
+    with torch.no_grad():
+        got = chapter(x)
+        assert_close_scaled(got, pre(x), FP32, "the chapter's layer is torch's Pre-Norm GELU layer")
+        assert (got - post(x)).abs().max() > 0.1, "and not the paper's Post-Norm ReLU layer"
+    ours = EncoderLayer(d, H, ff, dropout=0.0)                  # attnlab's default is the paper's
+    assert ours.norm_first is False
+
+
+def test_erratum_7_torch_order_call_swaps_the_chapter_s_masks():
+    """torch's decoder layer takes (tgt, memory, tgt_mask, memory_mask); the chapter's takes
+    (x, memory, src_mask, tgt_mask). The same positional call gives the chapter's cross-attention
+    the causal mask and leaves its self-attention unmasked."""
+    torch.manual_seed(0)
+    d, T = 32, 6
+    chapter = ChapterDecoderLayer(d, 4, 64).eval()
+    x, memory = torch.randn(1, T, d), torch.randn(1, T, d)     # S = T, so nothing complains
+    keep = causal_mask(T).float()                               # the chapter's convention: 1 = keep
+    out = chapter(x, memory, keep)                              # torch's order: tgt_mask third
+    x2 = x.clone()
+    x2[:, -1] += torch.randn(d)                                 # LayerNorm would erase a constant shift
+    assert (chapter(x2, memory, keep)[:, :-1] - out[:, :-1]).abs().max() > 1e-3, "self-attention is not causal"
+    m2 = memory.clone()
+    m2[:, -1] += torch.randn(d)
+    assert (chapter(x, m2, keep)[:, 0] - out[:, 0]).abs().max() < 1e-6, "query 0 never reads source key 5"
+    ours = DecoderLayer(d, 4, 64, dropout=0.0).eval()
+    with pytest.raises(TypeError):
+        ours(x, memory, keep)                                   # masks by keyword only: no silent swap
+    y = ours(x, memory)
+    assert (ours(x, m2)[:, 0] - y[:, 0]).abs().max() > 1e-3, "attnlab's query 0 reads every source key"
+
+
+def test_erratum_4_chapter_sentinel_overflows_fp16():
+    """The chapter's masked_fill(mask == 0, -1e9) on fp16 scores (autocast, section 8.4) raises;
+    attnlab's fp16 attention with the same mask is finite and puts no weight on blocked keys."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8).half() for _ in range(3))
+    keep = causal_mask(4)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(8)
+    with pytest.raises(RuntimeError, match="overflow"):
+        scores.masked_fill(keep.int() == 0, -1e9)
+    out, w = scaled_dot_product_attention(q, k, v, keep, return_weights=True)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all() and (w[..., ~keep] == 0).all()
+
+
+# ---------------------------------------------------------------- the items the review added
+
+def test_xavier_embedding_is_fainter_than_the_positions_it_is_added_to():
+    """Section 7.1's _init_parameters gives the embedding Xavier-uniform, then forward scales it
+    by sqrt(d_model): a token vector's RMS is ~0.31 against the positional encoding's ~0.71."""
+    torch.manual_seed(0)
+    V, d = 10000, 512
+    emb = nn.Embedding(V, d)
+    nn.init.xavier_uniform_(emb.weight)                         # the chapter's loop: every p.dim() > 1
+    token_rms = (emb.weight * math.sqrt(d)).pow(2).mean().sqrt().item()
+    pe_rms = sinusoidal_table(64, d).pow(2).mean().sqrt().item()
+    assert token_rms == pytest.approx(math.sqrt(6 / (V + d) / 3) * math.sqrt(d), rel=0.01)
+    assert 0.30 < token_rms < 0.32 and 0.70 < pe_rms < 0.72
+    ours = Transformer(src_vocab_size=V, tgt_vocab_size=V, d_model=d, num_heads=8, num_encoder_layers=1,
+                       num_decoder_layers=1, d_ff=64)
+    our_rms = (ours.src_embedding.weight * math.sqrt(d)).pow(2).mean().sqrt().item()
+    assert 0.98 < our_rms < 1.02, "attnlab: tokens at unit scale, above the position signal"
+
+
+def test_section_7_2_loop_has_no_warmup():
+    """The chapter's train_transformer steps its optimizer at the full rate from the first batch;
+    attnlab's schedules start at peak / warmup."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rates = []
+    for _ in range(5):                                          # the loop's body, optimizer part
+        opt.zero_grad()
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+    assert rates == [1e-3] * 5
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = make_schedule("cosine", opt, warmup=100, total_steps=1000)
+    ours = []
+    for _ in range(5):
+        ours.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert ours[0] == pytest.approx(1e-5) and all(a < b for a, b in zip(ours, ours[1:]))
+
+
+def test_b_s_padding_mask_broadcasts_as_t_s():
+    """A (B, S) padding mask through the chapter's masked_fill(mask == 0) on (B, H, T, S) scores
+    lines up B with T: with B == T it runs and masks batch b's query t with sentence t's padding."""
+    torch.manual_seed(0)
+    B = T = S = 3
+    mha = ChapterMHA(16, 2).eval()
+    x = torch.randn(B, T, 16)
+    pad = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])       # (B, S), 1 = real token
+    out = mha(x, mask=pad)                                      # runs: no error
+    alone = mha(x[:1])                                          # sentence 0 has no padding at all
+    assert (out[0, 0] - alone[0, 0]).abs().max() < 1e-6         # query 0 read mask row 0: all real
+    assert (out[0, 2] - alone[0, 2]).abs().max() > 1e-3, "sentence 0's query 2 lost keys 1 and 2"
+    with pytest.raises(RuntimeError):
+        mha(torch.randn(2, T, 16), mask=pad[:2])                # B != T: the broadcast fails instead
+    ours = MultiHeadAttention(16, 2).eval()
+    o, _ = ours(x, key_padding_mask=pad.bool())
+    assert_close_scaled(o[0], ours(x[:1])[0][0], FP32, "attnlab: sentence 0 is unchanged by the others' padding")
+
+
+def test_sinusoidal_positions_beyond_training_are_new_inputs():
+    """"Can extrapolate to longer sequences" (4.3): the table has rows beyond any length, but a
+    model trained to 512 positions meets values there that training never showed it."""
+    d, trained = 512, 512
+    table = sinusoidal_table(4 * trained, d)
+    seen_lo, seen_hi = table[:trained].min(0).values, table[:trained].max(0).values
+    beyond = table[2 * trained]
+    unseen = ((beyond < seen_lo - 1e-3) | (beyond > seen_hi + 1e-3)).float().mean().item()
+    assert 0.35 < unseen < 0.45, f"only {unseen:.0%} of the channels leave the trained range"
+    with pytest.raises(RuntimeError):
+        ChapterPositionalEncoding(8, max_len=16)(torch.zeros(17, 1, 8))   # and the chapter's table ends
+
+
+def test_more_heads_cost_no_parameters():
+    """The article's table says 4 heads "need more parameters" than 1: the projections are
+    E x E whatever the number of heads."""
+    counts = {h: sum(p.numel() for p in ArticleMHA(512, h).parameters()) for h in (1, 4, 8)}
+    assert len(set(counts.values())) == 1
+    ours = {h: sum(p.numel() for p in MultiHeadAttention(512, h).parameters()) for h in (1, 4, 8)}
+    assert len(set(ours.values())) == 1 and set(ours.values()) == set(counts.values())
+
+
+def test_shuffled_words_permute_the_output():
+    """"Whatever the word order, the output is the same" (article, section 4): without positions
+    the output is the same set of vectors, permuted along with the words, not the same output."""
+    torch.manual_seed(0)
+    mha = ArticleMHA(16, 2).eval()
+    x = torch.randn(1, 5, 16)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    out, shuffled = mha(x, x, x), mha(x[:, perm], x[:, perm], x[:, perm])
+    assert (shuffled - out).abs().max() > 1e-2, "not the same output"
+    assert_close_scaled(shuffled, out[:, perm], FP32, "the same vectors, permuted")
+    ours = MultiHeadAttention(16, 2).eval()
+    assert_close_scaled(ours(x[:, perm])[0], ours(x)[0][:, perm], FP32)
+
+
+def test_article_uses_math_without_importing_it():
+    namespace = {"torch": torch, "nn": nn, "F": F}             # the article's imports: torch, nn, F
+    with pytest.raises(NameError, match="math"):
+        exec(ARTICLE_POSITIONAL_ENCODING, namespace)
+    exec(ARTICLE_POSITIONAL_ENCODING, {**namespace, "math": math})
+
+
+def test_plot_attention_has_no_weights_to_plot(tmp_path):
+    """The article's plot_attention wants a (T, T) weight matrix, but its attention and its
+    MultiHeadAttention return only the output: the weights are never there to plot."""
+    torch.manual_seed(0)
+    mha = ArticleMHA(16, 2).eval()
+    x = torch.randn(1, 4, 16)
+    returned = mha(x, x, x)
+    assert isinstance(returned, torch.Tensor) and returned.shape == (1, 4, 16)   # the output, not (4, 4)
+    sentence = ["the", "dog", "sees", "cats"]
+    with pytest.raises(ValueError, match="do not match"):
+        plot_attention(returned[0], sentence, sentence, tmp_path / "x.png")
+    ours = MultiHeadAttention(16, 2).eval()
+    with record_attention(ours) as record:
+        ours(x)
+    w = record.weights(0)[0]                                    # (H, T, S)
+    assert w.shape == (2, 4, 4) and torch.allclose(w.sum(-1), torch.ones(2, 4))
+    assert plot_attention(w.mean(0), sentence, sentence, tmp_path / "w.png").is_file()
+
+
+def test_every_erratum_names_tests_that_exist():
+    """docs/chapter-errata.md: each numbered erratum cites at least one test, and every test it
+    cites is defined where it says."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "chapter-errata.md").read_text(encoding="utf-8")
+    sections = re.split(r"^## (?=\d+\. )", page, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 16
+    for section in sections:
+        title = section.splitlines()[0]
+        cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", section)
+        assert cited, f"erratum {title!r} cites no test"
+        for path, name in cited:
+            source = (root / path).read_text(encoding="utf-8")
+            assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"{path}::{name} (erratum {title!r}) does not exist"

@@ -1,0 +1,97 @@
+"""The lessons' exercises and code excerpts: every exercise on a lesson page has a solution in a
+collapsed block whose ```python code asserts its answer, and each solution runs on its own (in a
+fresh namespace: a reader may open any one); every excerpt of attnlab's source shown on a page
+(a ```py block under `<!-- source: PATH -->`) is in that file verbatim, so the page cannot drift
+from the code it teaches."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# the lesson pages: each opens with the intuition and ends with exercises
+LESSONS = ["attention.md", "masks.md", "multi-head-attention.md", "feed-forward.md", "positions.md", "norms.md",
+           "encoder-decoder.md", "causal-lm.md", "bert.md", "t5.md", "classification.md", "trainer.md"]
+EXERCISE = re.compile(r"^### Exercise (\d+)[^\n]*\n(.*?)(?=^### |^## |^\[\^|\Z)", re.MULTILINE | re.DOTALL)
+SOLUTION = re.compile(r'<details markdown="1">\s*<summary>Solution</summary>(.*?)</details>', re.DOTALL)
+PYTHON = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+EXCERPT = re.compile(r"^<!-- source: (\S+) -->\n```py\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def _exercises(page: str) -> list[tuple[str, str]]:
+    return EXERCISE.findall((DOCS / page).read_text(encoding="utf-8"))
+
+
+def _solutions():
+    for page in LESSONS:
+        for number, body in _exercises(page):
+            yield pytest.param(page, number, body, id=f"{page}-{number}")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("page", LESSONS)
+def test_lesson_has_two_or_three_exercises(page):
+    numbers = [int(n) for n, _ in _exercises(page)]
+    assert 2 <= len(numbers) <= 3 and numbers == list(range(1, len(numbers) + 1)), f"{page}: exercises {numbers}"
+
+
+@pytest.mark.parametrize("page, number, body", list(_solutions()))
+def test_solution_asserts_its_answer_and_runs_alone(page, number, body):
+    solution = SOLUTION.search(body)
+    assert solution, f"{page} exercise {number} has no collapsed solution"
+    blocks = PYTHON.findall(solution.group(1))
+    assert blocks and any("assert" in b for b in blocks), f"{page} exercise {number}: the solution checks nothing"
+    namespace = {"__name__": f"exercise.{page}.{number}"}
+    for block in blocks:
+        exec(compile(block, f"docs/{page} exercise {number}", "exec"), namespace)
+
+
+def test_source_excerpts_are_verbatim():
+    found = 0
+    for page in sorted(DOCS.glob("*.md")):
+        for path, excerpt in EXCERPT.findall(page.read_text(encoding="utf-8")):
+            found += 1
+            source = (ROOT / path).read_text(encoding="utf-8")
+            assert excerpt in source, f"{page.name}: the excerpt of {path} is not in it (any more)"
+    assert found >= len(LESSONS) - 1
+
+
+# the chapter's sections (seed 000's headings) and the article's (A1-A7)
+CHAPTER_SECTIONS = ([f"1.{i}" for i in range(1, 5)] + [f"2.{i}" for i in range(1, 5)] + [f"3.{i}" for i in range(1, 6)]
+                    + [f"4.{i}" for i in range(1, 7)] + [f"5.{i}" for i in range(1, 7)] + [f"6.{i}" for i in range(1, 7)]
+                    + ["7.1", "7.2"] + [f"8.{i}" for i in range(1, 5)] + ["9"] + [f"A{i}" for i in range(1, 8)])
+EXERCISE_PAGES = {"attention": "attention.md", "masks": "masks.md", "multi-head": "multi-head-attention.md",
+                  "feed-forward": "feed-forward.md", "positions": "positions.md", "norms": "norms.md",
+                  "encoder-decoder": "encoder-decoder.md", "causal-lm": "causal-lm.md", "bert": "bert.md", "t5": "t5.md", "classification": "classification.md",
+                  "trainer": "trainer.md"}
+
+
+def test_coverage_table_is_complete_and_true():
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    table = index.split("## Coverage of the chapter", 1)[1].split("\n## ", 1)[0]
+    rows = [r.split("|")[1:-1] for r in table.splitlines() if r.startswith("| ") and not r.startswith("| section")]
+    rows = [[c.strip() for c in r] for r in rows if not set(r[0].strip()) <= {"-", " "}]
+    assert [r[0].split()[0] for r in rows] == CHAPTER_SECTIONS
+    figures = {p.name for p in (DOCS / "figures").glob("*.png")}
+    for section, pages, _code, figure, exercises in rows:
+        for name in re.findall(r"`([\w.-]+\.png)`", figure):
+            assert name in figures, f"{section}: no figure {name}"
+        for ref in filter(None, (e.strip() for e in exercises.split(","))):
+            words = ref.split()
+            if len(words) == 2:
+                page, number = words
+            else:
+                number = words[0]                      # "masks 2, 3": the page carries over
+            listed = {n for n, _ in _exercises(EXERCISE_PAGES[page])}
+            assert number in listed, f"{section}: {page}.md has no exercise {number}"
+        for link in re.findall(r"\]\(([\w-]+\.md)", pages):
+            assert (DOCS / link).is_file(), f"{section}: {link} does not exist"
