@@ -278,7 +278,7 @@ def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int,
 
 
 PRESETS = {
-    "tiny": dict(vocab_size=96, d_model=32, num_layers=2, d_ff=64),
+    "tiny": dict(vocab_size=96, d_model=32, num_layers=2, d_ff=64, bos_token_id=None, eos_token_id=None),
     "rwkv-4-169m-pile": dict(vocab_size=50277, d_model=768, num_layers=12, context_length=1024),
 }
 _BASE_RULES, _HEAD_RULES = split_prefix(RWKV_WEIGHT_MAP, "rwkv.")

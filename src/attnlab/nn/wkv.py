@@ -57,16 +57,21 @@ __all__ = ["EMPTY_EXPONENT", "token_shift", "wkv4_empty", "wkv4_reference", "wkv
 EMPTY_EXPONENT = -1e38
 
 
+def _wide(t: Tensor) -> Tensor:
+    """fp32 for the recurrences (float64 stays, so that a reference can run in double precision)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def wkv4_empty(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The empty state (num, den, p) for keys ``like`` (b, l, c) -> three (b, c) fp32 tensors."""
-    zeros = like.new_zeros(like.size(0), like.size(-1), dtype=torch.float32)
+    zeros = _wide(like.new_zeros(like.size(0), like.size(-1)))
     return zeros, zeros.clone(), zeros + EMPTY_EXPONENT
 
 
 def wkv4_step(state: tuple[Tensor, Tensor, Tensor], k: Tensor, v: Tensor, w: Tensor, u: Tensor):
     """One position: k, v (b, c), w = exp(time_decay) and u (c,) -> (wkv (b, c) fp32, new state)."""
     num, den, p = state
-    k, v = k.float(), v.float()
+    k, v = _wide(k), _wide(v)
     top = torch.maximum(p, u + k)                                   # the output's largest exponent
     old, new = torch.exp(p - top), torch.exp(u + k - top)
     out = (old * num + new * v) / (old * den + new)
@@ -99,12 +104,12 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
     b, l, c = k.shape
     q = min(chunk, l)
     pad = -l % q
-    k, v, w, u = k.float(), v.float(), w.float(), u.float()
+    k, v, w, u = _wide(k), _wide(v), _wide(w), _wide(u)
     if pad:   # keys that weigh nothing; the state they decay is put back below
         k = torch.cat([k, k.new_full((b, pad, c), -1e30)], dim=1)
         v = torch.cat([v, v.new_zeros(b, pad, c)], dim=1)
     k, v = k.view(b, -1, q, c), v.view(b, -1, q, c)                     # (b, m, q, c)
-    steps = torch.arange(q, device=k.device, dtype=torch.float32)
+    steps = torch.arange(q, device=k.device, dtype=k.dtype)
     # what each chunk alone leaves in the state after its last position: exponents k_i - (q-1-i) w
     g = k - (q - 1 - steps)[:, None] * w
     top = g.amax(2).detach()                                           # the stabiliser: no gradient
@@ -137,7 +142,7 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
 def wkv7_step(S: Tensor, r: Tensor, w: Tensor, k: Tensor, v: Tensor, kappa: Tensor, a: Tensor):
     """One position of the delta rule: S (b, h, n, n) fp32 (values x keys), the others (b, h, n)
     -> (y (b, h, n) fp32, new S)."""
-    r, w, k, v, kappa, a = (t.float() for t in (r, w, k, v, kappa, a))
+    r, w, k, v, kappa, a = (_wide(t) for t in (r, w, k, v, kappa, a))
     recalled = S @ kappa[..., None]                                       # (b, h, n, 1): S kappa
     S = S * w[..., None, :] - recalled * (a * kappa)[..., None, :] + v[..., None] * k[..., None, :]
     return (S @ r[..., None]).squeeze(-1), S
@@ -150,7 +155,7 @@ def wkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kappa: Tensor, a: Tensor, S
     if any(t.shape != r.shape for t in (w, k, v, kappa, a)):
         raise ValueError(f"wkv7: r, w, k, v, kappa and a must all be (b, l, h, n) = {tuple(r.shape)}, got "
                          f"{[tuple(t.shape) for t in (w, k, v, kappa, a)]}")
-    S = r.new_zeros(b, h, n, n, dtype=torch.float32) if S is None else S
+    S = _wide(r.new_zeros(b, h, n, n)) if S is None else S
     ys = []
     for t in range(l):
         y, S = wkv7_step(S, r[:, t], w[:, t], k[:, t], v[:, t], kappa[:, t], a[:, t])
