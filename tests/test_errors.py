@@ -188,6 +188,11 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
         return cli("train", "lm", "--model", "mixtral", "--data", "text.txt", "--out", "r", "--aux-coef", "-1")
     if name == "mamba-d-ff":
         return cli("train", "lm", "--model", "mamba", "--data", "text.txt", "--out", "r", "--d-ff", "64")
+    if name == "rwkv-dropout":
+        return cli("train", "lm", "--model", "rwkv", "--data", "text.txt", "--out", "r", "--dropout", "0.1")
+    if name == "rwkv7-head-size":
+        return cli("train", "lm", "--model", "rwkv7", "--data", "text.txt", "--out", "r", "--d-model", "16",
+                   "--head-size", "5")
     if name == "experts-with-gpt":
         return cli("train", "lm", "--data", "text.txt", "--out", "r", "--experts", "4")
     if name == "limit-negative":
