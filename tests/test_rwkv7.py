@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import attnlab
 import attnlab.models  # noqa: F401
 import contract
 from attnlab.generate import GenerationStats, generate
 from attnlab.models.rwkv7 import RWKV7, Rwkv7, Rwkv7Config
-from attnlab.nn.wkv import wkv7, wkv7_step
+from attnlab.nn.wkv import wkv7, wkv7_reference, wkv7_step
 from attnlab.train.optim import no_decay_parameters
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path)
 
@@ -117,6 +118,37 @@ def test_reference_sees_the_value_residual_and_the_removal():
             assert_close_scaled(changed(ids[None])[0], _reference(changed, ids), FP32, name)
 
 
+def _delta_inputs(b, l, h, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    r, k, v = (torch.randn(b, l, h, n, generator=g) for _ in range(3))
+    w = torch.exp(-math.exp(-0.5) * torch.rand(b, l, h, n, generator=g))       # the model's range (0.545, 1)
+    kappa = torch.nn.functional.normalize(torch.randn(b, l, h, n, generator=g), dim=-1)
+    a = torch.rand(b, l, h, n, generator=g)
+    return [r, w, k, v, kappa, a], torch.randn(b, h, n, n, generator=g)
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 2), l=st.integers(1, 45), h=st.integers(1, 3), n=st.integers(1, 6),
+       chunk=st.integers(1, 17), with_state=st.booleans(), seed=st.integers(0, 100))
+def test_chunked_delta_rule_equals_the_recurrence_with_gradients(b, l, h, n, chunk, with_state, seed):
+    """The fast path in fp32 against the one-position recurrence in float64: outputs, end state
+    and the gradients of every input (the entering state included)."""
+    ins, S0 = _delta_inputs(b, l, h, n, seed)
+    results = []
+    for fn, dtype in ((lambda *x: wkv7(*x, chunk=chunk), torch.float32), (wkv7_reference, torch.float64)):
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in ins + [S0]]
+        y, S = fn(*leaves[:6], leaves[6] if with_state else None)
+        g = torch.Generator().manual_seed(seed)
+        ((y * torch.randn(y.shape, generator=g).to(dtype)).sum()
+         + (S * torch.randn(S.shape, generator=g).to(dtype)).sum()).backward()
+        grads = [t.grad.flatten() for t in leaves if t.grad is not None]
+        results.append((y, S, torch.cat(grads)))
+    (y, S, grad), (y_ref, S_ref, grad_ref) = results
+    assert_close_scaled(y, y_ref.float(), FP32, "outputs")
+    assert_close_scaled(S, S_ref.float(), FP32, "end state")
+    assert_close_scaled(grad, grad_ref.float(), FP32, "gradients")
+
+
 def test_a_step_with_unit_decay_zero_rate_and_zero_key_keeps_the_state():
     g = torch.Generator().manual_seed(0)
     S = torch.randn(2, 3, 4, 4, generator=g)
@@ -126,6 +158,8 @@ def test_a_step_with_unit_decay_zero_rate_and_zero_key_keeps_the_state():
     assert_close_scaled(y, (S @ r[..., None])[..., 0], 1e-6, "read-out")
     with pytest.raises(ValueError, match=r"wkv7: r, w, k, v, kappa and a must all be \(b, l, h, n\)"):
         wkv7(r[:, None], r[:, None], r[:, None], v[:, None], kappa[:, None], r[:, None, :2])
+    with pytest.raises(ValueError, match="wkv7: chunk must be a positive int, got 0"):
+        wkv7(*(t[:, None] for t in (r, r, r, v, kappa, r)), chunk=0)
 
 
 # ----------------------------------------------------------------------------- decoding
