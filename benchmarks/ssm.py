@@ -11,8 +11,14 @@ are timed round-robin in one process; peak memory is what torch's allocator hand
 one call (benchmarks/_util.py). The GPT is attnlab's GPT-2 (4 heads, d_ff 1024, context the
 length).
 
+With ``--family rwkv`` the same table compares attnlab's RWKV-4 (the chunked WKV of
+``attnlab.nn.wkv``) with transformers' RwkvForCausalLM on its CPU path (a Python loop over the
+positions), same weights, d_ff 4 d_model, and adds attnlab's RWKV-7 (the chunked delta rule, heads
+of 64) of the same width and depth, and the GPT.
+
 Usage:
   python benchmarks/ssm.py --markdown                   # lengths 128, 512 (2048 with --lengths)
+  python benchmarks/ssm.py --family rwkv --markdown     # RWKV-4 and RWKV-7
   python benchmarks/ssm.py --quick                      # tiny shapes, seconds (smoke test)
 """
 from __future__ import annotations
@@ -47,6 +53,28 @@ def _models(d_model: int, layers: int, vocab: int, longest: int):
                         dropout=0.0))
     return {"attnlab Mamba (chunked scan)": ours, "transformers MambaForCausalLM (slow path)": hf,
             "attnlab GPT (SDPA), same width and depth": gpt}
+
+
+def _rwkv_models(d_model: int, layers: int, vocab: int, longest: int):
+    import transformers
+    from attnlab.models.rwkv7 import RWKV7
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers,
+                                     rescale_every=0, use_cache=False)
+    hf = transformers.RwkvForCausalLM(config)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = attnlab.from_pretrained(d)
+    rwkv7 = RWKV7.for_kind("causal-lm").build(RWKV7.build_config(
+        vocab_size=vocab, context=longest, d_model=d_model, num_heads=max(1, d_model // 64), num_layers=layers))
+    gpt = GPT(GPTConfig(vocab_size=vocab, n_positions=longest, d_model=d_model, num_heads=4, num_layers=layers,
+                        dropout=0.0))
+    return {"attnlab RWKV-4 (chunked WKV)": ours, "transformers RwkvForCausalLM (CPU path)": hf,
+            "attnlab RWKV-7 (chunked delta rule)": rwkv7, "attnlab GPT (SDPA), same width and depth": gpt}
+
+
+FAMILIES = {"mamba": _models, "rwkv": _rwkv_models}
 
 
 def _logits(model, ids):
@@ -85,6 +113,7 @@ def _calls(models, ids, mode: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__[__doc__.index("Usage"):])
+    p.add_argument("--family", choices=sorted(FAMILIES), default="mamba", help="mamba (default) or rwkv")
     p.add_argument("--lengths", default="128,512", help="comma-separated sequence lengths (default 128,512)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -102,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         a.lengths, a.d_model, a.layers, a.batch, a.repeats, a.budget = "16,40", 32, 2, 2, 1, 0.0
     lengths = [int(n) for n in a.lengths.split(",")]
     warnings.filterwarnings("ignore")
-    models = _models(a.d_model, a.layers, 96, max(lengths))
+    models = FAMILIES[a.family](a.d_model, a.layers, 96, max(lengths))
     g = torch.Generator().manual_seed(0)
     print(environment("cpu", torch.float32) + f"; {os.cpu_count()} CPUs")
     print(_check(models, torch.randint(0, 96, (a.batch, lengths[0]), generator=g)))
