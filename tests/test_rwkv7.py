@@ -84,7 +84,7 @@ def _reference(model: Rwkv7, ids: torch.Tensor) -> torch.Tensor:
                 key = k[s] * (1 + (a[s] - 1) * q("k_a")[s])
                 S[i][j] = S[i][j] @ (torch.diag(w[s]) - torch.outer(kappa, a[s] * kappa)) + torch.outer(v[s], key)
                 out = _norm(S[i][j] @ r[s], q("ln_x.weight")[s], q("ln_x.bias")[s], c.group_norm_eps)
-                y[s] = out + (r[s] * key * q("r_k")[j]).sum() * v[s]
+                y[s] = out + (r[s] * key * q("r_k")[s]).sum() * v[s]
             x = x + q("output.weight") @ (y * g)
             h = _norm(x, P[f"layers.{i}.norm2.weight"], P[f"layers.{i}.norm2.bias"], c.layer_norm_eps)
             mk = P[f"layers.{i}.channel_mix.mix_k"]

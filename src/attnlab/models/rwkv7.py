@@ -97,7 +97,7 @@ class Rwkv7TimeMix(nn.Module):
             self.v0, self.v1, self.v2 = nn.Parameter(torch.zeros(C)), *self._lora(C, c.value_rank)
         self.g1, self.g2 = self._lora(C, c.gate_rank)
         self.k_k, self.k_a = nn.Parameter(torch.zeros(C)), nn.Parameter(torch.zeros(C))
-        self.r_k = nn.Parameter(torch.zeros(c.num_heads, c.head_size))
+        self.r_k = nn.Parameter(torch.zeros(C))               # (h, n) as one vector: each head's bonus weights
         self.receptance, self.key, self.value, self.output = (nn.Linear(C, C, bias=False) for _ in range(4))
         self.ln_x = nn.GroupNorm(c.num_heads, C, eps=c.group_norm_eps)
 
@@ -135,7 +135,7 @@ class Rwkv7TimeMix(nn.Module):
         else:
             y, S = wkv7(*heads, None if state is None else state[1])
         y = self.ln_x(y.to(x.dtype).reshape(b * l, C)).view(b, l, C)
-        bonus = (heads[0] * heads[2] * self.r_k).sum(-1, keepdim=True) * heads[3]          # (b, l, H, N)
+        bonus = (heads[0] * heads[2] * self.r_k.view(H, N)).sum(-1, keepdim=True) * heads[3]   # (b, l, H, N)
         return self.output((y + bonus.reshape(b, l, C)) * g), v_first, (x[:, -1], S)
 
 
