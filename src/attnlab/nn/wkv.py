@@ -53,7 +53,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["EMPTY_EXPONENT", "token_shift", "wkv4_empty", "wkv4_reference", "wkv4", "wkv4_step", "wkv7_reference", "wkv7", "wkv7_step"]
+__all__ = ["EMPTY_EXPONENT", "token_shift", "wkv4_empty", "wkv4_reference", "wkv4", "wkv4_step", "wkv7_reference",
+           "wkv7", "wkv7_step"]
 
 # the running maximum of an empty state: exp(-1e38 - anything finite) is exactly 0 in fp32
 EMPTY_EXPONENT = -1e38
