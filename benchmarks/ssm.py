@@ -14,10 +14,14 @@ gradient) and ``fwd+bwd`` (train mode, forward, the mean of the squared logits, 
 what torch's allocator handed out during one call (benchmarks/_util.py). The GPT is attnlab's
 GPT-2 (4 heads, d_ff 1024, context the length). Ratios are against the family's transformers model.
 attnlab's Mamba-3 (its own initialisation; transformers has none) runs beside the Mamba family.
+``--models rwkv``: attnlab's RWKV-4 (the chunked WKV of ``attnlab.nn.wkv``) against transformers'
+RwkvForCausalLM on its CPU path (a Python loop over the positions), same weights, d_ff 4 d_model,
+with attnlab's RWKV-7 (the chunked delta rule, heads of 64) of the same width and depth, and the GPT.
 
 Usage:
   python benchmarks/ssm.py --markdown                   # both families, lengths 128, 512
   python benchmarks/ssm.py --markdown --models mamba2 --lengths 128,512,2048
+  python benchmarks/ssm.py --markdown --models rwkv     # RWKV-4 and RWKV-7
   python benchmarks/ssm.py --quick                      # tiny shapes, seconds (smoke test)
 """
 from __future__ import annotations
@@ -50,6 +54,8 @@ def _models(family: str, d_model: int, layers: int, vocab: int, longest: int, qu
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
+    if family == "rwkv":
+        return _rwkv_models(d_model, layers, vocab, longest)
     if family == "mamba2":
         heads = 2 if quick else 8
         config = transformers.Mamba2Config(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers,
@@ -68,6 +74,22 @@ def _models(family: str, d_model: int, layers: int, vocab: int, longest: int, qu
     mamba3 = Mamba3(Mamba3Config(vocab_size=vocab, d_model=d_model, num_layers=layers))
     return {"attnlab Mamba (chunked scan)": _from_transformers(hf), "transformers MambaForCausalLM (slow path)": hf,
             "attnlab GPT (SDPA), same width and depth": gpt, "attnlab Mamba-3 (chunked, SISO)": mamba3}
+
+
+def _rwkv_models(d_model: int, layers: int, vocab: int, longest: int):
+    import transformers
+    from attnlab.models.rwkv7 import RWKV7
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers,
+                                     rescale_every=0, use_cache=False)
+    hf = transformers.RwkvForCausalLM(config)
+    rwkv7 = RWKV7.for_kind("causal-lm").build(RWKV7.build_config(
+        vocab_size=vocab, context=longest, d_model=d_model, num_heads=max(1, d_model // 64), num_layers=layers))
+    gpt = GPT(GPTConfig(vocab_size=vocab, n_positions=longest, d_model=d_model, num_heads=4, num_layers=layers,
+                        dropout=0.0))
+    return {"attnlab RWKV-4 (chunked WKV)": _from_transformers(hf), "transformers RwkvForCausalLM (CPU path)": hf,
+            "attnlab RWKV-7 (chunked delta rule)": rwkv7, "attnlab GPT (SDPA), same width and depth": gpt}
 
 
 def _logits(model, ids):
@@ -106,7 +128,7 @@ def _calls(models, ids, mode: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__[__doc__.index("Usage"):])
-    p.add_argument("--models", default="mamba,mamba2", help="comma-separated families: mamba, mamba2 (default both)")
+    p.add_argument("--models", default="mamba,mamba2", help="comma-separated families: mamba, mamba2, rwkv (default mamba,mamba2)")
     p.add_argument("--lengths", default="128,512", help="comma-separated sequence lengths (default 128,512)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)

@@ -196,6 +196,11 @@ def _probe(name: str, work: Path, capsys, monkeypatch) -> tuple[int, str, str]:
     if name == "mamba2-groups":
         return cli("train", "lm", "--model", "mamba2", "--data", "text.txt", "--out", "r", "--d-model", "16",
                    "--heads", "4", "--n-groups", "3")
+    if name == "rwkv-dropout":
+        return cli("train", "lm", "--model", "rwkv", "--data", "text.txt", "--out", "r", "--dropout", "0.1")
+    if name == "rwkv7-head-size":
+        return cli("train", "lm", "--model", "rwkv7", "--data", "text.txt", "--out", "r", "--d-model", "16",
+                   "--head-size", "5")
     if name == "experts-with-gpt":
         return cli("train", "lm", "--data", "text.txt", "--out", "r", "--experts", "4")
     if name == "limit-negative":

@@ -1,0 +1,343 @@
+"""RWKV-4 (attnlab.nn.wkv, attnlab.models.rwkv): the WKV recurrence (chunked fast path, stable
+one-step reference and the literal sums of the paper in float64 all equal, gradients included);
+parity with transformers' RwkvForCausalLM / RwkvModel with the same weights, in train mode and in
+eval mode with its rescaling; HF directories both ways; generation through the recurrent state
+(step by step equals the full forward, greedy equals transformers' generate, left padding changes
+no row, speculative decoding equals greedy); `attnlab train lm --model rwkv`."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import attnlab
+import attnlab.models  # noqa: F401
+import contract
+from attnlab.generate import GenerationStats, generate
+from attnlab.models.rwkv import RWKV, Rwkv, RwkvConfig, RwkvModel
+from attnlab.nn.wkv import wkv4, wkv4_reference, wkv4_step
+from attnlab.train.optim import no_decay_parameters
+from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path)
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tiny(cls=Rwkv, seed=0, **overrides) -> Rwkv:
+    torch.manual_seed(seed)
+    model = cls(RWKV.preset("tiny", **overrides))
+    contract.randomize_(model, seed)
+    with torch.no_grad():       # decays from fast (exp(-e^2.5) per step) to slow, keys of order 5
+        for layer in model.layers:
+            tm = layer.time_mix
+            tm.time_decay.copy_(torch.linspace(-4.0, 2.5, tm.time_decay.numel()))
+            tm.key.weight.mul_(4.0)
+    return model.eval()
+
+
+def _ids(shape, seed=1, vocab=96):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Our tiny RWKV and transformers' RwkvForCausalLM loaded from its save_pretrained."""
+    model = _tiny()
+    d = attnlab.save_pretrained(model, tmp_path_factory.mktemp("rwkv"))
+    hf = transformers.RwkvForCausalLM.from_pretrained(d).eval()
+    return model, hf, d
+
+
+# ----------------------------------------------------------------------------- the recurrence
+def _direct(k, v, w, u):
+    """The paper's WKV as the two sums, in float64 (no running maximum needed there)."""
+    k, v, w, u = k.double(), v.double(), w.double(), u.double()
+    l = k.size(1)
+    t, i = torch.arange(l)[:, None], torch.arange(l)[None, :]
+    expo = k[:, None, :, :] - (t - 1 - i).double()[..., None] * w                        # (b, t, i, c)
+    expo = torch.where((i == t)[..., None], u + k[:, None, :, :], expo)
+    weight = torch.exp(expo.masked_fill((i > t)[..., None], float("-inf")))
+    return ((weight * v[:, None]).sum(2) / weight.sum(2)).float()
+
+
+def _wkv_inputs(b, l, c, seed, key_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    k = key_scale * torch.randn(b, l, c, generator=g)
+    v = torch.randn(b, l, c, generator=g)
+    w = torch.exp(torch.linspace(-4.0, 3.0, c))
+    u = torch.randn(c, generator=g)
+    return k, v, w, u
+
+
+def test_wkv_equals_the_papers_sums_with_keys_whose_exponentials_overflow_fp32():
+    k, v, w, u = _wkv_inputs(2, 45, 6, seed=0, key_scale=40.0)         # exp(k) up to ~e^150
+    want = _direct(k, v, w, u)
+    assert not torch.isfinite(torch.exp(k.max())), "the keys must overflow a naive fp32 evaluation"
+    for chunk in (1, 8, 16, 64):
+        got, _ = wkv4(k, v, w, u, chunk=chunk)
+        assert_close_scaled(got, want, FP32, f"chunk {chunk}")
+    assert_close_scaled(wkv4_reference(k, v, w, u)[0], want, FP32, "reference")
+
+
+def _real(state):
+    num, den, p = state
+    return torch.cat([num * torch.exp(p), den * torch.exp(p)])
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 3), l=st.integers(1, 40), c=st.integers(1, 5), chunk=st.integers(1, 17),
+       with_state=st.booleans(), seed=st.integers(0, 100))
+def test_chunked_wkv_equals_the_reference_with_gradients(b, l, c, chunk, with_state, seed):
+    """The fast path in fp32 against the one-step recurrence in float64 (whose fp32 run carries
+    more round-off than the chunks: each of its l steps rounds the state again)."""
+    k, v, w, u = _wkv_inputs(b, l, c, seed, key_scale=3.0)
+    state = None
+    if with_state:
+        k0, v0, *_ = _wkv_inputs(b, 5, c, seed + 1)
+        state = wkv4_reference(k0.double(), v0.double(), w.double(), u.double())[1]
+    outs = []
+    for fn, dtype in ((lambda *a: wkv4(*a, chunk=chunk), torch.float32), (wkv4_reference, torch.float64)):
+        ins = [t.detach().to(dtype).clone().requires_grad_() for t in (k, v, w, u)]
+        out, end = fn(*ins, None if state is None else tuple(s.to(dtype) for s in state))
+        g = torch.Generator().manual_seed(seed)
+        end = _real(end)          # the end state enters the loss so that w has a gradient at l = 1
+        ((out * torch.randn(out.shape, generator=g).to(dtype)).sum()
+         + (end * torch.randn(end.shape, generator=g).to(dtype)).sum() / end.abs().max().detach()).backward()
+        outs.append((out, end, torch.cat([t.grad.flatten() for t in ins])))
+    (fast, fast_end, fast_grad), (ref, ref_end, ref_grad) = outs
+    assert_close_scaled(fast, ref.float(), FP32, "outputs")
+    assert_close_scaled(fast_end, ref_end.float(), FP32, "end state")
+    assert_close_scaled(fast_grad, ref_grad.float(), FP32, "gradients")
+
+
+def test_one_step_equals_transformers_cpu_recurrence():
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+    k, v, w, u = _wkv_inputs(2, 9, 4, seed=3, key_scale=5.0)
+    theirs, (num, den, p) = rwkv_linear_attention_cpu(torch.log(w), u, k, v, return_state=True)
+    ours, state = wkv4(k, v, w, u, chunk=4)
+    assert_close_scaled(ours, theirs, FP32, "wkv")
+    assert_close_scaled(_real(state), _real((num, den, p)), FP32, "state")
+    out, _ = wkv4_step(state, k[:, 0], v[:, 0], w, u)
+    theirs_next, _ = rwkv_linear_attention_cpu(torch.log(w), u, k[:, :1], v[:, :1], state=[num, den, p])
+    assert_close_scaled(out, theirs_next[:, 0], FP32, "one more step")
+
+
+# ----------------------------------------------------------------------------- transformers
+def test_logits_equal_transformers_at_several_lengths(pair):
+    model, hf, _ = pair
+    for length in (1, 7, 16, 70):
+        ids = _ids((3, length), seed=length)
+        with torch.no_grad():
+            assert_close_scaled(model(ids), hf(ids, use_cache=False).logits, FP32, f"logits at length {length}")
+
+
+def test_rescaling_in_eval_and_none_in_training_as_transformers(tmp_path):
+    # a large LayerNorm eps makes the norms see the halved residual stream, so a wrong rescale shows
+    model = _tiny(num_layers=5, rescale_every=2, layer_norm_eps=0.5)
+    attnlab.save_pretrained(model, tmp_path)
+    hf = transformers.RwkvForCausalLM.from_pretrained(tmp_path)
+    ids = _ids((2, 12))
+    with torch.no_grad():
+        got = {mode: model.train(mode)(ids) for mode in (True, False)}
+        want = {mode: hf.train(mode)(ids, use_cache=False).logits for mode in (True, False)}
+    for mode in (True, False):
+        assert_close_scaled(got[mode], want[mode], FP32, f"training={mode}")
+    assert (got[True] - got[False]).abs().max() > 1e-3 * got[True].abs().max(), "the rescaling must matter here"
+    # transformers divides its weights in place in eval mode; ours stay as they were loaded
+    assert torch.equal(model.state_dict()["layers.2.time_mix.output.weight"],
+                       attnlab.from_pretrained(tmp_path).state_dict()["layers.2.time_mix.output.weight"])
+
+
+def test_base_model_equals_transformers_rwkv_model(tmp_path):
+    model = _tiny(RwkvModel)
+    attnlab.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["RwkvModel"]
+    hf = transformers.RwkvModel.from_pretrained(tmp_path).eval()
+    ids = _ids((2, 33))
+    with torch.no_grad():
+        assert_close_scaled(model(ids), hf(ids).last_hidden_state, FP32, "last hidden state")
+
+
+def test_transformers_checkpoint_loads_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, attention_hidden_size=24, intermediate_size=48,
+        rescale_every=0)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = attnlab.from_pretrained(tmp_path / "hf")
+    assert type(ours) is Rwkv and (ours.config.attention_hidden_size, ours.config.d_ff) == (24, 48)
+    ids = _ids((2, 20))
+    with torch.no_grad():
+        assert_close_scaled(ours(ids), hf(ids, use_cache=False).logits, FP32, "from transformers")
+        ours.save_pretrained(tmp_path / "again")
+        back = transformers.RwkvForCausalLM.from_pretrained(tmp_path / "again").eval()
+        assert torch.equal(back(ids, use_cache=False).logits, hf(ids, use_cache=False).logits)
+
+
+def test_greedy_generation_equals_transformers_for_32_tokens(pair):
+    """Against transformers' generate one row at a time: its one-token step adds the (b, c) shift
+    state to the (b, 1, c) hidden states, which broadcasts to (b, b, c) when b > 1."""
+    model, hf, _ = pair
+    prompt = _ids((2, 6), seed=4)
+    ours = model.generate(prompt, 32)
+    for i in range(2):
+        with torch.no_grad():
+            theirs = hf.generate(prompt[i:i + 1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert torch.equal(ours[i:i + 1], theirs), f"row {i}"
+
+
+# ----------------------------------------------------------------------------- decoding
+def test_step_by_step_logits_equal_the_full_forward(pair):
+    model = pair[0]
+    ids = _ids((3, 19), seed=5)
+    with torch.no_grad():
+        full = model(ids)
+        state = model.new_cache()
+        steps = [model(ids[:, :4], cache=state), model(ids[:, 4:11], cache=state)]
+        steps += [model(ids[:, t:t + 1], cache=state) for t in range(11, 19)]
+    assert state.length == 19
+    assert_close_scaled(torch.cat(steps, 1), full, FP32, "stepwise logits")
+
+
+def test_the_state_has_a_constant_size_per_token(pair):
+    model = pair[0]
+    sizes = []
+    with torch.no_grad():
+        state = model.new_cache()
+        model(_ids((2, 3)), cache=state)
+        for t in range(30):
+            model(_ids((2, 1), seed=t), cache=state)
+            sizes.append(sum(x.numel() for x in state.tensors))
+    c = model.config
+    assert set(sizes) == {c.num_layers * 2 * (2 * c.d_model + 3 * c.attention_hidden_size)}
+
+
+def test_cached_equals_uncached_greedy(pair):
+    model = pair[0]
+    prompt = _ids((3, 5), seed=6)
+    stats = GenerationStats()
+    cached = generate(model, prompt, 16, stats=stats)
+    assert stats.target_passes == 16
+    assert torch.equal(cached, generate(model, prompt, 16, use_cache=False))
+
+
+def _left_padded():
+    prompts = [_ids((1, n), seed=10 + n)[0] for n in (6, 2, 4)]
+    ids, mask = torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 6 - len(p):], mask[i, 6 - len(p):] = p, 1
+    return prompts, ids, mask
+
+
+def test_left_padded_batch_gives_each_row_what_it_gives_alone(pair):
+    model, hf, _ = pair          # transformers' RWKV ignores the mask: its reference is each row alone
+    prompts, ids, mask = _left_padded()
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask)
+        for i, p in enumerate(prompts):
+            assert_close_scaled(padded[i, 6 - len(p):], hf(p[None]).logits[0], FP32, f"row {i} logits")
+    for use_cache in (True, False):
+        out = generate(model, ids, 12, attention_mask=mask, use_cache=use_cache)
+        for i, p in enumerate(prompts):
+            assert out[i, 6:].tolist() == generate(model, p[None], 12)[0, len(p):].tolist(), f"row {i}"
+
+
+def test_speculative_decoding_equals_greedy_with_rejections_per_row(pair):
+    model = pair[0]
+    prompts, ids, mask = _left_padded()
+    plain = generate(model, ids, 14, attention_mask=mask)
+    draft = _tiny(seed=0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in draft.parameters():
+            p.add_(0.08 * torch.randn(p.shape, generator=g))
+    for k in (1, 3):
+        stats = GenerationStats()
+        got = generate(model, ids, 14, attention_mask=mask, draft_model=draft, num_draft_tokens=k, stats=stats)
+        assert torch.equal(got, plain), f"k={k}"
+        assert 0 < stats.accepted < stats.drafted, (k, stats)
+    assert torch.equal(model.generate(ids, 14, attention_mask=mask, draft_model=model), plain)
+
+
+def test_beam_search_runs_through_the_recurrent_state(pair):
+    model = pair[0]
+    prompt = _ids((2, 4), seed=8)
+    assert torch.equal(generate(model, prompt, 6, num_beams=3), generate(model, prompt, 6, num_beams=3,
+                                                                        use_cache=False))
+
+
+# ----------------------------------------------------------------------------- training surface
+def test_decays_bonuses_and_mixes_do_not_decay():
+    model = _tiny()
+    exempt = no_decay_parameters(model)
+    names = {n for n, p in model.named_parameters() if id(p) in exempt}
+    assert {"layers.0.time_mix.time_decay", "layers.0.time_mix.time_first", "layers.1.time_mix.mix_r",
+            "layers.0.channel_mix.mix_k", "layers.0.norm1.weight"} <= names
+    assert "layers.0.time_mix.key.weight" not in names
+
+
+def test_initialisation_spreads_the_decays_and_gives_small_logits():
+    model = Rwkv(RWKV.preset("tiny"))
+    decay = model.layers[1].time_mix.time_decay
+    assert float(decay[0]) == -5.0 and float(decay[-1]) == 3.0 and bool((decay[1:] > decay[:-1]).all())
+    with torch.no_grad():
+        assert model(_ids((2, 16))).abs().max() < 1.0
+
+
+def test_sizing_builder_and_bad_input():
+    config = RWKV.build_config(vocab_size=50, context=24, d_model=48, num_heads=4, num_layers=2)
+    assert (config.d_ff, config.attention_hidden_size, config.rescale_every) == (192, 48, 0)
+    assert RWKV.input_limits(config) == {"vocab_size": 50, "context": None}
+    with pytest.raises(ValueError, match="rwkv: an RWKV has no dropout"):
+        RWKV.build_config(vocab_size=50, context=24, d_model=48, num_heads=4, num_layers=2, dropout=0.1)
+    with pytest.raises(ValueError, match="RwkvConfig: num_layers must be positive, got 0"):
+        RwkvConfig(num_layers=0)
+    model = _tiny()
+    with pytest.raises(ValueError, match="cache must be the model's decoding state"):
+        model(_ids((1, 3)), cache=attnlab.models.GPT(attnlab.models.GPTConfig(
+            vocab_size=96, n_positions=8, d_model=8, num_heads=2, num_layers=1)).new_cache())
+    with pytest.raises(ValueError, match=r"attention_mask must be \(batch, cached \+ new tokens\) = \(1, 3\)"):
+        model(_ids((1, 3)), attention_mask=torch.ones(1, 4))
+    with pytest.raises(ValueError, match=r"Rwkv: token id 96 is out of range \[0, vocab_size=96\)"):
+        model(torch.tensor([[1, 96]]))
+    with pytest.raises(ValueError, match="wkv4: chunk must be a positive int"):
+        wkv4(*_wkv_inputs(1, 3, 2, 0), chunk=0)
+    with pytest.raises(TypeError, match="RwkvModel has no language-model head"):
+        _tiny(RwkvModel).generate(_ids((1, 3)), 2)
+
+
+def test_train_lm_with_rwkv_from_the_command_line(tmp_path):
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["train", "lm", "--model", "rwkv", "--data", tmp_path / "text.txt", "--out", tmp_path / "run",
+            "--steps", "12", "--d-model", "16", "--layers", "1", "--context", "24",
+            "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--eval-every", "6", "--no-progress"]
+    r = subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "run" / "best" / "run.json").read_text())
+    assert (meta["model_type"], meta["architecture"], meta["config"]["d_model"]) == ("rwkv", "RwkvForCausalLM", 16)
+    train = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert train[-1] < train[0], train
+    g = subprocess.run([sys.executable, "-m", "attnlab.cli", "generate", str(tmp_path / "run"), "--prompt", "the",
+                        "--max-new-tokens", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert g.returncode == 0, g.stderr
+    assert len(g.stdout) >= 40
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _tiny().train()
+    ids = _ids((2, 30))
+
+    def grads():
+        model.zero_grad()
+        model(ids).square().mean().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    plain = grads()
+    model.gradient_checkpointing = True
+    assert_close_scaled(grads(), plain, FP32, "checkpointed gradients")
