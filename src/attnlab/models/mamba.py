@@ -29,13 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn.cache import RecurrentState
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import RMSNorm
 from ..nn.ssm import selective_scan, selective_step
-from .causal_lm import GenerationMixin, check_token_ids
 from .convert import Rule, split_prefix
-from .pretrained import SavePretrained
+from .recurrent import RecurrentLM
 from .registry import FamilyOption, register_family
 
 __all__ = ["MambaConfig", "MambaMixer", "Mamba", "MambaModel", "MAMBA"]
@@ -144,12 +142,13 @@ class MambaLayer(nn.Module):
         return x + out, state
 
 
-class Mamba(GenerationMixin, SavePretrained, nn.Module):
+class Mamba(RecurrentLM):
     """Mamba language model (transformers' MambaForCausalLM). ``forward(input_ids (b, l),
     attention_mask=None (b, cached + l), positions=None, cache=None) -> logits (b, l, V)``;
     ``positions`` are accepted and unused (the order lives in the recurrence)."""
 
     init_std = 0.02
+    state_per_layer = 2          # the convolution's last inputs and the SSM state
     mixer_cls = MambaMixer       # the layers' mixer: Mamba-2 plugs in its own and keeps the rest
 
     def __init__(self, config: MambaConfig):
@@ -176,57 +175,16 @@ class Mamba(GenerationMixin, SavePretrained, nn.Module):
             nn.init.normal_(layer.mixer.out_proj.weight, 0.0, self.init_std / math.sqrt(len(self.layers)))
             layer.mixer.reset_ssm()
 
-    def new_cache(self) -> RecurrentState:
-        """The decoding state: per layer the convolution's last inputs and the SSM state."""
-        return RecurrentState([None] * (2 * len(self.layers)))
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.token_embedding(input_ids)
 
-    def _check(self, input_ids: Tensor, attention_mask: Tensor | None, cache) -> Tensor | None:
-        who = type(self).__name__
-        check_token_ids(who, input_ids, self.config.vocab_size)
-        if cache is not None and (not isinstance(cache, RecurrentState) or len(cache.tensors) != 2 * len(self.layers)):
-            raise ValueError(f"{who}: cache must be the model's decoding state (model.new_cache()), got "
-                             f"{type(cache).__name__}")
-        if attention_mask is None:
-            return None
-        (b, l), past = input_ids.shape, 0 if cache is None else cache.length
-        if attention_mask.shape != (b, past + l):
-            raise ValueError(f"{who}: attention_mask must be (batch, cached + new tokens) = {(b, past + l)}, "
-                             f"got {tuple(attention_mask.shape)}")
-        real = attention_mask.bool()[:, past:]
-        return None if bool(real.all()) else real
-
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
-        """(b, l) ids -> the final norm's output (b, l, E)."""
-        real = self._check(input_ids, attention_mask, cache)
-        fresh = cache is None or cache.tensors[0] is None
-        # padding only before each row's first real token, from an empty state: zero inputs are
-        # exact; anything else (holes, a rewind point marked) goes one position at a time
-        at_once = (real is None or fresh and bool((real[:, 1:] >= real[:, :-1]).all())) \
-            and not (cache is not None and cache.stepwise)
-        x = self.token_embedding(input_ids)
-        if at_once:
-            x = self._layers(x, real, cache, input_ids.size(1))
-        else:
-            x = torch.cat([self._layers(x[:, t:t + 1], None if real is None else real[:, t:t + 1], cache, 1)
-                           for t in range(x.size(1))], dim=1)
-        return self.norm(x)
-
-    def _layers(self, x: Tensor, real: Tensor | None, cache, steps: int) -> Tensor:
-        for i, layer in enumerate(self.layers):
-            state = None if cache is None or cache.tensors[2 * i] is None else tuple(cache.tensors[2 * i:2 * i + 2])
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
-                x, state = checkpoint(layer, x, real, None)
-            else:
-                x, state = layer(x, real, state)
-            if cache is not None:
-                cache.tensors[2 * i:2 * i + 2] = list(state)
-        if cache is not None:
-            cache.advance(steps)
-        return x
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: RecurrentState | None = None) -> Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, cache))
+    def run_layers(self, x: Tensor, real: Tensor | None, states: list) -> tuple[Tensor, list]:
+        """Each layer keeps its state unchanged at padding itself (its inputs zeroed, its step 0)."""
+        new = []
+        for layer, state in zip(self.layers, states):
+            x, state = checkpoint(layer, x, real, None) if self.checkpointing(state) else layer(x, real, state)
+            new.append(state)
+        return x, new
 
 
 class MambaModel(Mamba):

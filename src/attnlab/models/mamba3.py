@@ -38,13 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn.cache import RecurrentState
 from ..nn.checkpoint import checkpoint
 from ..nn.mamba3_scan import empty_state, mamba3_scan, mamba3_step, rotate_pairs
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
-from .causal_lm import GenerationMixin, check_token_ids
-from .pretrained import SavePretrained
+from .recurrent import RecurrentLM
 from .registry import FamilyOption, register_family
 
 __all__ = ["Mamba3Config", "Mamba3Mixer", "Mamba3", "MAMBA3"]
@@ -232,12 +230,13 @@ class Mamba3Layer(nn.Module):
         return x, state
 
 
-class Mamba3(GenerationMixin, SavePretrained, nn.Module):
+class Mamba3(RecurrentLM):
     """Mamba-3 language model. ``forward(input_ids (b, l), attention_mask=None (b, cached + l),
     positions=None, cache=None) -> logits (b, l, V)``; ``positions`` are accepted and unused (the
     order lives in the recurrence and its rotations)."""
 
     init_std = 0.02
+    state_per_layer = STATE_TENSORS
 
     def __init__(self, config: Mamba3Config):
         super().__init__()
@@ -265,63 +264,17 @@ class Mamba3(GenerationMixin, SavePretrained, nn.Module):
         for layer in self.layers:
             layer.mixer.reset_ssm()
 
-    def new_cache(self) -> RecurrentState:
-        """The decoding state: per layer the angle, the SSM state and the last position's B and X."""
-        return RecurrentState([None] * (STATE_TENSORS * len(self.layers)))
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.token_embedding(input_ids)
 
-    def _check(self, input_ids: Tensor, attention_mask: Tensor | None, cache) -> Tensor | None:
-        who = type(self).__name__
-        check_token_ids(who, input_ids, self.config.vocab_size)
-        if cache is not None and (not isinstance(cache, RecurrentState)
-                                  or len(cache.tensors) != STATE_TENSORS * len(self.layers)):
-            raise ValueError(f"{who}: cache must be the model's decoding state (model.new_cache()), got "
-                             f"{type(cache).__name__}")
-        if attention_mask is None:
-            return None
-        (b, l), past = input_ids.shape, 0 if cache is None else cache.length
-        if attention_mask.shape != (b, past + l):
-            raise ValueError(f"{who}: attention_mask must be (batch, cached + new tokens) = {(b, past + l)}, "
-                             f"got {tuple(attention_mask.shape)}")
-        real = attention_mask.bool()[:, past:]
-        return None if bool(real.all()) else real
-
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache=None) -> Tensor:
-        """(b, l) ids -> the final norm's output (b, l, E)."""
-        real = self._check(input_ids, attention_mask, cache)
-        fresh = cache is None or cache.tensors[0] is None
-        # padding only before each row's first real token, from an empty state: zero inputs are
-        # exact; anything else (holes, a rewind point marked) goes one position at a time
-        at_once = (real is None or fresh and bool((real[:, 1:] >= real[:, :-1]).all())) \
-            and not (cache is not None and cache.stepwise)
-        x = self.token_embedding(input_ids)
-        if at_once:
-            x = self._layers(x, real, cache, input_ids.size(1))
-        else:
-            x = torch.cat([self._layers(x[:, t:t + 1], None if real is None else real[:, t:t + 1], cache, 1)
-                           for t in range(x.size(1))], dim=1)
-        return self.norm(x)
-
-    def _layers(self, x: Tensor, real: Tensor | None, cache, steps: int) -> Tensor:
-        k = STATE_TENSORS
-        for i, layer in enumerate(self.layers):
-            state = None
-            if cache is not None:
-                state = tuple(cache.tensors[k * i:k * i + k])
-                if state[0] is None:              # a first step of one position needs a state to step from
-                    state = None if steps > 1 else layer.mixer.empty(x.size(0), x)
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
-                x, state = checkpoint(layer, x, real, None)
-            else:
-                x, state = layer(x, real, state)
-            if cache is not None:
-                cache.tensors[k * i:k * i + k] = list(state)
-        if cache is not None:
-            cache.advance(steps)
-        return x
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: RecurrentState | None = None) -> Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, cache))
+    def run_layers(self, x: Tensor, real: Tensor | None, states: list) -> tuple[Tensor, list]:
+        new = []
+        for layer, state in zip(self.layers, states):
+            if state is None and x.size(1) == 1 and not self.training:
+                state = layer.mixer.empty(x.size(0), x)      # one position steps from an empty state
+            x, state = checkpoint(layer, x, real, None) if self.checkpointing(state) else layer(x, real, state)
+            new.append(state)
+        return x, new
 
 
 # ----------------------------------------------------------------------------- registration

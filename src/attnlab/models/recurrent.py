@@ -1,4 +1,4 @@
-"""What the RWKV language models share: a stack of recurrent layers whose decoding state is a fixed
+"""What the recurrent language models (Mamba, Mamba-2, Mamba-3, RWKV-4, RWKV-7) share: a stack of recurrent layers whose decoding state is a fixed
 number of tensors per layer in an :class:`attnlab.nn.cache.RecurrentState`.
 
 A subclass builds ``token_embedding``, ``layers``, ``norm`` and ``lm_head``, says how many state
