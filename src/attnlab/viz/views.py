@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
+from .implicit import has_implicit_attention, implicit_views
 from .record import AttentionRecord, record_attention
 
 __all__ = ["View", "record_views", "text_views", "seq2seq_views"]
@@ -76,7 +77,8 @@ def record_views(record: AttentionRecord, rows: Sequence[str], cols: Sequence[st
 def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
     if not any(isinstance(m, MultiHeadAttention) for m in model.modules()):
         raise ValueError(f"viz: {type(model).__name__} has no attention layers to draw (it is built without "
-                         f"attnlab's MultiHeadAttention)")
+                         f"attnlab's MultiHeadAttention, and is not a Mamba-2 or Mamba-3, whose implicit "
+                         f"attention is drawn instead)")
     with record_attention(model) as record:
         model(*args)
     return record
@@ -85,9 +87,12 @@ def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
 @torch.no_grad()
 def text_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str]) -> list[View]:
     """Views of one text through a model whose forward takes ``input_ids`` (B, T) alone: a causal
-    or masked LM, an encoder, a classifier. ``labels``: one per token."""
+    or masked LM, an encoder, a classifier; a Mamba-2 or Mamba-3 gives its implicit attention
+    (attnlab.viz.implicit) as a "matrix" view. ``labels``: one per token."""
     if len(ids) != len(labels):
         raise ValueError(f"viz: {len(ids)} token ids but {len(labels)} labels")
+    if has_implicit_attention(model):
+        return implicit_views(model, ids, labels)
     model.eval()
     device = next(model.parameters()).device
     record = _forward_recorded(model, torch.tensor([list(ids)], device=device))

@@ -1,0 +1,129 @@
+"""The implicit attention matrix of a state-space layer (Mamba-2's duality, Dao & Gu 2024, section 3;
+Mamba-3's trapezoidal and rotated form): the (T, T) matrix per head that the scan multiplies its
+input by, read off the layer's own scan inputs during a forward.
+
+    with record_scans(model) as calls:            # every Mamba-2 / Mamba-3 scan, in call order
+        model(ids)
+    M = implicit_matrices(model, ids)             # (L, b, H, T, T), fp32
+
+Mamba-2 (attnlab.nn.ssd): y = M x + D x, with x the scan's input u (b, T, h, p) and, per head,
+
+    M[t, s] = (C_t · B_s) exp(Σ_{s<r<=t} Δ_r A) Δ_s        for s <= t, 0 above the diagonal
+
+Mamba-3 (attnlab.nn.mamba3_scan, SISO): Y = M X (the mixer adds D X after the scan), with B and
+C already normalised, biased and rotated, so C_t · B_s carries the rotation by θ_t - θ_s, and the
+trapezoid's two weights folded into one per entry (the scan's docstring): an input written at s
+reaches t > s with w_s = γ_s + β_{s+1} and itself with γ_t alone::
+
+    M[t, s] = (C_t · B_s) exp(Σ_{s<r<=t} a_r) (w_s if s < t else γ_t)
+
+MIMO is refused: its r inputs and outputs share one state, so its matrix is (T r, T r) per head,
+not one (T, T) matrix. The matrix is the same for every channel of a head (the decay is a scalar
+per head), which is why Mamba-1, whose decay is a (d, n) matrix, has none per head and is refused.
+
+Entries can be negative (C · B is a dot product): :func:`implicit_views` draws their magnitude.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..models import mamba2 as mamba2_module
+from ..models import mamba3 as mamba3_module
+from ..nn.ssd import _heads, _segment_sums
+
+__all__ = ["ScanCall", "record_scans", "implicit_matrices", "implicit_views", "has_implicit_attention"]
+
+
+@dataclass
+class ScanCall:
+    """One scan of one layer: ``family`` "mamba2" or "mamba3", its positional inputs as the scan
+    received them, and its output (y for Mamba-2, with the D skip; Y for Mamba-3, without it)."""
+    family: str
+    inputs: tuple
+    output: Tensor
+
+
+def _recording(family: str, scan, calls: list[ScanCall]):
+    def recorded(*args, **kwargs):
+        extra = args[6] if len(args) > 6 else kwargs.get("h0", kwargs.get("state"))
+        if extra is not None:
+            raise ValueError(f"implicit attention: the {family} scan ran from a carried state; record a whole "
+                             f"sequence from the start (no cache)")
+        out = scan(*args, **kwargs)
+        calls.append(ScanCall(family, tuple(args[:6]), out[0]))
+        return out
+    return recorded
+
+
+@contextmanager
+def record_scans(model: nn.Module):
+    """Record every Mamba-2 and Mamba-3 scan that runs inside the block, in call order (the
+    layers' order for a forward). The scans themselves run unchanged: the record wraps the
+    function the mixers call and restores it on exit."""
+    calls: list[ScanCall] = []
+    saved = mamba2_module.ssd_scan, mamba3_module.mamba3_scan
+    mamba2_module.ssd_scan = _recording("mamba2", saved[0], calls)
+    mamba3_module.mamba3_scan = _recording("mamba3", saved[1], calls)
+    try:
+        yield calls
+    finally:
+        mamba2_module.ssd_scan, mamba3_module.mamba3_scan = saved
+
+
+def _mamba2_matrix(x, dt, A, B, C, D) -> Tensor:
+    nh = x.size(2)
+    dt = dt.float()
+    Bh, Ch = _heads(B.float(), nh), _heads(C.float(), nh)                  # (b, T, h, n)
+    scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)
+    decay = torch.exp(_segment_sums((dt * A.float()).transpose(1, 2)))     # (b, h, T, T), 0 above the diagonal
+    return scores * decay * dt.transpose(1, 2)[:, :, None, :]
+
+
+def _mamba3_matrix(C, B, X, a, gamma, beta) -> Tensor:
+    if B.size(2) != 1:
+        raise ValueError(f"implicit attention: a MIMO Mamba-3 (rank {B.size(2)}) shares one state between its "
+                         f"inputs, so its matrix is (T*r, T*r) per head, not (T, T); use a SISO model")
+    gamma, beta = gamma.float().transpose(1, 2), beta.float().transpose(1, 2)   # (b, h, T)
+    w = gamma + torch.cat([beta[..., 1:], torch.zeros_like(beta[..., :1])], dim=-1)
+    T = w.size(-1)
+    below = torch.ones(T, T, dtype=torch.bool, device=w.device).tril(-1)
+    weight = torch.where(below, w[..., None, :], torch.diag_embed(gamma))
+    scores = torch.einsum("bthn,bshn->bhts", C[:, :, 0].float(), B[:, :, 0].float())
+    return scores * torch.exp(_segment_sums(a.float().transpose(1, 2))) * weight
+
+
+def call_matrix(call: ScanCall) -> Tensor:
+    """The (b, H, T, T) implicit attention of one recorded scan (the module docstring)."""
+    return (_mamba2_matrix if call.family == "mamba2" else _mamba3_matrix)(*call.inputs)
+
+
+def has_implicit_attention(model: nn.Module) -> bool:
+    return any(isinstance(m, (mamba2_module.Mamba2Mixer, mamba3_module.Mamba3Mixer)) for m in model.modules())
+
+
+@torch.no_grad()
+def implicit_matrices(model: nn.Module, ids: Tensor) -> Tensor:
+    """(L, b, H, T, T) fp32: each Mamba-2 / Mamba-3 layer's implicit attention for ``ids`` (b, T),
+    from one forward of the model, whose outputs it leaves as they are."""
+    if not has_implicit_attention(model):
+        raise ValueError(f"implicit attention: {type(model).__name__} has no Mamba-2 or Mamba-3 layer "
+                         f"(Mamba-1's decay differs per channel, so it has no (T, T) matrix per head)")
+    with record_scans(model) as calls:
+        model(ids)
+    return torch.stack([call_matrix(c) for c in calls])
+
+
+@torch.no_grad()
+def implicit_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str], batch: int = 0) -> list:
+    """One "matrix" view (attnlab.viz.views) of the magnitude of every layer's implicit attention."""
+    from .views import View
+    model.eval()
+    device = next(model.parameters()).device
+    M = implicit_matrices(model, torch.tensor([list(ids)], device=device))[:, batch]
+    return [View("layers/implicit", "implicit attention |C·B × decay × step|", M.abs(), list(labels), list(labels),
+                 kind="matrix")]

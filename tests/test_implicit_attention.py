@@ -1,0 +1,107 @@
+"""The implicit attention matrix of Mamba-2 and Mamba-3 (attnlab.viz.implicit): read off each
+layer's own scan inputs during a forward, multiplying it by the layer's scan input reproduces the
+scan's output (the state-space duality for Mamba-2; the trapezoidal, rotated form for Mamba-3),
+recording leaves the logits unchanged, and `attnlab viz` draws it as PNGs and as "matrix" views.
+"""
+import pytest
+import torch
+
+from attnlab.models.mamba import Mamba, MambaConfig
+from attnlab.models.mamba2 import Mamba2, Mamba2Config
+from attnlab.models.mamba3 import Mamba3, Mamba3Config
+from attnlab.nn.ssd import ssd_reference
+from attnlab.nn.mamba3_scan import mamba3_scan_reference
+from attnlab.viz.implicit import call_matrix, implicit_matrices, record_scans
+from attnlab.viz.views import text_views
+from _tolerance import assert_close_scaled  # noqa: E402
+
+TOL = 1e-5
+
+
+def _randomize(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def _mamba2(**kw):
+    torch.manual_seed(0)
+    c = Mamba2Config(vocab_size=50, d_model=32, num_layers=2, d_state=8, expand=2, head_dim=16, n_groups=2, **kw)
+    return _randomize(Mamba2(c))
+
+
+def _mamba3(**kw):
+    torch.manual_seed(0)
+    c = Mamba3Config(vocab_size=50, d_model=32, num_layers=2, d_state=8, expand=2, headdim=16, **kw)
+    return _randomize(Mamba3(c))
+
+
+IDS = torch.tensor([[3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7, 9, 3]])       # 13: not a multiple of any chunk
+
+
+def test_mamba2_matrix_times_its_input_plus_the_skip_is_the_layer_output():
+    model = _mamba2()
+    with torch.no_grad():
+        plain = model(IDS)
+        with record_scans(model) as calls:
+            recorded = model(IDS)
+    assert torch.equal(plain, recorded), "recording changed the logits"
+    assert [c.family for c in calls] == ["mamba2"] * 2
+    for call in calls:
+        x, dt, A, B, C, D = call.inputs
+        M = call_matrix(call)                                             # (b, h, T, T)
+        assert M.shape == (1, 4, 13, 13) and (M.triu(1) == 0).all()
+        y = torch.einsum("bhts,bshp->bthp", M, x.float()) + x * D[:, None]
+        assert_close_scaled(y, call.output, TOL, "M x + D x against the layer's ssd_scan output")
+        ref, _ = ssd_reference(x, dt, A, B, C, D)                         # and against the recurrence itself
+        assert_close_scaled(y, ref, TOL, "M x + D x against ssd_reference")
+
+
+@pytest.mark.parametrize("trapezoidal,rope_fraction", [(True, 0.5), (True, 1.0), (False, 0.5), (True, 0)])
+def test_mamba3_matrix_times_its_input_is_the_scan_output(trapezoidal, rope_fraction):
+    model = _mamba3(trapezoidal=trapezoidal, rope_fraction=rope_fraction, chunk_size=4)
+    with torch.no_grad():
+        plain = model(IDS)
+        with record_scans(model) as calls:
+            recorded = model(IDS)
+    assert torch.equal(plain, recorded)
+    assert [c.family for c in calls] == ["mamba3"] * 2
+    for call in calls:
+        C, B, X, a, gamma, beta = call.inputs
+        M = call_matrix(call)
+        Y = torch.einsum("bhts,bshp->bthp", M, X[:, :, 0].float())
+        assert_close_scaled(Y, call.output[:, :, 0], TOL, "M X against the layer's mamba3_scan output")
+        ref, _ = mamba3_scan_reference(C, B, X, a, gamma, beta)
+        assert_close_scaled(Y, ref[:, :, 0], TOL, "M X against mamba3_scan_reference")
+
+
+def test_the_matrix_is_the_duality_written_out_by_hand():
+    """One head, n = 1, by the formula of the docstring: M[t, s] = C_t B_s exp(A Σ_{s<r<=t} Δ_r) Δ_s."""
+    model = _mamba2()
+    with record_scans(model) as calls:
+        model(IDS[:, :4])
+    x, dt, A, B, C, D = calls[0].inputs
+    M = call_matrix(calls[0])[0, 0]
+    want = torch.zeros(4, 4)
+    for t in range(4):
+        for s in range(t + 1):
+            want[t, s] = (C[0, t, 0] @ B[0, s, 0]) * torch.exp(A[0] * dt[0, s + 1:t + 1, 0].sum()) * dt[0, s, 0]
+    assert_close_scaled(M, want, TOL, "hand-written duality")
+
+
+def test_mimo_and_mamba1_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"MIMO Mamba-3 \(rank 2\).*\(T\*r, T\*r\)"):
+        implicit_matrices(_mamba3(is_mimo=True, mimo_rank=2), IDS)
+    mamba1 = Mamba(MambaConfig(vocab_size=50, d_model=16, num_layers=1, d_state=4))
+    with pytest.raises(ValueError, match="Mamba-1's decay differs per channel"):
+        implicit_matrices(mamba1, IDS)
+
+
+def test_text_views_of_a_mamba2_are_matrix_views_of_the_magnitude():
+    model = _mamba2()
+    labels = [f"t{i}" for i in range(13)]
+    (view,) = text_views(model, IDS[0].tolist(), labels)
+    assert view.kind == "matrix" and view.weights.shape == (2, 4, 13, 13) and view.rows == labels
+    assert torch.allclose(view.weights, implicit_matrices(model, IDS)[:, 0].abs())
