@@ -39,10 +39,12 @@ from attnlab.nn import (causal_mask, combine_masks, padding_mask,  # noqa: E402
 from attnlab.nn.block import EncoderLayer  # noqa: E402
 from attnlab.nn.position import RotaryEmbedding, sinusoidal_table  # noqa: E402
 from attnlab.train.schedules import noam  # noqa: E402
+from attnlab.viz.views import text_views  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "figures"
 MANIFEST = FIGURES / "manifest.json"
+SSM_SENTENCE = "the cat sat on the mat because the mat was warm"
 ALIGN_SENTENCE = "when the old teacher sees forty-seven red birds , the girl helps the dog"
 
 
@@ -132,6 +134,43 @@ def data_norm_gradients() -> dict:
 
 
 # --------------------------------------------------------------------------- drawing
+
+def data_implicit_attention() -> dict:
+    """The last layer of a seeded, untrained GPT and Mamba-2 (their "tiny" presets, 4 heads each)
+    on one sentence of word ids: the GPT's softmax weights and the magnitude of the Mamba-2's
+    implicit attention (attnlab.viz.implicit), both through the explorer's own views."""
+    from attnlab.models.gpt import GPT, GPTConfig
+    from attnlab.models.gpt import PRESETS as GPT_PRESETS
+    from attnlab.models.mamba2 import PRESETS as MAMBA2_PRESETS
+    from attnlab.models.mamba2 import Mamba2, Mamba2Config
+    words = SSM_SENTENCE.split()
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    ids = [vocab[w] for w in words]
+    out = {}
+    for name, build in (("gpt", lambda: GPT(GPTConfig(**GPT_PRESETS["tiny"]))),
+                        ("mamba2", lambda: Mamba2(Mamba2Config(**MAMBA2_PRESETS["tiny"])))):
+        torch.manual_seed(0)
+        (view,) = text_views(build(), ids, words)
+        out[name] = (view.weights[-1] / view.scale).numpy()
+    return out
+
+
+def draw_implicit_attention(data, path):
+    words = SSM_SENTENCE.split()
+    heads = data["gpt"].shape[0]
+    fig, axes = plt.subplots(2, heads, figsize=(3.0 * heads, 6.4))
+    for row, (key, what) in enumerate((("gpt", "GPT attention"), ("mamba2", "Mamba-2 implicit attention"))):
+        for h in range(heads):
+            ax = axes[row][h]
+            w = data[key][h]
+            ax.imshow(w / max(float(w.max()), 1e-12), cmap="viridis", vmin=0.0)
+            ax.set_xticks(range(len(words)), labels=words, rotation=90, fontsize=6)
+            ax.set_yticks(range(len(words)), labels=words, fontsize=6)
+            ax.set_title(f"{what}, head {h + 1}", fontsize=8)
+    fig.suptitle("last layer, untrained, seeded: rows attend to columns (each panel scaled by its largest entry)",
+                 fontsize=9)
+    _save(fig, path)
+
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
@@ -261,7 +300,7 @@ def alignment(path: Path, run: Path | None = None) -> dict:
 FIGURES_BY_PAGE = {
     "hand_example": "attention.md", "scaling": "attention.md", "masks": "masks.md",
     "sinusoidal": "positions.md", "rope": "positions.md", "warmup": "trainer.md",
-    "norm_gradients": "norms.md",
+    "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md"}
 

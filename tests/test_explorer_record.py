@@ -62,14 +62,25 @@ def _explicit(model, x):
 
 
 def test_every_architecture_is_drawn_or_refused_in_one_line():
-    """The state-space families (Mamba) hold no attention module: the explorer says so."""
+    """The state-space families hold no attention module: Mamba-2 and Mamba-3 are drawn as their
+    implicit attention (one "matrix" view, attnlab.viz.implicit); the others are refused in one line."""
     from attnlab.viz.views import text_views
     without = [a for a in architectures() if a not in ATTENDING]
-    assert len(ATTENDING) >= 25 and {a.model_type for a in without} >= {"mamba"}
+    assert len(ATTENDING) >= 25 and {a.model_type for a in without} >= {"mamba", "mamba2", "mamba3"}
+    drawn = set()
     for arch in without:
-        if arch.family.modality == "text":
-            with pytest.raises(ValueError, match="has no attention layers to draw"):
-                text_views(contract.tiny(arch), [1, 2, 3], ["a", "b", "c"])
+        if arch.family.modality != "text":
+            continue
+        model = contract.tiny(arch)
+        if arch.model_type in ("mamba2", "mamba3"):
+            (view,) = text_views(model, [1, 2, 3], ["a", "b", "c"])
+            assert view.kind == "matrix" and view.weights.shape[2:] == (3, 3), arch
+            drawn.add(arch.model_type)
+        else:
+            with pytest.raises(ValueError, match="has no attention layers to draw") as e:
+                text_views(model, [1, 2, 3], ["a", "b", "c"])
+            assert "\n" not in str(e.value)
+    assert drawn == {"mamba2", "mamba3"}
 
 
 @pytest.mark.parametrize("arch", ATTENDING, ids=IDS(ATTENDING))

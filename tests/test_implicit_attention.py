@@ -105,3 +105,52 @@ def test_text_views_of_a_mamba2_are_matrix_views_of_the_magnitude():
     (view,) = text_views(model, IDS[0].tolist(), labels)
     assert view.kind == "matrix" and view.weights.shape == (2, 4, 13, 13) and view.rows == labels
     assert torch.allclose(view.weights, implicit_matrices(model, IDS)[:, 0].abs())
+
+
+# ----------------------------------------------------------------------------- attnlab viz
+TEXT = "the quick brown fox jumps over the lazy dog. " * 20
+SMALL = ["--d-model", "16", "--heads", "2", "--layers", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from attnlab.cli import main
+    d = tmp_path_factory.mktemp("ssmruns")
+    (d / "text.txt").write_text(TEXT)
+    for family in ("mamba2", "mamba3"):
+        assert main(["train", "lm", "--model", family, "--data", str(d / "text.txt"), "--steps", "2",
+                     "--eval-every", "2", "--context", "32", "--batch-size", "2", "--sample-tokens", "0",
+                     "--out", str(d / family), *SMALL]) == 0
+    return d
+
+
+def _written(capsys):
+    from pathlib import Path
+    return [Path(line[len("wrote "):]) for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+
+
+@pytest.mark.parametrize("family", ["mamba2", "mamba3"])
+def test_viz_of_a_state_space_run_draws_its_implicit_attention(runs, family, tmp_path, capsys):
+    from attnlab.cli import main
+    assert main(["viz", str(runs / family), "the lazy fox"]) == 0
+    paths = _written(capsys)
+    assert [p.name for p in paths] == ["layers-implicit-layer1.png", "layers-implicit-layer2.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.parent.name == "viz" for p in paths)
+    page = tmp_path / "page.html"
+    assert main(["viz", str(runs / family), "the lazy fox", "--html", str(page)]) == 0
+    text = page.read_text()
+    assert '"kind":"matrix"' in text and "implicit attention" in text
+
+
+def test_viz_of_a_hugging_face_mamba2_directory(tmp_path, capsys):
+    import attnlab
+    from attnlab.cli import main
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    model = _mamba2()
+    attnlab.save_pretrained(model, tmp_path / "m2")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "a", "cat", "sat"])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "m2" / "tokenizer.json"))
+    assert main(["viz", str(tmp_path / "m2"), "a cat sat", "--layer", "2", "--head", "3", "--out",
+                 str(tmp_path / "figs")]) == 0
+    assert [p.name for p in _written(capsys)] == ["layers-implicit-layer2-head3.png"]

@@ -9,6 +9,8 @@ are drawn from views alone:
 - a translation: encoder, decoder and cross-attention of the model's own translation, or of
   ``--target``; also the alignment figure (``alignment.png``: the cross-attention averaged over
   layers and heads, or ``--layer``/``--head``; ``--grid``: every layer and head);
+- a Mamba-2 or Mamba-3 (no attention layers): its implicit attention, each layer's (T, T) matrix
+  per head that the scan multiplies its input by (attnlab.viz.implicit), drawn as a "matrix" view;
 - an image classifier, with ``--image img.png``: where its class token looks, over the image
   (attnlab.viz.image; one PNG, beside the run's checkpoints).
 

@@ -21,11 +21,10 @@ MIMO is refused: its r inputs and outputs share one state, so its matrix is (T r
 not one (T, T) matrix. The matrix is the same for every channel of a head (the decay is a scalar
 per head), which is why Mamba-1, whose decay is a (d, n) matrix, has none per head and is refused.
 
-Entries can be negative (C · B is a dot product): :func:`implicit_views` draws their magnitude.
+Entries can be negative (C · B is a dot product): attnlab.viz.views.implicit_views draws their magnitude.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ from ..models import mamba2 as mamba2_module
 from ..models import mamba3 as mamba3_module
 from ..nn.ssd import _heads, _segment_sums
 
-__all__ = ["ScanCall", "record_scans", "implicit_matrices", "implicit_views", "has_implicit_attention"]
+__all__ = ["ScanCall", "record_scans", "implicit_matrices", "call_matrix", "has_implicit_attention"]
 
 
 @dataclass
@@ -117,13 +116,3 @@ def implicit_matrices(model: nn.Module, ids: Tensor) -> Tensor:
         model(ids)
     return torch.stack([call_matrix(c) for c in calls])
 
-
-@torch.no_grad()
-def implicit_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str], batch: int = 0) -> list:
-    """One "matrix" view (attnlab.viz.views) of the magnitude of every layer's implicit attention."""
-    from .views import View
-    model.eval()
-    device = next(model.parameters()).device
-    M = implicit_matrices(model, torch.tensor([list(ids)], device=device))[:, batch]
-    return [View("layers/implicit", "implicit attention |C·B × decay × step|", M.abs(), list(labels), list(labels),
-                 kind="matrix")]

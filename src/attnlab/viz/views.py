@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
-from .implicit import has_implicit_attention, implicit_views
+from .implicit import has_implicit_attention, implicit_matrices
 from .record import AttentionRecord, record_attention
 
-__all__ = ["View", "record_views", "text_views", "seq2seq_views"]
+__all__ = ["View", "record_views", "text_views", "implicit_views", "seq2seq_views"]
 
 KINDS = ("attention", "matrix")
 
@@ -82,6 +82,17 @@ def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
     with record_attention(model) as record:
         model(*args)
     return record
+
+
+@torch.no_grad()
+def implicit_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str]) -> list[View]:
+    """One "matrix" view of the magnitude of every Mamba-2 / Mamba-3 layer's implicit attention
+    (attnlab.viz.implicit; its entries can be negative, C · B being a dot product)."""
+    model.eval()
+    device = next(model.parameters()).device
+    M = implicit_matrices(model, torch.tensor([list(ids)], device=device))[:, 0]
+    return [View("layers/implicit", "implicit attention |C·B × decay × step|", M.abs(), list(labels), list(labels),
+                 kind="matrix")]
 
 
 @torch.no_grad()
