@@ -114,5 +114,8 @@ def implicit_matrices(model: nn.Module, ids: Tensor) -> Tensor:
                          f"(Mamba-1's decay differs per channel, so it has no (T, T) matrix per head)")
     with record_scans(model) as calls:
         model(ids)
+    mixers = sum(isinstance(m, (mamba2_module.Mamba2Mixer, mamba3_module.Mamba3Mixer)) for m in model.modules())
+    if len(calls) != mixers:     # a mixer that reached its scan another way would leave a layer out silently
+        raise ValueError(f"implicit attention: {len(calls)} scans recorded for {mixers} Mamba-2 / Mamba-3 layers")
     return torch.stack([call_matrix(c) for c in calls])
 
