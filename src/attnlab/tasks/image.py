@@ -70,11 +70,14 @@ __all__ = ["ImageClassification", "ImageClassificationTask", "LoadedImageClassif
 _M, _D, _T = "model", "data and evaluation", "distillation (--model deit)"
 KIND = "image-classifier"
 # what each kind of data is trained with unless given: the digits at their own 8x8, photos at 32 px.
-# Measured on the digits (2-core EPYC, 500 steps): no augmentation and no dropout at lr 2e-3 gave
-# 95.5 % held out, one-pixel shifts 70 % (a pixel is an eighth of a digit, and half a patch)
-_SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="none", dropout=0.0),
+# Measured on the digits (2-core EPYC, 500 steps): no augmentation at lr 2e-3 gave 95.5 % held out,
+# one-pixel shifts 70 % (a pixel is an eighth of a digit, and half a patch). Without regularisation
+# the model learns the 1,597 training digits by heart within five minutes (96.0 % held out);
+# dropout 0.2 with weight decay 0.1 reached 99.0 % on the same budget (0.1 and 0.1: 96.0 %).
+_SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="none", dropout=0.2),
           "folder": dict(image_size=32, patch_size=4, channels=3, augment="crop-flip", dropout=0.1)}
 _LR = {"digits": 2e-3, "folder": 1e-3}
+_WEIGHT_DECAY = {"digits": 0.1, "folder": None}     # None: the Trainer's default
 
 
 def _bytes(images: Sequence, processor: ImageProcessor) -> Tensor:
@@ -262,7 +265,7 @@ class ImageClassification(TaskDefinition):
         Option("heads", int, 4, "attention heads", check=positive, group=_M),
         Option("layers", int, 4, "layers", check=positive, group=_M),
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
-        Option("dropout", float, None, "dropout (default: 0 for the digits, 0.1 for a folder)", check=fraction,
+        Option("dropout", float, None, "dropout (default: 0.2 for the digits, 0.1 for a folder)", check=fraction,
                group=_M),
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
         Option("init", str, None, "start the encoder from an attnlab mae or image run or a Hugging Face ViTMAE or "
@@ -392,7 +395,8 @@ class ImageClassification(TaskDefinition):
 
     def _schedule(self, s: dict, n_images: int) -> dict:
         epochs = max(100, min(5000, 10 * -(-n_images // s["batch_size"])))      # about ten epochs
-        d = dict(steps=epochs, lr=_LR["digits" if s["data"] is None else "folder"])
+        kind = "digits" if s["data"] is None else "folder"
+        d = dict(steps=epochs, lr=_LR[kind], weight_decay=_WEIGHT_DECAY[kind])
         return training_schedule(s, d, lambda steps, budget: 50 if budget else max(1, steps // 10),
                                  lambda steps, budget: max(steps // 5, 20), 4)
 
