@@ -336,9 +336,5 @@ def test_train_mae_then_fine_tune_from_it_then_classify(tmp_path, capsys):
 
 def test_train_mae_says_what_is_wrong_in_one_line(tmp_path, capsys):
     data = _image_folder(tmp_path / "data", n=2)
-    code, _, err = _cli(capsys, "train", "mae", "--out", tmp_path / "r", *TINY_MAE)
-    assert code == 2 and err.strip().splitlines()[-1].endswith(
-        "attnlab train mae: give --data DIR, an image folder (one sub-folder of images per class, the classes not "
-        "read)"), err
     code, _, err = _cli(capsys, "train", "mae", "--data", data, "--out", tmp_path / "r", "--mask-ratio", "1", *TINY_MAE)
     assert code == 2 and err.strip().splitlines()[-1].endswith("--mask-ratio: must be in [0, 1), got 1.0"), err

@@ -65,7 +65,8 @@ from ..processors import ImageProcessor
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
 
-__all__ = ["ImageClassification", "ImageClassificationTask", "LoadedImageClassifier", "Teacher", "load_teacher"]
+__all__ = ["ImageClassification", "ImageClassificationTask", "LoadedImageClassifier", "Teacher", "load_teacher",
+           "label_subset"]
 
 _M, _D, _T = "model", "data and evaluation", "distillation (--model deit)"
 KIND = "image-classifier"
@@ -93,6 +94,19 @@ def _folder_labels(folder: ImageFolder, labels: list[str], name: str) -> Tensor:
         raise ValueError(f"{folder.root}: the {name} images have class(es) {', '.join(unknown)} that the training "
                          f"data lacks ({', '.join(labels)})")
     return torch.tensor([index[y] for y in folder.labels], dtype=torch.long)
+
+
+def label_subset(labels: Tensor, fraction: float, seed: int) -> Tensor:
+    """The indices (ascending) of a class-stratified ``fraction`` of the images whose classes are
+    ``labels``: of each class, round(fraction * its count) images (at least one), drawn by a shuffle
+    under ``seed``, so that the same seed picks the same images and every class keeps its share."""
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for c in labels.unique().tolist():
+        mine = (labels == c).nonzero().flatten()
+        n = max(1, round(fraction * len(mine)))
+        keep.append(mine[torch.randperm(len(mine), generator=g)[:n]])
+    return torch.cat(keep).sort().values if keep else torch.empty(0, dtype=torch.long)
 
 
 def _arrays(images: Tensor) -> list[np.ndarray]:
@@ -271,6 +285,9 @@ class ImageClassification(TaskDefinition):
         Option("init", str, None, "start the encoder from an attnlab mae or image run or a Hugging Face ViTMAE or "
                "ViT directory (a new head; the model sizes and processor are the checkpoint's)",
                metavar="RUN_OR_HF_DIR", group=_M),
+        Option("label_fraction", float, 1.0, "train on this fraction of the training images, drawn by --seed "
+               "within each class (the validation images unchanged): a few labels, as after pre-training",
+               check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]", group=_D),
         Option("augment", str, None, "augmentation of the training batches: shift (a few pixels, never a flip: "
                "for handwriting), crop-flip (random resized crop and horizontal flip: for photos) or none "
                "(default: none for the digits, crop-flip for a folder)", choices=AUGMENTATIONS, group=_D),
@@ -407,14 +424,18 @@ class ImageClassification(TaskDefinition):
             labels = list(saved.task_options["labels"])
             processor = load_processors(saved)["image"]
             model = build_model(saved.model_type, saved.config, saved.architecture)
-        elif s["init"] is not None:      # a pre-trained encoder, a new head (attnlab.tasks.mae)
-            from .mae import fine_tuning_start
+        elif s["init"] is not None:      # a pre-trained encoder, a new head (attnlab.tasks.finetune)
+            from .finetune import fine_tuning_start
             labels = self._labels(s)
             model, processor = fine_tuning_start(s, labels, self._model)
         else:
             labels, processor, model = None, self._processor(s), None
         data = self._data(s, processor, labels)
         labels = data["labels"]
+        if s["label_fraction"] < 1:
+            x, y = data["train"]
+            keep = label_subset(y, s["label_fraction"], s["seed"])
+            data["train"] = (x[keep], y[keep])
         model = model if model is not None else self._model(s, labels)
         teacher = None if s["teacher"] is None else load_teacher(s["teacher"], labels, processor.channels)
         t = self._schedule(s, len(data["train"][1]))
@@ -427,7 +448,8 @@ class ImageClassification(TaskDefinition):
                                        tau=s["distillation_tau"] or 3.0)
         n = sum(p.numel() for p in model.parameters()) / 1e6
         test = data["test"]
-        lines = [f"data: {data['root']}: {len(data['train'][1]):,} training images, {len(data['valid'][1]):,} "
+        few = f" (--label-fraction {s['label_fraction']:g}, stratified)" if s["label_fraction"] < 1 else ""
+        lines = [f"data: {data['root']}: {len(data['train'][1]):,} training images{few}, {len(data['valid'][1]):,} "
                  "validation" + (f", {len(test):,} test" if test else "") + f"; {len(labels)} classes: "
                  + ", ".join(labels),
                  f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters"

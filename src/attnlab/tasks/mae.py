@@ -1,13 +1,19 @@
-"""Masked auto-encoder pre-training on a folder of images, and fine-tuning a classifier from it.
+"""Masked auto-encoder pre-training on images, and fine-tuning a classifier from it.
 
+    attnlab train mae --time-budget 4 --out runs/mae-digits   # the embedded digits, labels unused
+    attnlab train image --label-fraction 0.1 --init runs/mae-digits
     attnlab train mae --data photos/ --time-budget 10 --mask-ratio 0.75 --norm-pix-loss
     attnlab train image --data photos/ --init runs/mae          # its encoder, a new head
 
-Data (``--data DIR``): the image-folder layout of ``attnlab train image``
-(:mod:`attnlab.data.images`: one sub-folder per class, or ``train/`` and ``val/``); the labels are
-not read. Without a validation folder 10 % of the images (at most 2,000) are held out. Images go
-through an :class:`attnlab.processors.ImageProcessor` (resize, rescale, normalise by mean and std
-0.5), saved with every checkpoint as preprocessor_config.json, the same one the image task builds.
+Data: without ``--data``, the embedded 8x8 digits of ``attnlab train image``, the same 1,597
+training images (their labels unused) and the same 200 held out for validation, at that task's
+sizes (8x8 in patches of 2, three grey channels, the box filter). ``--data DIR``: the image-folder
+layout of ``attnlab train image`` (:mod:`attnlab.data.images`: one sub-folder per class, or
+``train/`` and ``val/``); the labels are not read. Without a validation folder 10 % of the images
+(at most 2,000) are held out. Images go through the image task's
+:class:`attnlab.processors.ImageProcessor` for the same data (resize, rescale, normalise by mean
+and std 0.5), saved with every checkpoint as preprocessor_config.json, so ``--init`` fine-tunes
+on exactly the pixels the encoder was pre-trained on.
 
 The model is the ``vit_mae`` family's ViTMAEForPreTraining (kind "masked-image-model"), its
 options (``--mask-ratio``, ``--norm-pix-loss``, the decoder's sizes) stated by the family. The loss
@@ -16,7 +22,7 @@ minimises the mean squared error per masked patch, as MAE's loss. Training masks
 validation loss masks each held-out image by a fixed seed, so that two evaluations compare the
 same reconstructions.
 
-Fine-tuning: :func:`fine_tuning_start` is what ``attnlab train image --init`` calls. It reads an
+Fine-tuning (:mod:`attnlab.tasks.finetune`): :func:`fine_tuning_start` is what ``attnlab train image --init`` calls. It reads an
 attnlab run or a Hugging Face directory whose model is a ViT encoder (ViTMAEForPreTraining,
 ViTMAEModel, ViTForImageClassification, ViTModel), sizes the classifier as that encoder, copies the
 encoder's weights by their checkpoint names and leaves the new classifier head as initialised.
@@ -24,16 +30,19 @@ encoder's weights by their checkpoint names and leaves the new classifier head a
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..data.images import ImageFolder, image_splits, read_image_folder
-from ..processors import IMAGE_CONFIG, ImageProcessor
+from ..processors import ImageProcessor
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
-from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
+from .finetune import fine_tuning_start
+from .image import _SIZES as _IMAGE_SIZES
+from .image import IMAGE
+from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
 
 __all__ = ["MAEPretraining", "MAETask", "LoadedMAE", "mae_images", "fine_tuning_start"]
 
@@ -42,11 +51,14 @@ KIND = "masked-image-model"
 _VALID_SEED = 1234            # the masking of the held-out images, the same at every evaluation
 
 
-def mae_images(s: dict) -> tuple[ImageFolder, ImageFolder]:
-    """(training images, validation images) of the settings' ``--data`` / ``--valid`` folders."""
+def mae_images(s: dict, processor: ImageProcessor) -> tuple[Tensor, Tensor, str]:
+    """(training images, validation images, what they are): the images as bytes (N, C, H, W) uint8,
+    resized by ``processor``. Without ``--data``, the embedded digits of ``attnlab train image``: its
+    1,597 training images and its 200 held out, read by that task's own data function so that the
+    two tasks see the very same bytes."""
     if s["data"] is None:
-        raise ValueError("attnlab train mae: give --data DIR, an image folder (one sub-folder of images per class, "
-                         "the classes not read)")
+        data = IMAGE._data(s, processor, None)
+        return data["train"][0], data["valid"][0], data["root"]
     splits = image_splits(s["data"]) if s["valid"] is None else None
     if splits is not None:
         train = read_image_folder(splits["train"])
@@ -64,7 +76,7 @@ def mae_images(s: dict) -> tuple[ImageFolder, ImageFolder]:
                             [y for i, y in enumerate(train.labels) if i in held])
         train = ImageFolder(train.root, [p for i, p in enumerate(train.paths) if i not in held],
                             [y for i, y in enumerate(train.labels) if i not in held])
-    return train, valid
+    return _pixels(train, processor), _pixels(valid, processor), str(train.root)
 
 
 def _pixels(folder: ImageFolder, processor: ImageProcessor) -> Tensor:
@@ -75,10 +87,9 @@ def _pixels(folder: ImageFolder, processor: ImageProcessor) -> Tensor:
 class MAETask:
     """The Trainer's view of MAE pre-training (see :class:`attnlab.train.Task`)."""
 
-    def __init__(self, model: nn.Module, processor: ImageProcessor, train: ImageFolder, valid: ImageFolder, *,
-                 batch_size: int):
+    def __init__(self, model: nn.Module, processor: ImageProcessor, train: Tensor, valid: Tensor, *, batch_size: int):
         self.model, self.processor, self.batch_size = model, processor, batch_size
-        self.train_x, self.valid_x = _pixels(train, processor), _pixels(valid, processor)
+        self.train_x, self.valid_x = train, valid
 
     def plan(self, epoch: int, seed: int) -> list[Tensor]:
         order = torch.randperm(len(self.train_x), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
@@ -134,15 +145,18 @@ def _mae_families() -> list[str]:
 class MAEPretraining(TaskDefinition):
     name = "mae"
     kind = KIND
-    help = "masked auto-encoder pre-training (MAE) on a folder of images; fine-tune with train image --init"
-    example = ("attnlab train mae --data photos/ --time-budget 10\n"
+    help = ("masked auto-encoder pre-training (MAE) on the embedded digits or a folder of images; fine-tune with "
+            "train image --init")
+    example = ("attnlab train mae --time-budget 4                 # the embedded digits, labels unused\n"
+               "  attnlab train mae --data photos/ --time-budget 10\n"
                "  attnlab train mae --data photos/ --mask-ratio 0.75 --norm-pix-loss --decoder-layers 2")
     options = [
         Option("model", str, None, "a registered masked-image-model family (default: vit_mae)", group=_M),
-        Option("image_size", int, 32, "images are resized to this many pixels square", check=positive, group=_M),
-        Option("patch_size", int, 4, "pixels per patch side (the image size must be a multiple)", check=positive,
-               group=_M),
-        Option("channels", int, 3, "colour channels: 3 (RGB) or 1 (grey)", choices=(1, 3), group=_M),
+        Option("image_size", int, None, "images are resized to this many pixels square (default: 8 for the digits, "
+               "32 for a folder, as train image)", check=positive, group=_M),
+        Option("patch_size", int, None, "pixels per patch side, a divisor of the image size (default: 2 for the "
+               "digits, 4 for a folder)", check=positive, group=_M),
+        Option("channels", int, None, "colour channels: 3 (RGB) or 1 (grey) (default: 3)", choices=(1, 3), group=_M),
         Option("d_model", int, 64, "encoder width", check=positive, group=_M),
         Option("heads", int, 4, "encoder attention heads", check=positive, group=_M),
         Option("layers", int, 4, "encoder layers", check=positive, group=_M),
@@ -151,7 +165,8 @@ class MAEPretraining(TaskDefinition):
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
     ]
     data_paths = ("directory",)
-    data_help = "an image folder (one sub-folder of images per class; the classes are not read)"
+    data_help = ("an image folder (one sub-folder of images per class; the classes are not read); default: the "
+                 "embedded 8x8 digits")
 
     def check(self, s: dict) -> None:
         known = _mae_families()
@@ -163,6 +178,13 @@ class MAEPretraining(TaskDefinition):
             raise ValueError(f"--model: {s['model']!r} is not a registered masked-image-model family "
                              f"({', '.join(known) or 'none registered'})")
         super().check(s)
+        if s["data"] is None and s["valid"] is not None:
+            raise ValueError("--valid: give the training images too (--data DIR); the embedded digits have their "
+                             "own held-out split")
+        # the image task's sizes for the same data, so that train image --init fits the encoder as it was trained
+        for name in ("image_size", "patch_size", "channels"):
+            if s[name] is None:
+                s[name] = _IMAGE_SIZES["digits" if s["data"] is None else "folder"][name]
         if s["image_size"] % s["patch_size"]:
             raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
 
@@ -183,15 +205,14 @@ class MAEPretraining(TaskDefinition):
 
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
         self.check(s)
-        train, valid = mae_images(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:            # the run's own processor and model (the Trainer loads the weights)
             processor = load_processors(saved)["image"]
             model = build_model(saved.model_type, saved.config, saved.architecture)
         else:
-            grey = [0.5] * s["channels"]
-            processor = ImageProcessor(size=s["image_size"], image_mean=grey, image_std=grey)
+            processor = IMAGE._processor(s)       # the box filter for the digits, as the image task's
             model = self._model(s)
+        train, valid, root = mae_images(s, processor)
         t = self._schedule(s, len(train))
         s["lr"] = t["lr"]
         if not t["budget_schedule"]:
@@ -199,7 +220,7 @@ class MAEPretraining(TaskDefinition):
         task = MAETask(model, processor, train, valid, batch_size=s["batch_size"])
         c = model.config
         n = sum(p.numel() for p in model.parameters()) / 1e6
-        lines = [f"data: {train.root}: {len(train):,} training images, {len(valid):,} validation (labels not read)",
+        lines = [f"data: {root}: {len(train):,} training images, {len(valid):,} validation (labels not read)",
                  f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters"
                  + (", from the checkpoint" if saved is not None else "")
                  + f"; images {c.image_size}x{c.image_size}, {c.in_channels} channel(s), {c.num_patches} patches "
@@ -222,71 +243,3 @@ class MAEPretraining(TaskDefinition):
 
 
 MAE = register_task(MAEPretraining())
-
-
-# ----------------------------------------------------------------------------- fine-tuning from it
-def _pretrained_vit(path: str, flag: str) -> tuple[object, dict[str, Tensor], ImageProcessor | None]:
-    """(the checkpoint's encoder configuration, the encoder's tensors under ViT's checkpoint names
-    without a prefix, the checkpoint's image processor or None) of a run or a Hugging Face directory."""
-    from ..hub import from_pretrained
-    from ..models.pretrained import to_hf_state_dict
-    from ..models.registry import architecture_of
-    from ..models.vit import ViTConfig
-    info = inspect_path(path)
-    if info.kind == "run":
-        model, processor = load_model(info.run), load_processors(info.run).get("image")
-    else:
-        model = from_pretrained(path)
-        processor = ImageProcessor.load(path) if (Path(path) / IMAGE_CONFIG).is_file() else None
-    arch = architecture_of(model)
-    if not isinstance(model.config, ViTConfig) or model.config.prefix_tokens != 1:
-        raise RunError(f"{flag} {path}: {info.describe()}, not a ViT encoder (an attnlab mae or image run, a "
-                       f"ViTMAE or ViT directory)")
-    tensors = to_hf_state_dict(model)
-    if arch.prefix:
-        tensors = {k[len(arch.prefix):]: v for k, v in tensors.items() if k.startswith(arch.prefix)}
-    # a bare ViT checkpoint's pooler belongs to no classifier of transformers' layout
-    return model.config, {k: v for k, v in tensors.items() if not k.startswith("pooler.")}, processor
-
-
-_SIZES = {"image_size": "image_size", "patch_size": "patch_size", "channels": "in_channels", "d_model": "d_model",
-          "heads": "num_heads", "layers": "num_layers", "d_ff": "d_ff"}
-
-
-def fine_tuning_start(s: dict, labels: list[str], build, flag: str = "--init") -> tuple[nn.Module, ImageProcessor]:
-    """(an image classifier whose encoder holds the weights of the checkpoint ``s[flag]`` names and
-    whose head is new, the image processor to train it with) for ``attnlab train image``.
-
-    The encoder's sizes are the checkpoint's: they are written into ``s`` (so that the run's
-    config.yaml records what was built) and ``build(s, labels)`` makes the classifier. The weights
-    move by their checkpoint names (the encoder's keys under the classifier's prefix), so every
-    encoder weight must find its place and every one the classifier's encoder has must be given.
-    The processor is the checkpoint's where it has one, else the image task's own default."""
-    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
-    from ..models.registry import architecture_of
-    path = s[flag.removeprefix("--").replace("-", "_")]
-    config, tensors, processor = _pretrained_vit(path, flag)
-    if s.get("model") != "vit":
-        raise RunError(f"{flag} fine-tunes a ViT classifier (--model vit), not --model {s.get('model')}")
-    s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items()})
-    model = build(s, labels)
-    same = replace(model.config, layer_norm_eps=config.layer_norm_eps, activation=config.activation,
-                   qkv_bias=config.qkv_bias)
-    if same.norm != config.norm:
-        raise RunError(f"{flag} {path}: the encoder uses {config.norm}, not --norm {same.norm}")
-    arch = architecture_of(model)
-    if same != model.config:             # the checkpoint's own epsilon, activation and biases
-        torch.manual_seed(s["seed"])
-        model = arch.build(same)
-    fresh = to_hf_state_dict(model)
-    given = {arch.prefix + k: v for k, v in tensors.items()}
-    unplaced = sorted(set(given) - set(fresh))
-    lacking = sorted(k for k in fresh if k.startswith(arch.prefix) and k not in given)
-    if unplaced or lacking:
-        raise RunError(f"{flag} {path}: its encoder does not fit a {arch.name} (no place for {unplaced[:3]}, not "
-                       f"supplied {lacking[:3]})")
-    model.load_state_dict(from_hf_state_dict(model, {**fresh, **given}))
-    if processor is None or processor.channels != config.in_channels:
-        grey = [0.5] * config.in_channels
-        processor = ImageProcessor(size=config.image_size, image_mean=grey, image_std=grey)
-    return model, processor
