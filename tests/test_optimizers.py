@@ -119,7 +119,7 @@ def _todays_rule(model: nn.Module) -> set[str]:
 def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_decaying():
     """The declarations reproduce the groups of every registered model, and add exactly the learned
     position tables (GPT-2's, the BERT family's, DeBERTa's relative one, the image families' patch
-    grid), attnlab's ViT and DeiT class and distillation tokens, which the rule by module type
+    grid, Swin's relative position bias), attnlab's ViT and DeiT class and distillation tokens and MAE's class and mask tokens, which the rule by module type
     decayed though they are embeddings, and the (d, n) transitions A_log of the state-space
     layers, matrices that decay would pull towards A = -1."""
     import contract
@@ -128,6 +128,7 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
     from attnlab.models.vit import ViTEncoder
     from attnlab.nn.patch import PatchPositionEmbedding
     from attnlab.nn.position import LearnedPositionalEmbedding
+    from attnlab.nn.window import WindowPositionBias
     from attnlab.train import split_decay
     tables_seen = 0
     for arch in architectures():
@@ -135,8 +136,12 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
         decay, no_decay = (set(n for n, _ in group) for group in split_decay(model))
         tables = {f"{name}.weight" for name, m in model.named_modules()
                   if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings, PatchPositionEmbedding))}
+        tables |= {f"{name}.table" for name, m in model.named_modules() if isinstance(m, WindowPositionBias)}
         if isinstance(model, ViTEncoder):
             tables |= {n for n, _ in model.named_parameters() if n in ("cls_token", "distillation_token")}
+        # the masked auto-encoder's learned tokens, inputs as the class token is
+        tables |= {n for n, _ in model.named_parameters() if arch.model_type == "vit_mae"
+                   and n.rsplit(".", 1)[-1] in ("cls_token", "mask_token")}
         transitions = {n for n, _ in model.named_parameters() if n.endswith(".A_log")}   # a state space's A
         assert no_decay == _todays_rule(model) | tables | transitions, arch
         assert decay | no_decay == {n for n, _ in model.named_parameters()} and not decay & no_decay, arch

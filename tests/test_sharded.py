@@ -314,7 +314,9 @@ def test_every_family_trains_sharded_with_its_tied_weights_kept_tied(tmp_path):
     assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
     results = json.loads((tmp_path / "families.json").read_text())
     kinds = ("causal-lm", "seq2seq", "classifier", "image-classifier")
-    assert set(results) == {f"{a.model_type}/{a.name}" for a in architectures() if a.kind in kinds}
+    # attnlab's own families: the worker registers no other, and a test elsewhere in this process may have
+    assert set(results) == {f"{a.model_type}/{a.name}" for a in architectures()
+                            if a.kind in kinds and a.model_cls.__module__.startswith("attnlab.")}
     assert {"gpt2/GPT2LMHeadModel", "mamba/MambaForCausalLM", "t5/T5ForConditionalGeneration"} <= {
         name for name, r in results.items() if r["tied"]}
     for name, r in results.items():
