@@ -94,6 +94,52 @@ def wkv4_reference(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None):
     return torch.stack(outs, dim=1), state
 
 
+class _Within(torch.autograd.Function):
+    """The outputs of every chunk at once from its entering state (the last part of :func:`wkv4`),
+    with its gradient written out: autograd would keep and walk several (b, m, q, q, c) tensors,
+    this keeps one, the weights E, and passes over it twice. Row t of a chunk weighs key i < t
+    by E_ti = exp(k_i - (t-1-i) w - top_t), itself by exp(u + k_t - top_t) and the entering state
+    by exp(p - t w - top_t); top_t, the largest of those exponents, only stabilises (the output
+    does not depend on it), so it carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, k, v, w, u, s_num, s_den, s_p):
+        q = k.size(2)
+        steps = torch.arange(q, device=k.device, dtype=k.dtype)
+        gap = steps[:, None] - 1 - steps[None, :]                        # (t, i): t - 1 - i
+        # the distance penalties, +inf above the diagonal so that those keys weigh exp(-inf) = 0
+        penalty = (gap.clamp(min=0)[:, :, None] * w).masked_fill_((gap < 0)[:, :, None], float("inf"))
+        E = k[:, :, None] - penalty                                      # (b, m, t, i, c)
+        bonus = u + k
+        carried = s_p[:, :, None] - steps[:, None] * w                   # (b, m, q, c)
+        top = torch.maximum(torch.maximum(E.amax(3), bonus), carried)
+        E.sub_(top[:, :, :, None]).exp_()
+        e_bonus, e_carried = torch.exp(bonus - top), torch.exp(carried - top)
+        n_in, d_in = (E * v[:, :, None]).sum(3), E.sum(3)
+        numer = n_in + e_bonus * v + e_carried * s_num[:, :, None]
+        denom = d_in + e_bonus + e_carried * s_den[:, :, None]
+        y = numer / denom
+        ctx.save_for_backward(E, v, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        E, v, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den = ctx.saved_tensors
+        steps = torch.arange(E.size(2), device=E.device, dtype=E.dtype)[:, None]
+        a = g / denom                                                    # d loss / d numer
+        ay = a * y                                                       # - d loss / d denom
+        e_a, e_ay = (E * a[:, :, :, None]).sum(2), (E * ay[:, :, :, None]).sum(2)   # sums over rows t
+        dk_in = v * e_a - e_ay                                           # through the weights E_ti
+        dk_bonus = e_bonus * (a * v - ay)
+        d_carried = e_carried * (a * s_num[:, :, None] - ay * s_den[:, :, None])
+        # d exponent_ti / d w = -(t-1-i): split into the rows' part (t-1) and the keys' part (i)
+        dw = ((steps * dk_in).sum((0, 1, 2)) - ((steps - 1) * (a * n_in - ay * d_in)).sum((0, 1, 2))
+              - (steps * d_carried).sum((0, 1, 2)))
+        return (dk_in + dk_bonus, e_a + e_bonus * a, dw, dk_bonus.sum((0, 1, 2)),
+                (e_carried * a).sum(2), -(e_carried * ay).sum(2), d_carried.sum(2))
+
+
 def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16):
     """The chunked fast path (module docstring), equal to :func:`wkv4_reference`: k, v (b, l, c),
     w (c,) > 0, u (c,), state (num, den, p) or None -> (wkv (b, l, c) fp32, state after the last
@@ -126,19 +172,7 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
         old, new = torch.exp(p_old - top), torch.exp(own[2][:, j] - top)
         num, den, p = old * num + new * own[0][:, j], old * den + new * own[1][:, j], top
     s_num, s_den, s_p = (torch.stack(x, dim=1) for x in zip(*starts))  # (b, m, c)
-    # inside every chunk at once: row t sees keys i < t at exponent k_i - (t-1-i) w, itself at
-    # u + k_t, and the entering state decayed t steps
-    gap = (steps[:, None] - 1 - steps[None, :])                         # (t, i): t - 1 - i
-    scores = k[:, :, None, :, :] - gap[:, :, None] * w                  # (b, m, t, i, c)
-    scores = scores.masked_fill((gap < 0)[:, :, None], float("-inf"))
-    bonus = u + k                                                        # (b, m, q, c)
-    carried = s_p[:, :, None] - steps[:, None] * w                      # (b, m, q, c)
-    top = torch.maximum(torch.maximum(scores.amax(3), bonus), carried).detach()
-    e = torch.exp(scores - top[:, :, :, None])
-    e_bonus, e_carried = torch.exp(bonus - top), torch.exp(carried - top)
-    numer = (e * v[:, :, None]).sum(3) + e_bonus * v + e_carried * s_num[:, :, None]
-    denom = e.sum(3) + e_bonus + e_carried * s_den[:, :, None]
-    out = (numer / denom).reshape(b, -1, c)[:, :l]
+    out = _Within.apply(k, v, w, u, s_num, s_den, s_p).reshape(b, -1, c)[:, :l]
     return out, (num, den, p + pad * w)
 
 
