@@ -60,6 +60,20 @@ __all__ = ["EMPTY_EXPONENT", "token_shift", "wkv4_empty", "wkv4_reference", "wkv
 EMPTY_EXPONENT = -1e38
 
 
+# The vectorised exp of CPU torch leaves its fast path for any input whose result is subnormal or
+# zero (below about -87.3 in fp32: 5 to 30 times slower per element, -inf included), and the chunked
+# WKV meets many such inputs: decays up to e^3 per step and padding keys of -1e30. Its exponents are
+# all relative to their row's largest (so the largest weight is exactly 1 and every sum is >= 1);
+# one raised to -87 weighs exp(-87) = 1.6e-38 instead of less, a change that rounds away in fp32
+# (and in float64) against sums of at least 1.
+EXPONENT_FLOOR = -87.0
+
+
+def _exp(x: Tensor) -> Tensor:
+    """exp of a stabilised exponent (<= 0), a fresh tensor that is modified: the floor above."""
+    return torch.exp_(x.clamp_(min=EXPONENT_FLOOR))
+
+
 def _wide(t: Tensor) -> Tensor:
     """fp32 for the recurrences (float64 stays, so that a reference can run in double precision)."""
     return t if t.dtype == torch.float64 else t.float()
@@ -96,47 +110,54 @@ def wkv4_reference(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None):
 
 class _Within(torch.autograd.Function):
     """The outputs of every chunk at once from its entering state (the last part of :func:`wkv4`),
-    with its gradient written out: autograd would keep and walk several (b, m, q, q, c) tensors,
-    this keeps one, the weights E, and passes over it twice. Row t of a chunk weighs key i < t
-    by E_ti = exp(k_i - (t-1-i) w - top_t), itself by exp(u + k_t - top_t) and the entering state
-    by exp(p - t w - top_t); top_t, the largest of those exponents, only stabilises (the output
-    does not depend on it), so it carries no gradient."""
+    with its gradient written out. Row t of a chunk weighs key i < t by
+    E_ti = exp(k_i - (t-1-i) w - top_t), itself by exp(u + k_t - top_t) and the entering state by
+    exp(p - t w - top_t); top_t, the largest of those exponents, only stabilises (the output does
+    not depend on it), so it carries no gradient. The pairs (t, i) are visited a diagonal
+    d = t-1-i at a time, a (b, m, q-1-d, c) slice each: only the q(q-1)/2 pairs that count are
+    computed, and no (b, m, q, q, c) tensor is kept (backward recomputes each diagonal's weights)."""
 
     @staticmethod
     def forward(ctx, k, v, w, u, s_num, s_den, s_p):
         q = k.size(2)
-        steps = torch.arange(q, device=k.device, dtype=k.dtype)
-        gap = steps[:, None] - 1 - steps[None, :]                        # (t, i): t - 1 - i
-        # the distance penalties, +inf above the diagonal so that those keys weigh exp(-inf) = 0
-        penalty = (gap.clamp(min=0)[:, :, None] * w).masked_fill_((gap < 0)[:, :, None], float("inf"))
-        E = k[:, :, None] - penalty                                      # (b, m, t, i, c)
+        steps = torch.arange(q, device=k.device, dtype=k.dtype)[:, None]
         bonus = u + k
-        carried = s_p[:, :, None] - steps[:, None] * w                   # (b, m, q, c)
-        top = torch.maximum(torch.maximum(E.amax(3), bonus), carried)
-        E.sub_(top[:, :, :, None]).exp_()
-        e_bonus, e_carried = torch.exp(bonus - top), torch.exp(carried - top)
-        n_in, d_in = (E * v[:, :, None]).sum(3), E.sum(3)
-        numer = n_in + e_bonus * v + e_carried * s_num[:, :, None]
+        carried = s_p[:, :, None] - steps * w                            # (b, m, q, c)
+        top = torch.maximum(bonus, carried)
+        for d in range(q - 1):
+            torch.maximum(top[:, :, d + 1:], k[:, :, :q - 1 - d] - d * w, out=top[:, :, d + 1:])
+        n_in, d_in = torch.zeros_like(k), torch.zeros_like(k)
+        for d in range(q - 1):
+            e = _exp(k[:, :, :q - 1 - d] - d * w - top[:, :, d + 1:])
+            n_in[:, :, d + 1:].addcmul_(e, v[:, :, :q - 1 - d])
+            d_in[:, :, d + 1:] += e
+        e_bonus, e_carried = _exp(bonus - top), _exp(carried - top)
         denom = d_in + e_bonus + e_carried * s_den[:, :, None]
-        y = numer / denom
-        ctx.save_for_backward(E, v, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den)
+        y = (n_in + e_bonus * v + e_carried * s_num[:, :, None]) / denom
+        ctx.save_for_backward(k, v, w, top, y, denom, e_bonus, e_carried, s_num, s_den)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        E, v, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den = ctx.saved_tensors
-        steps = torch.arange(E.size(2), device=E.device, dtype=E.dtype)[:, None]
+        k, v, w, top, y, denom, e_bonus, e_carried, s_num, s_den = ctx.saved_tensors
+        q = k.size(2)
+        steps = torch.arange(q, device=k.device, dtype=k.dtype)[:, None]
         a = g / denom                                                    # d loss / d numer
         ay = a * y                                                       # - d loss / d denom
-        e_a, e_ay = (E * a[:, :, :, None]).sum(2), (E * ay[:, :, :, None]).sum(2)   # sums over rows t
-        dk_in = v * e_a - e_ay                                           # through the weights E_ti
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dw = torch.zeros_like(w)
+        for d in range(q - 1):    # key i = t-1-d of every row t: d loss / d exponent = E_ti (a_t v_i - ay_t)
+            e = _exp(k[:, :, :q - 1 - d] - d * w - top[:, :, d + 1:])
+            dv[:, :, :q - 1 - d].addcmul_(e, a[:, :, d + 1:])
+            de = e * (a[:, :, d + 1:] * v[:, :, :q - 1 - d] - ay[:, :, d + 1:])
+            dk[:, :, :q - 1 - d] += de
+            if d:
+                dw -= d * de.sum((0, 1, 2))
         dk_bonus = e_bonus * (a * v - ay)
         d_carried = e_carried * (a * s_num[:, :, None] - ay * s_den[:, :, None])
-        # d exponent_ti / d w = -(t-1-i): split into the rows' part (t-1) and the keys' part (i)
-        dw = ((steps * dk_in).sum((0, 1, 2)) - ((steps - 1) * (a * n_in - ay * d_in)).sum((0, 1, 2))
-              - (steps * d_carried).sum((0, 1, 2)))
-        return (dk_in + dk_bonus, e_a + e_bonus * a, dw, dk_bonus.sum((0, 1, 2)),
+        dw -= (steps * d_carried).sum((0, 1, 2))
+        return (dk + dk_bonus, dv + e_bonus * a, dw, dk_bonus.sum((0, 1, 2)),
                 (e_carried * a).sum(2), -(e_carried * ay).sum(2), d_carried.sum(2))
 
 
@@ -162,7 +183,7 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
     # what each chunk alone leaves in the state after its last position: exponents k_i - (q-1-i) w
     g = k - (q - 1 - steps)[:, None] * w
     top = g.amax(2).detach()                                           # the stabiliser: no gradient
-    e = torch.exp(g - top[:, :, None])
+    e = torch.exp((g - top[:, :, None]).clamp(min=EXPONENT_FLOOR))
     own = ((e * v).sum(2), e.sum(2), top)                               # (b, m, c) each
     starts = []
     for j in range(k.size(1)):                                         # the triplet entering each chunk
