@@ -190,7 +190,7 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
         starts.append((num, den, p))
         p_old = p - q * w
         top = torch.maximum(p_old, own[2][:, j])
-        old, new = torch.exp(p_old - top), torch.exp(own[2][:, j] - top)
+        old, new = (torch.exp((x - top).clamp(min=EXPONENT_FLOOR)) for x in (p_old, own[2][:, j]))
         num, den, p = old * num + new * own[0][:, j], old * den + new * own[1][:, j], top
     s_num, s_den, s_p = (torch.stack(x, dim=1) for x in zip(*starts))  # (b, m, c)
     out = _Within.apply(k, v, w, u, s_num, s_den, s_p).reshape(b, -1, c)[:, :l]
