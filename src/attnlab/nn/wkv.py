@@ -25,9 +25,11 @@ overflows nor loses the small terms relative to the largest. The state is the tr
 
 :func:`wkv4_reference` is that recurrence, one position at a time (transformers' CPU path computes
 the same). :func:`wkv4` is the fast path: the sequence is cut into chunks of q positions; within
-every chunk at once the q x q exponents ``k_i - (t-1-i) w`` are a masked matrix per channel, each
-row normalised by its own maximum; a recurrence over the l / q chunks carries the triplet between
-them. Both are exact (the same sums, grouped otherwise); autograd differentiates the fast path.
+every chunk at once the exponents ``k_i - (t-1-i) w`` of the pairs i < t are taken a diagonal
+t-1-i at a time, each row normalised by its own maximum; a recurrence over the l / q chunks
+carries the triplet between them. Both are exact (the same sums, grouped otherwise). The
+within-chunk part has its gradient written out (:class:`_Within`), autograd differentiates the
+rest; exponents are floored at -87, where CPU exp leaves its fast path (see EXPONENT_FLOOR).
 
 RWKV-7: the generalised delta rule
 ----------------------------------
@@ -124,8 +126,12 @@ class _Within(torch.autograd.Function):
         bonus = u + k
         carried = s_p[:, :, None] - steps * w                            # (b, m, q, c)
         top = torch.maximum(bonus, carried)
-        for d in range(q - 1):
-            torch.maximum(top[:, :, d + 1:], k[:, :, :q - 1 - d] - d * w, out=top[:, :, d + 1:])
+        # the largest key exponent of row t, max_{i<t} k_i - (t-1-i) w, as a recurrence over t
+        run = k[:, :, 0]
+        for t in range(1, q):
+            if t > 1:
+                run = torch.maximum(run - w, k[:, :, t - 1])
+            torch.maximum(top[:, :, t], run, out=top[:, :, t])
         n_in, d_in = torch.zeros_like(k), torch.zeros_like(k)
         for d in range(q - 1):
             e = _exp(k[:, :, :q - 1 - d] - d * w - top[:, :, d + 1:])
@@ -134,29 +140,27 @@ class _Within(torch.autograd.Function):
         e_bonus, e_carried = _exp(bonus - top), _exp(carried - top)
         denom = d_in + e_bonus + e_carried * s_den[:, :, None]
         y = (n_in + e_bonus * v + e_carried * s_num[:, :, None]) / denom
-        ctx.save_for_backward(k, v, w, top, y, denom, e_bonus, e_carried, s_num, s_den)
+        ctx.save_for_backward(k, v, w, top, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        k, v, w, top, y, denom, e_bonus, e_carried, s_num, s_den = ctx.saved_tensors
+        k, v, w, top, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den = ctx.saved_tensors
         q = k.size(2)
         steps = torch.arange(q, device=k.device, dtype=k.dtype)[:, None]
         a = g / denom                                                    # d loss / d numer
         ay = a * y                                                       # - d loss / d denom
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        dw = torch.zeros_like(w)
         for d in range(q - 1):    # key i = t-1-d of every row t: d loss / d exponent = E_ti (a_t v_i - ay_t)
             e = _exp(k[:, :, :q - 1 - d] - d * w - top[:, :, d + 1:])
             dv[:, :, :q - 1 - d].addcmul_(e, a[:, :, d + 1:])
-            de = e * (a[:, :, d + 1:] * v[:, :, :q - 1 - d] - ay[:, :, d + 1:])
-            dk[:, :, :q - 1 - d] += de
-            if d:
-                dw -= d * de.sum((0, 1, 2))
+            dk[:, :, :q - 1 - d].addcmul_(e, a[:, :, d + 1:] * v[:, :, :q - 1 - d] - ay[:, :, d + 1:])
         dk_bonus = e_bonus * (a * v - ay)
         d_carried = e_carried * (a * s_num[:, :, None] - ay * s_den[:, :, None])
-        dw -= (steps * d_carried).sum((0, 1, 2))
+        # d exponent_ti / d w = -(t-1-i): the keys' part i from dk, the rows' part t-1 from the sums
+        dw = ((steps * dk).sum((0, 1, 2)) - ((steps - 1) * (a * n_in - ay * d_in)).sum((0, 1, 2))
+              - (steps * d_carried).sum((0, 1, 2)))
         return (dk + dk_bonus, dv + e_bonus * a, dw, dk_bonus.sum((0, 1, 2)),
                 (e_carried * a).sum(2), -(e_carried * ay).sum(2), d_carried.sum(2))
 
