@@ -124,7 +124,7 @@ def _fwd_bwd(k, v, w, u, chunk):
 
 
 def test_wkv_never_asks_exp_for_a_subnormal_or_zero_result():
-    """torch's vectorised exp is 5 to 30 times slower for inputs below log(smallest normal fp32)
+    """torch's vectorised exp is 2 to 30 times slower for inputs below log(smallest normal fp32)
     (-87.3; -inf and the -1e30 of padding included): with fast decays and padding, forward and
     backward of the chunked WKV never hand it one."""
     from torch.utils._python_dispatch import TorchDispatchMode
