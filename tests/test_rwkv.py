@@ -5,6 +5,7 @@ eval mode with its rescaling; HF directories both ways; generation through the r
 (step by step equals the full forward, greedy equals transformers' generate, left padding changes
 no row, speculative decoding equals greedy); `attnlab train lm --model rwkv`."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -112,6 +113,47 @@ def test_chunked_wkv_equals_the_reference_with_gradients(b, l, c, chunk, with_st
     assert_close_scaled(fast, ref.float(), FP32, "outputs")
     assert_close_scaled(fast_end, ref_end.float(), FP32, "end state")
     assert_close_scaled(fast_grad, ref_grad.float(), FP32, "gradients")
+
+
+def _fwd_bwd(k, v, w, u, chunk):
+    ins = [t.detach().clone().requires_grad_() for t in (k, v, w, u)]
+    out, end = wkv4(*ins, chunk=chunk)
+    g = torch.Generator().manual_seed(0)
+    ((out * torch.randn(out.shape, generator=g)).sum() + _real(end).sum() / _real(end).abs().max().detach()).backward()
+    return out, [t.grad for t in ins]
+
+
+def test_wkv_never_asks_exp_for_a_subnormal_or_zero_result():
+    """torch's vectorised exp is 2 to 30 times slower for inputs below log(smallest normal fp32)
+    (-87.3; -inf and the -1e30 of padding included): with fast decays and padding, forward and
+    backward of the chunked WKV never hand it one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    smallest = []
+
+    class Exps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.exp.default, torch.ops.aten.exp_.default) and args[0].numel():
+                smallest.append(float(args[0].min()))
+            return func(*args, **(kwargs or {}))
+    k, v, w, u = _wkv_inputs(2, 45, 6, seed=0, key_scale=3.0)       # decays up to e^3 per step
+    with Exps():
+        _fwd_bwd(k, v, w, u, chunk=16)                               # 45 = 2 chunks + 13 padding keys
+    assert smallest and min(smallest) >= math.log(torch.finfo(torch.float32).tiny), min(smallest)
+
+
+def test_the_exponent_floor_changes_nothing_in_fp32(monkeypatch):
+    """Weights below exp(-87) raised to it change no output and no gradient: against sums of at
+    least 1 they round away."""
+    import attnlab.nn.wkv as wkv
+    k, v, w, u = _wkv_inputs(3, 45, 8, seed=4, key_scale=3.0)
+    for chunk in (5, 16):
+        floored = _fwd_bwd(k, v, w, u, chunk)
+        with monkeypatch.context() as m:
+            m.setattr(wkv, "EXPONENT_FLOOR", float("-inf"))
+            exact = _fwd_bwd(k, v, w, u, chunk)
+        assert torch.equal(floored[0], exact[0]), f"chunk {chunk}: outputs"
+        for name, a, b in zip("kvwu", floored[1], exact[1]):
+            assert torch.equal(a, b), f"chunk {chunk}: gradient of {name}"
 
 
 def test_one_step_equals_transformers_cpu_recurrence():

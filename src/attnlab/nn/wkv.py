@@ -25,9 +25,11 @@ overflows nor loses the small terms relative to the largest. The state is the tr
 
 :func:`wkv4_reference` is that recurrence, one position at a time (transformers' CPU path computes
 the same). :func:`wkv4` is the fast path: the sequence is cut into chunks of q positions; within
-every chunk at once the q x q exponents ``k_i - (t-1-i) w`` are a masked matrix per channel, each
-row normalised by its own maximum; a recurrence over the l / q chunks carries the triplet between
-them. Both are exact (the same sums, grouped otherwise); autograd differentiates the fast path.
+every chunk at once the exponents ``k_i - (t-1-i) w`` of the pairs i < t are taken a diagonal
+t-1-i at a time, each row normalised by its own maximum; a recurrence over the l / q chunks
+carries the triplet between them. Both are exact (the same sums, grouped otherwise). The
+within-chunk part has its gradient written out (:class:`_Within`), autograd differentiates the
+rest; exponents are floored at -87, where CPU exp leaves its fast path (see EXPONENT_FLOOR).
 
 RWKV-7: the generalised delta rule
 ----------------------------------
@@ -58,6 +60,20 @@ __all__ = ["EMPTY_EXPONENT", "token_shift", "wkv4_empty", "wkv4_reference", "wkv
 
 # the running maximum of an empty state: exp(-1e38 - anything finite) is exactly 0 in fp32
 EMPTY_EXPONENT = -1e38
+
+
+# The vectorised exp of CPU torch leaves its fast path for any input whose result is subnormal or
+# zero (below about -87.3 in fp32: 2 to 30 times slower per element, -inf included), and the chunked
+# WKV meets many such inputs: decays up to e^3 per step and padding keys of -1e30. Its exponents are
+# all relative to their row's largest (so the largest weight is exactly 1 and every sum is >= 1);
+# one raised to -87 weighs exp(-87) = 1.6e-38 instead of less, a change that rounds away in fp32
+# (and in float64) against sums of at least 1.
+EXPONENT_FLOOR = -87.0
+
+
+def _exp(x: Tensor) -> Tensor:
+    """exp of a stabilised exponent (<= 0), a fresh tensor that is modified: the floor above."""
+    return torch.exp_(x.clamp_(min=EXPONENT_FLOOR))
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -94,6 +110,61 @@ def wkv4_reference(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None):
     return torch.stack(outs, dim=1), state
 
 
+class _Within(torch.autograd.Function):
+    """The outputs of every chunk at once from its entering state (the last part of :func:`wkv4`),
+    with its gradient written out. Row t of a chunk weighs key i < t by
+    E_ti = exp(k_i - (t-1-i) w - top_t), itself by exp(u + k_t - top_t) and the entering state by
+    exp(p - t w - top_t); top_t, the largest of those exponents, only stabilises (the output does
+    not depend on it), so it carries no gradient. The pairs (t, i) are visited a diagonal
+    d = t-1-i at a time, a (b, m, q-1-d, c) slice each: only the q(q-1)/2 pairs that count are
+    computed, and no (b, m, q, q, c) tensor is kept (backward recomputes each diagonal's weights)."""
+
+    @staticmethod
+    def forward(ctx, k, v, w, u, s_num, s_den, s_p):
+        q = k.size(2)
+        steps = torch.arange(q, device=k.device, dtype=k.dtype)[:, None]
+        bonus = u + k
+        carried = s_p[:, :, None] - steps * w                            # (b, m, q, c)
+        top = torch.maximum(bonus, carried)
+        # the largest key exponent of row t, max_{i<t} k_i - (t-1-i) w, as a recurrence over t
+        run = k[:, :, 0]
+        for t in range(1, q):
+            if t > 1:
+                run = torch.maximum(run - w, k[:, :, t - 1])
+            torch.maximum(top[:, :, t], run, out=top[:, :, t])
+        n_in, d_in = torch.zeros_like(k), torch.zeros_like(k)
+        for d in range(q - 1):
+            e = _exp(k[:, :, :q - 1 - d] - d * w - top[:, :, d + 1:])
+            n_in[:, :, d + 1:].addcmul_(e, v[:, :, :q - 1 - d])
+            d_in[:, :, d + 1:] += e
+        e_bonus, e_carried = _exp(bonus - top), _exp(carried - top)
+        denom = d_in + e_bonus + e_carried * s_den[:, :, None]
+        y = (n_in + e_bonus * v + e_carried * s_num[:, :, None]) / denom
+        ctx.save_for_backward(k, v, w, top, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        k, v, w, top, y, denom, n_in, d_in, e_bonus, e_carried, s_num, s_den = ctx.saved_tensors
+        q = k.size(2)
+        steps = torch.arange(q, device=k.device, dtype=k.dtype)[:, None]
+        a = g / denom                                                    # d loss / d numer
+        ay = a * y                                                       # - d loss / d denom
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for d in range(q - 1):    # key i = t-1-d of every row t: d loss / d exponent = E_ti (a_t v_i - ay_t)
+            e = _exp(k[:, :, :q - 1 - d] - d * w - top[:, :, d + 1:])
+            dv[:, :, :q - 1 - d].addcmul_(e, a[:, :, d + 1:])
+            dk[:, :, :q - 1 - d].addcmul_(e, a[:, :, d + 1:] * v[:, :, :q - 1 - d] - ay[:, :, d + 1:])
+        dk_bonus = e_bonus * (a * v - ay)
+        d_carried = e_carried * (a * s_num[:, :, None] - ay * s_den[:, :, None])
+        # d exponent_ti / d w = -(t-1-i): the keys' part i from dk, the rows' part t-1 from the sums
+        dw = ((steps * dk).sum((0, 1, 2)) - ((steps - 1) * (a * n_in - ay * d_in)).sum((0, 1, 2))
+              - (steps * d_carried).sum((0, 1, 2)))
+        return (dk + dk_bonus, dv + e_bonus * a, dw, dk_bonus.sum((0, 1, 2)),
+                (e_carried * a).sum(2), -(e_carried * ay).sum(2), d_carried.sum(2))
+
+
 def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16):
     """The chunked fast path (module docstring), equal to :func:`wkv4_reference`: k, v (b, l, c),
     w (c,) > 0, u (c,), state (num, den, p) or None -> (wkv (b, l, c) fp32, state after the last
@@ -116,29 +187,17 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
     # what each chunk alone leaves in the state after its last position: exponents k_i - (q-1-i) w
     g = k - (q - 1 - steps)[:, None] * w
     top = g.amax(2).detach()                                           # the stabiliser: no gradient
-    e = torch.exp(g - top[:, :, None])
+    e = torch.exp((g - top[:, :, None]).clamp(min=EXPONENT_FLOOR))
     own = ((e * v).sum(2), e.sum(2), top)                               # (b, m, c) each
     starts = []
     for j in range(k.size(1)):                                         # the triplet entering each chunk
         starts.append((num, den, p))
         p_old = p - q * w
         top = torch.maximum(p_old, own[2][:, j])
-        old, new = torch.exp(p_old - top), torch.exp(own[2][:, j] - top)
+        old, new = (torch.exp((x - top).clamp(min=EXPONENT_FLOOR)) for x in (p_old, own[2][:, j]))
         num, den, p = old * num + new * own[0][:, j], old * den + new * own[1][:, j], top
     s_num, s_den, s_p = (torch.stack(x, dim=1) for x in zip(*starts))  # (b, m, c)
-    # inside every chunk at once: row t sees keys i < t at exponent k_i - (t-1-i) w, itself at
-    # u + k_t, and the entering state decayed t steps
-    gap = (steps[:, None] - 1 - steps[None, :])                         # (t, i): t - 1 - i
-    scores = k[:, :, None, :, :] - gap[:, :, None] * w                  # (b, m, t, i, c)
-    scores = scores.masked_fill((gap < 0)[:, :, None], float("-inf"))
-    bonus = u + k                                                        # (b, m, q, c)
-    carried = s_p[:, :, None] - steps[:, None] * w                      # (b, m, q, c)
-    top = torch.maximum(torch.maximum(scores.amax(3), bonus), carried).detach()
-    e = torch.exp(scores - top[:, :, :, None])
-    e_bonus, e_carried = torch.exp(bonus - top), torch.exp(carried - top)
-    numer = (e * v[:, :, None]).sum(3) + e_bonus * v + e_carried * s_num[:, :, None]
-    denom = e.sum(3) + e_bonus + e_carried * s_den[:, :, None]
-    out = (numer / denom).reshape(b, -1, c)[:, :l]
+    out = _Within.apply(k, v, w, u, s_num, s_den, s_p).reshape(b, -1, c)[:, :l]
     return out, (num, den, p + pad * w)
 
 
