@@ -1,6 +1,6 @@
 """Vision speed: attnlab's image classifiers against transformers' (sdpa attention), same weights, one process.
 
-Each model pair is built by one function of :data:`PAIRS` (today ViT-S/16; the next family adds
+Each model pair is built by one function of :data:`PAIRS` (ViT-S/16 and Swin-T; the next family adds
 its own function and a line there). The transformers model is built with its own
 initialisation, written with ``save_pretrained`` and loaded by ``attnlab.from_pretrained``: both
 hold the same numbers, which the script checks (logits, and the training loss) before timing.
@@ -129,8 +129,18 @@ def vit_small(quick: bool) -> tuple[Pair, list[str]]:
     return Pair("ViT-S/16", models, shape["image_size"], shape["num_labels"], desc), notes
 
 
+def swin_tiny(quick: bool) -> tuple[Pair, list[str]]:
+    """Swin-T at 224 px (embed 96, depths 2, 2, 6, 2, heads 3, 6, 12, 24, window 7, 1000 classes;
+    28M parameters), built as benchmarks/swin.py builds it (stochastic depth off)."""
+    from swin import QUICK, SWIN_T, _models as swin_models
+    shape = QUICK if quick else SWIN_T
+    desc = (f"embed {shape['embed_dim']}, depths {shape['depths']}, heads {shape['num_heads']}, window "
+            f"{shape['window_size']}, {shape['image_size']} px, {shape['num_labels']} classes")
+    return Pair("Swin-T", swin_models(shape), shape["image_size"], shape["num_labels"], desc), []
+
+
 # one function per model pair; each returns (Pair, notes printed under the header)
-PAIRS = {"vit-s16": vit_small}
+PAIRS = {"vit-s16": vit_small, "swin-t": swin_tiny}
 
 
 def _logits(model, x):
