@@ -200,14 +200,20 @@ class MambaModel(Mamba):
 
 
 # ----------------------------------------------------------------------------- Hugging Face
+def backbone_weight_map(mixer_keys: tuple[str, ...]) -> list[Rule]:
+    """transformers' layout of a Mamba-like LM (MambaForCausalLM, Mamba2ForCausalLM): the same
+    backbone around each family's own mixer weights."""
+    return [
+        Rule("token_embedding.weight", "backbone.embeddings.weight"),
+        Rule("layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
+        *[Rule(f"layers.{{i}}.mixer.{k}", f"backbone.layers.{{i}}.mixer.{k}") for k in mixer_keys],
+        Rule("norm.weight", "backbone.norm_f.weight"),
+        Rule("lm_head.weight", "lm_head.weight"),   # tied: omitted on save, ignored if a checkpoint has it
+    ]
+
+
 _MIXER = ("in_proj.{p}", "conv1d.{p}", "x_proj.weight", "dt_proj.{p}", "A_log", "D", "out_proj.{p}")
-MAMBA_WEIGHT_MAP = [
-    Rule("token_embedding.weight", "backbone.embeddings.weight"),
-    Rule("layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
-    *[Rule(f"layers.{{i}}.mixer.{k}", f"backbone.layers.{{i}}.mixer.{k}") for k in _MIXER],
-    Rule("norm.weight", "backbone.norm_f.weight"),
-    Rule("lm_head.weight", "lm_head.weight"),       # tied: omitted on save, ignored if a checkpoint has it
-]
+MAMBA_WEIGHT_MAP = backbone_weight_map(_MIXER)
 # our field -> transformers' MambaConfig field
 MAMBA_HF_NAMES = {
     "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers", "d_state": "state_size",

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from ..nn.norm import GatedRMSNorm
 from ..nn.ssd import ssd_scan, ssd_step
-from .convert import Rule, split_prefix
-from .mamba import Mamba
+from .convert import split_prefix
+from .mamba import Mamba, backbone_weight_map
 from .registry import FamilyOption, register_family
 
 __all__ = ["Mamba2Config", "Mamba2Mixer", "Mamba2", "Mamba2Model", "MAMBA2"]
@@ -174,13 +174,7 @@ class Mamba2Model(Mamba2):
 
 # ----------------------------------------------------------------------------- Hugging Face
 _MIXER = ("in_proj.{p}", "conv1d.{p}", "dt_bias", "A_log", "D", "norm.weight", "out_proj.{p}")
-MAMBA2_WEIGHT_MAP = [
-    Rule("token_embedding.weight", "backbone.embeddings.weight"),
-    Rule("layers.{i}.norm.weight", "backbone.layers.{i}.norm.weight"),
-    *[Rule(f"layers.{{i}}.mixer.{k}", f"backbone.layers.{{i}}.mixer.{k}") for k in _MIXER],
-    Rule("norm.weight", "backbone.norm_f.weight"),
-    Rule("lm_head.weight", "lm_head.weight"),       # tied: omitted on save, ignored if a checkpoint has it
-]
+MAMBA2_WEIGHT_MAP = backbone_weight_map(_MIXER)
 # our field -> transformers' Mamba2Config field
 MAMBA2_HF_NAMES = {
     "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers", "d_state": "state_size",

@@ -257,6 +257,13 @@ def _image_families() -> list[str]:
     return [f.model_type for f in families(kind=KIND)]
 
 
+def _students() -> list[str]:
+    """The image-classifier families whose classifier has a distillation head (``heads(pixels) ->
+    (class logits, distillation logits)``): those ``--teacher`` can train."""
+    from ..models.registry import families
+    return [f.model_type for f in families(kind=KIND) if hasattr(f.for_kind(KIND).model_cls, "heads")]
+
+
 class ImageClassification(TaskDefinition):
     name = "image"
     kind = KIND
@@ -338,8 +345,11 @@ class ImageClassification(TaskDefinition):
             if given:
                 raise ValueError(f"{', '.join(given)}: needs --teacher RUN_OR_HF_DIR (and --model deit)")
             return
-        if s["model"] != "deit":
-            raise ValueError(f"--teacher: distillation trains a DeiT student (--model deit), not --model {s['model']}")
+        students = _students()
+        if s["model"] not in students:
+            # a student is a classifier with a distillation head beside its class head (heads())
+            raise ValueError(f"--teacher: distillation trains a DeiT student (--model {' or '.join(students)}), "
+                             f"not --model {s['model']}")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--teacher: distillation trains in one process; run it without torchrun")
         s["distillation"] = s["distillation"] or "hard"
