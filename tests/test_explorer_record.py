@@ -5,11 +5,15 @@
   path (matmul, scale, mask, softmax) returns when it computes that output itself, call by call;
 - they equal transformers' ``output_attentions`` (eager attention) with the same weights, for
   every architecture transformers has;
-- recording leaves the outputs bit-identical (a classifier's within a rounding of its last layer,
-  see below), and the fused kernel really ran for every call;
+- recording leaves the outputs bit-identical, and the fused kernel really ran for every call; a
+  classifier whose head reads the first position alone is the one exception, bounded below
+  (recorded, its last layer computes every query; its outputs equal bit for bit that model's
+  run with the shortcut off, and move by at most FIRST_ONLY_EPS epsilons of its largest output);
 - a module the explorer was not written for (built in this test from MultiHeadAttention) goes
   end to end into views, figures and a page.
 """
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -103,11 +107,7 @@ def test_recorded_weights_equal_the_explicit_path_and_outputs_stay_the_same(arch
         monkeypatch.undo()
         explicit, want = _explicit(model, x)
     if arch.kind in FIRST_ONLY:
-        # a head that reads the first position alone lets the last layer compute that query
-        # only; while recorded it computes every query (the record wants them), and a one-row
-        # product rounds differently from a many-row one in the last bit
-        for got, ref in zip(contract.outputs(recorded), contract.outputs(plain)):
-            assert_close_scaled(got, ref, 1e-6, f"{arch}: recorded vs plain outputs")
+        _assert_within_first_only_bound(arch, recorded, plain)    # the test below says why
     else:
         assert contract.same(recorded, plain), f"{arch}: recording changed the outputs"
     assert len(record) == len(want) > 0 and len(fused) == len(record), \
@@ -121,6 +121,48 @@ def test_recorded_weights_equal_the_explicit_path_and_outputs_stay_the_same(arch
             got = got[..., :1, :]
         assert got.shape == w.shape, f"{arch} call {i} ({call.module})"
         assert_close_scaled(got, w, FP32, f"{arch} call {i} ({call.module}) weights")
+
+
+# A classifier whose head reads the first position alone runs its last layer for that query only;
+# recorded, that layer computes every query (the record wants all rows). The first row of a
+# many-row matrix product may round differently from a one-row product (the kernel blocks the
+# sum differently), so such outputs may move by a few units in the last place of their scale.
+FIRST_ONLY_EPS = 8            # bound in fp32 epsilons (1.19e-7) of the largest |output|; measured: at most 2.3
+
+
+def _assert_within_first_only_bound(arch, recorded, plain) -> None:
+    eps = torch.finfo(torch.float32).eps
+    for got, ref in zip(contract.outputs(recorded), contract.outputs(plain)):
+        bound = FIRST_ONLY_EPS * eps * ref.abs().max()
+        assert (got - ref).abs().max() <= bound, \
+            f"{arch}: recording moved the outputs by {float((got - ref).abs().max()):.3g}, over {float(bound):.3g}"
+
+
+def _all_rows(model):
+    """The model with its last layer's first-query shortcut off: ``encode(..., first_only=False)``."""
+    model.encode = lambda *a, **k: type(model).encode(model, *a, **{**k, "first_only": False})
+    return model
+
+
+SHORTCUT = [a for a in ATTENDING if a.kind in FIRST_ONLY
+            and hasattr(a.model_cls, "encode")
+            and "first_only" in inspect.signature(a.model_cls.encode).parameters]
+
+
+@pytest.mark.parametrize("arch", SHORTCUT, ids=IDS(SHORTCUT))
+def test_recording_a_first_token_classifier_differs_only_by_computing_every_query(arch):
+    """The whole difference recording makes is the shortcut: recorded outputs equal, bit for bit,
+    those of the model run unrecorded with every query of its last layer computed; and they stay
+    within FIRST_ONLY_EPS epsilons of the largest output of the shortcut's."""
+    model = contract.tiny(arch, randomize=True)
+    x = contract.inputs(arch, model)
+    with torch.no_grad():
+        shortcut = model(*x)
+        with record_attention(model):
+            recorded = model(*x)
+        every_row = _all_rows(model)(*x)
+    assert contract.same(recorded, every_row), f"{arch}: recording changed more than the last layer's rows"
+    _assert_within_first_only_bound(arch, recorded, shortcut)
 
 
 @pytest.mark.parametrize("arch", HF, ids=IDS(HF))

@@ -11,10 +11,16 @@
 Works for any model built from :class:`attnlab.nn.MultiHeadAttention`, whatever attention
 kernel runs. The weights are those of ``scaled_dot_product_attention(..., return_weights=True)``:
 softmax over the keys after masks and position biases, before dropout, zero rows for queries
-with no allowed key. The model's outputs stay exactly as without recording (the weights are
-computed beside the layer's usual path), and outside the context nothing is recorded: each
-attention module holds a listener only while the context is open, and checks for it with one
-attribute test otherwise.
+with no allowed key. The weights are computed beside the layer's usual path, fused kernel or
+not, so the model's outputs stay bit for bit as without recording, with one exception: a
+classifier whose head reads the first position alone (BERT-like, ViT) normally runs its last
+layer for that query only, and while recorded runs it for every query (the record wants every
+row). Its outputs then equal bit for bit the same model's with that shortcut off, and differ
+from the shortcut's by the rounding of a one-row against a many-row matrix product: at most
+8 fp32 epsilons (8 x 1.19e-7) of the largest |output| (tests/test_explorer_record.py asserts
+it for every such family; measured on random weights: 2.3). Outside the context nothing is
+recorded: each attention module holds a listener only while the context is open, and checks
+for it with one attribute test otherwise.
 
 A layer is a pass through the model's layer stack, not a module: ALBERT runs one shared layer
 N times and is recorded as N layers, as transformers reports it. The layer of a call comes from
