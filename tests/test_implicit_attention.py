@@ -11,7 +11,8 @@ from attnlab.models.mamba2 import Mamba2, Mamba2Config
 from attnlab.models.mamba3 import Mamba3, Mamba3Config
 from attnlab.nn.ssd import ssd_reference
 from attnlab.nn.mamba3_scan import mamba3_scan_reference
-from attnlab.viz.implicit import call_matrix, implicit_matrices, record_scans
+from attnlab.viz.implicit import (call_blocks, call_magnitude, call_matrix, implicit_magnitudes,
+                                  implicit_matrices, record_scans)
 from attnlab.viz.views import text_views
 from _tolerance import assert_close_scaled  # noqa: E402
 
@@ -91,13 +92,69 @@ def test_the_matrix_is_the_duality_written_out_by_hand():
     assert_close_scaled(M, want, TOL, "hand-written duality")
 
 
-def test_mimo_and_mamba1_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"MIMO Mamba-3 \(rank 2\).*\(T\*r, T\*r\)") as e:
-        text_views(_mamba3(is_mimo=True, mimo_rank=2), IDS[0].tolist(), [str(i) for i in IDS[0].tolist()])
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("rank,trapezoidal,rope_fraction", [(2, True, 0.5), (3, True, 1.0), (2, False, 0)])
+def test_mimo_mamba3_blocks_times_its_inputs_are_the_scan_output(rank, trapezoidal, rope_fraction):
+    """MIMO: an R x R block per (t, s); Σ_{s,j} M[t,i,s,j] X[s,j] is the scan's output Y[t,i]."""
+    model = _mamba3(is_mimo=True, mimo_rank=rank, trapezoidal=trapezoidal, rope_fraction=rope_fraction,
+                    chunk_size=4)
+    with torch.no_grad():
+        plain = model(IDS)
+        with record_scans(model) as calls:
+            recorded = model(IDS)
+    assert torch.equal(plain, recorded)
+    assert len(calls) == 2
+    for call in calls:
+        C, B, X, a, gamma, beta = call.inputs
+        M = call_blocks(call)                                             # (b, h, T, R, T, R)
+        assert M.shape == (1, 4, 13, rank, 13, rank)
+        assert (M.permute(0, 1, 3, 5, 2, 4).triu(1) == 0).all()           # causal: no s > t
+        Y = torch.einsum("bhtisj,bsjhp->btihp", M, X.float())
+        assert_close_scaled(Y, call.output, TOL, "Σ M X against the layer's mamba3_scan output")
+        ref, _ = mamba3_scan_reference(C, B, X, a, gamma, beta)
+        assert_close_scaled(Y, ref, TOL, "Σ M X against mamba3_scan_reference")
+        # the drawn scalar: each block's Frobenius norm, written out
+        norms = M.pow(2).sum((3, 5)).sqrt()
+        assert_close_scaled(call_magnitude(call), norms, TOL, "Frobenius norms")
+        # no single signed matrix: refused in one line that names the alternatives
+        with pytest.raises(ValueError, match=rf"MIMO Mamba-3 \(rank {rank}\).*call_blocks") as e:
+            call_matrix(call)
+        assert "\n" not in str(e.value)
+
+
+def test_the_frobenius_norm_bounds_what_one_unit_input_moves():
+    """The documented reading: no input of norm 1 at s moves the outputs at t by more than ||M_ts||_F."""
+    model = _mamba3(is_mimo=True, mimo_rank=3, chunk_size=4)
+    with record_scans(model) as calls:
+        model(IDS)
+    M = call_blocks(calls[0])[0, 0]                                       # (T, R, T, R)
+    norms = call_magnitude(calls[0])[0, 0]
+    x = torch.randn(200, 3, generator=torch.Generator().manual_seed(0))
+    x = x / x.norm(dim=-1, keepdim=True)
+    moved = torch.einsum("tisj,nj->ntsi", M, x).norm(dim=-1).amax(0)       # (T, T), the worst of 200 inputs
+    assert (moved <= norms * (1 + 1e-6)).all() and (moved > 0.3 * norms).any()
+
+
+def test_siso_blocks_are_the_signed_matrix_and_its_magnitude():
+    model = _mamba3(chunk_size=4)
+    with record_scans(model) as calls:
+        model(IDS)
+    M = call_matrix(calls[0])
+    assert torch.equal(call_blocks(calls[0])[:, :, :, 0, :, 0], M)
+    assert_close_scaled(call_magnitude(calls[0]), M.abs(), TOL, "R = 1: the Frobenius norm is |M|")
+
+
+def test_text_views_of_a_mimo_mamba3_draw_the_block_norms_and_mamba1_is_refused():
+    model = _mamba3(is_mimo=True, mimo_rank=2)
+    labels = [str(i) for i in IDS[0].tolist()]
+    (view,) = text_views(model, IDS[0].tolist(), labels)
+    assert view.kind == "matrix" and view.weights.shape == (2, 4, 13, 13) and "rank 2×2 block" in view.title
+    assert torch.allclose(view.weights, implicit_magnitudes(model, IDS)[:, 0])
+    with pytest.raises(ValueError, match=r"MIMO Mamba-3 \(rank 2\)"):
+        implicit_matrices(model, IDS)
     mamba1 = Mamba(MambaConfig(vocab_size=50, d_model=16, num_layers=1, d_state=4))
-    with pytest.raises(ValueError, match="Mamba-1's decay differs per channel"):
+    with pytest.raises(ValueError, match="Mamba-1's decay differs per channel") as e:
         implicit_matrices(mamba1, IDS)
+    assert "\n" not in str(e.value)
 
 
 def test_text_views_of_a_mamba2_are_matrix_views_of_the_magnitude():

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
-from .implicit import has_implicit_attention, implicit_matrices
+from .implicit import has_implicit_attention, implicit_magnitudes, mimo_rank
 from .record import AttentionRecord, record_attention
 
 __all__ = ["View", "record_views", "text_views", "implicit_views", "seq2seq_views"]
@@ -87,12 +87,14 @@ def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
 @torch.no_grad()
 def implicit_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str]) -> list[View]:
     """One "matrix" view of the magnitude of every Mamba-2 / Mamba-3 layer's implicit attention
-    (attnlab.viz.implicit; its entries can be negative, C · B being a dot product)."""
+    (attnlab.viz.implicit; its entries can be negative, C · B being a dot product; a MIMO
+    Mamba-3's is the Frobenius norm of its rank x rank block per entry)."""
     model.eval()
     device = next(model.parameters()).device
-    M = implicit_matrices(model, torch.tensor([list(ids)], device=device))[:, 0]
-    return [View("layers/implicit", "implicit attention |C·B × decay × step|", M.abs(), list(labels), list(labels),
-                 kind="matrix")]
+    M = implicit_magnitudes(model, torch.tensor([list(ids)], device=device))[:, 0]
+    rank = mimo_rank(model)
+    what = f"‖rank {rank}×{rank} block‖_F" if rank > 1 else "|C·B × decay × step|"
+    return [View("layers/implicit", f"implicit attention {what}", M, list(labels), list(labels), kind="matrix")]
 
 
 @torch.no_grad()
