@@ -12,7 +12,8 @@ are drawn from views alone:
 - a Mamba-2 or Mamba-3 (no attention layers): its implicit attention, each layer's (T, T) matrix
   per head that the scan multiplies its input by (attnlab.viz.implicit), drawn as a "matrix" view;
 - an image classifier, with ``--image img.png``: where its class token looks, over the image
-  (attnlab.viz.image; one PNG, beside the run's checkpoints).
+  (attnlab.viz.image; one PNG, beside the run's checkpoints); with ``--html``/``--serve`` the
+  page's image view of every layer, head and query patch (attnlab.viz.image_views; ViT, DeiT, Swin).
 
 Output: PNGs (one per view and layer, its heads in a grid; ``--layer``/``--head``: one) in
 ``--out DIR`` (default: a ``viz/`` folder inside the run or model directory), each path printed;
@@ -115,12 +116,17 @@ def _image(args: argparse.Namespace, info) -> int:
     from ..viz.image import draw_image_attention
     if args.text is not None or args.head is not None or args.grid:
         raise UserError("--image draws an image run's attention: it takes no text, --head or --grid")
-    if args.target is not None or args.html is not None or args.serve:
-        raise UserError("--image draws one PNG: --target, --html and --serve are for text models")
+    if args.target is not None:
+        raise UserError("--target is for a translation model's decoder side; --image reads one image")
     if info.kind != "run":
         raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab viz --image' takes an image run, which "
                         f"records its image processor (train one with: attnlab train image)")
     clf = get_task(info.run.task).load(info.run, "cpu")
+    if args.html is not None or args.serve:
+        from ..viz.image_views import image_views
+        if args.layer is not None:
+            raise UserError("--layer picks the PNG's per-head panels; the page (--html, --serve) has every layer")
+        return _page(args, info, image_views(clf.model, clf.processor, args.image), Path(args.image).name)
     # beside the run's checkpoints (RUN/best, RUN/step-N), not inside one
     out = Path(args.out) if args.out else Path(info.run.path).parent / f"attention-{Path(args.image).stem}.png"
     path = draw_image_attention(clf.model, clf.processor, args.image, out, layer=args.layer)

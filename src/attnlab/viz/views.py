@@ -30,13 +30,16 @@ KINDS = ("attention", "matrix")
 class View:
     """One drawable array. name: a short unique id ("encoder_layers/self"); title: what a reader
     sees ("encoder self-attention"); weights: (L, H, T, S), float, >= 0; rows: T labels (the
-    queries), cols: S labels (the keys); kind: "attention" or "matrix" (module docstring)."""
+    queries), cols: S labels (the keys); kind: "attention" or "matrix" (module docstring);
+    image: for keys that tile a picture, its :class:`attnlab.viz.image_views.ImageGrid` (the
+    page then draws the view over the picture too)."""
     name: str
     title: str
     weights: Tensor
     rows: list[str]
     cols: list[str]
     kind: str = "attention"
+    image: object = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -47,6 +50,9 @@ class View:
                              f"{len(self.rows)} row labels, {len(self.cols)} column labels)")
         if not torch.isfinite(w).all() or (w < 0).any():
             raise ValueError(f"View {self.name!r}: weights must be finite and >= 0")
+        if self.image is not None and self.image.prefix + self.image.rows * self.image.cols != len(self.cols):
+            raise ValueError(f"View {self.name!r}: {len(self.cols)} keys, but its image has {self.image.prefix} "
+                             f"prefix tokens and {self.image.rows}x{self.image.cols} patches")
         self.weights = w
 
     @property

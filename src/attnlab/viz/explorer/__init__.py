@@ -7,9 +7,13 @@ The page's code lives beside this file (page.html, explorer.css, explorer.js) an
 a page is written. What it draws comes from :func:`payload`, a JSON object::
 
     {"format": 1, "title": str,
+     "images": ["data:image/png;base64,..."],                 (pictures the views below refer to)
      "views": [{"name", "title", "kind": "attention" | "matrix", "scale": float,
                 "layers": L, "heads": H, "rows": [T labels], "cols": [S labels],
                 "encoding": "dense" | "topk", "k": int (topk only),
+                "image": {"index", "rows", "cols", "cell": [h, w], "prefix"} (only where the keys
+                         tile a picture: images[index], prefix tokens then rows x cols patches
+                         of h x w pixels),
                 "data": [one base64 string per layer]}]}
 
 Every view is an (L, H, T, S) array read the same way (row t: how much query t takes from each
@@ -25,6 +29,11 @@ than a colour map or a line's opacity shows.
   H*T*k little-endian uint16 key indices, then H*T*k uint8 values (each row's k strongest keys,
   strongest first), then H*T uint8 of the rest: the mass of the keys not kept, which the page
   shows as one aggregate per row instead of thousands of faint links.
+
+A view over a picture is always encoded without loss, since its overlay tints every patch of a
+row: dense, or where that would pass ``DENSE_LIMIT`` and no row has more than a few nonzero
+weights (Swin's windows), "topk" with k the largest count of nonzero weights in a row, so that
+the rest is zero. The picture is embedded once, as a data URI, however many views refer to it.
 
 The page decodes a layer only when a view first needs it.
 """
@@ -64,11 +73,14 @@ def _view_payload(view: View, dense_limit: int, k: int) -> dict:
     L, H, T, S = w.shape
     out = {"name": view.name, "title": view.title, "kind": view.kind, "scale": view.scale, "layers": L,
            "heads": H, "rows": view.rows, "cols": view.cols}
+    if view.image is not None:            # the overlay tints every patch: no key may be dropped
+        k = int((w > 0).sum(-1).max())
+        dense_limit = dense_limit if 3 * k < S else L * H * T * S
     if L * H * T * S <= dense_limit or S <= k:
         out.update(encoding="dense", data=[_b64(_quantise(w[i])) for i in range(L)])
         return out
-    rows = L * H * T
-    k = max(MIN_K, min(k, (SPARSE_BUDGET // rows - 1) // 3))       # 2 + 1 bytes per kept key, 1 for the rest
+    if view.image is None:
+        k = max(MIN_K, min(k, (SPARSE_BUDGET // (L * H * T) - 1) // 3))   # 2 + 1 bytes per kept key, 1 for the rest
     data = []
     for i in range(L):
         values, index = w[i].topk(k, dim=-1)                                  # (H, T, k), strongest first
@@ -84,7 +96,18 @@ def payload(views: list[View], title: str = "", *, dense_limit: int = DENSE_LIMI
         raise ValueError("explorer: no views to show")
     if any(max(len(v.cols), 1) > 65535 for v in views):
         raise ValueError("explorer: a view has more than 65,535 keys, beyond the page's uint16 indices")
-    return {"format": 1, "title": title, "views": [_view_payload(v, dense_limit, k) for v in views]}
+    images: list[bytes] = []
+    out = []
+    for v in views:
+        out.append(_view_payload(v, dense_limit, k))
+        if v.image is not None:
+            if v.image.png not in images:
+                images.append(v.image.png)
+            g = v.image
+            out[-1]["image"] = {"index": images.index(g.png), "rows": g.rows, "cols": g.cols, "cell": list(g.cell),
+                                "prefix": g.prefix}
+    return {"format": 1, "title": title, "images": ["data:image/png;base64," + base64.b64encode(p).decode("ascii")
+                                                    for p in images], "views": out}
 
 
 def _asset(name: str) -> str:

@@ -10,7 +10,8 @@
   // viridis, sampled at 0, .25, .5, .75, 1
   const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const $ = (id) => document.getElementById(id);
-  const state = { view: 0, layer: 0, heads: new Set([0]), tab: "head", focus: null, enlarged: null, links: 0 };
+  const state = { view: 0, layer: 0, heads: new Set([0]), tab: DATA.views[0].image ? "image" : "head", focus: null,
+                  enlarged: null, links: 0, query: null };
   const decoded = new Map();
 
   const color = (h) => COLORS[h % COLORS.length];
@@ -80,6 +81,8 @@
       b.title = "head " + (h + 1) + ": click to show or hide, double-click to show it alone";
       heads.appendChild(b);
     }
+    $("tab-image").hidden = !v.image;
+    if (state.tab === "image" && !v.image) state.tab = "head";
     if (!state.links) state.links = v.rows.length > 256 ? 3 : 8;
     $("links").value = state.links;
     markHeads();
@@ -252,33 +255,143 @@
     $("hint").textContent = "One head, large: darker is less weight, yellow the most.";
   }
 
+  // ------------------------------------------------------------------ image view
+  // one query's weights over every key, as floats (both encodings hold every nonzero weight of
+  // a view over a picture: see the payload's documentation)
+  function rowVector(d, h, t) {
+    const out = new Float32Array(d.S);
+    if (d.dense) {
+      const base = (h * d.T + t) * d.S;
+      for (let s = 0; s < d.S; s++) out[s] = d.dense[base + s] / 255;
+    } else {
+      const base = (h * d.T + t) * d.k;
+      for (let i = 0; i < d.k; i++) if (d.values[base + i]) out[d.index[base + i]] = d.values[base + i] / 255;
+    }
+    return out;
+  }
+
+  const pictures = new Map(), IMAGE_TOP = 34;          // the caption's height above the picture
+  function picture(index) {
+    if (!pictures.has(index)) {
+      const img = new Image();
+      img.onload = () => { if (state.tab === "image") drawImageView(); };
+      img.src = DATA.images[index];
+      pictures.set(index, img);
+    }
+    return pictures.get(index);
+  }
+
+  // the class token where there is one; else the middle patch (a Swin), or the one row a view has
+  function defaultQuery(v) {
+    const g = v.image;
+    if (v.rows.length !== v.cols.length || g.prefix) return 0;
+    return g.prefix + Math.floor(g.rows / 2) * g.cols + Math.floor(g.cols / 2);
+  }
+
+  function drawQueryButtons(v) {
+    const box = $("image-queries"), g = v.image, ids = [];
+    for (let i = 0; i < g.prefix && i < v.rows.length; i++) ids.push(i);
+    if (v.rows.length !== v.cols.length) ids.splice(0, ids.length, ...v.rows.map((_, i) => i));
+    box.replaceChildren(...ids.map((i) => {
+      const b = document.createElement("button");
+      b.type = "button"; b.textContent = v.rows[i]; b.dataset.query = i;
+      b.classList.toggle("active", state.query === i);
+      return b;
+    }));
+  }
+
+  function drawImageView() {
+    const v = view(), g = v.image, canvas = $("image-canvas");
+    const img = picture(g.index);
+    if (state.query === null || state.query >= v.rows.length) state.query = defaultQuery(v);
+    drawQueryButtons(v);
+    if (!img.complete || !img.naturalWidth) return;           // drawn by the picture's onload
+    const d = layerData(v, state.layer), heads = [...state.heads].sort((a, b) => a - b);
+    const w = new Float32Array(d.S);
+    for (const h of heads) { const r = rowVector(d, h, state.query); for (let s = 0; s < d.S; s++) w[s] += r[s] / heads.length; }
+    let top = 0;
+    for (let i = g.prefix; i < d.S; i++) top = Math.max(top, w[i]);
+    const zoom = Math.max(1, Math.floor(448 / Math.max(img.naturalWidth, img.naturalHeight)));
+    const W = img.naturalWidth * zoom, H = img.naturalHeight * zoom, caption = IMAGE_TOP;
+    canvas.width = W; canvas.height = H + caption;
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.imageSmoothingEnabled = zoom < 4;
+    ctx.drawImage(img, 0, caption, W, H);
+    const [ch, cw] = [g.cell[0] * zoom, g.cell[1] * zoom];
+    for (let r = 0; r < g.rows; r++) {
+      for (let c = 0; c < g.cols; c++) {
+        const x = top > 0 ? w[g.prefix + r * g.cols + c] / top : 0, rgb = colormap(x);
+        ctx.fillStyle = `rgba(${rgb[0] | 0},${rgb[1] | 0},${rgb[2] | 0},0.6)`;
+        ctx.fillRect(c * cw, caption + r * ch, Math.min(cw, W - c * cw), Math.min(ch, H - r * ch));
+      }
+    }
+    const q = state.query - g.prefix;
+    if (v.rows.length === v.cols.length && q >= 0) {
+      ctx.strokeStyle = "#fff"; ctx.lineWidth = 2;
+      ctx.strokeRect((q % g.cols) * cw + 1, caption + Math.floor(q / g.cols) * ch + 1, cw - 2, ch - 2);
+    }
+    const prefix = v.cols.slice(0, g.prefix).map((s, i) => `${s} ${(w[i] * v.scale).toFixed(2)}`).join(", ");
+    ctx.fillStyle = "#222"; ctx.font = "12px sans-serif";
+    ctx.fillText(`${v.title}, layer ${state.layer + 1}, heads ${heads.map((h) => h + 1).join(" ") || "none"}`, 4, 13);
+    ctx.fillText(`query ${v.rows[state.query]}: brightest patch ${(top * v.scale).toFixed(3)}` +
+                 (prefix ? `; to ${prefix}` : ""), 4, 28);
+    canvas.dataset.query = state.query;
+    canvas.dataset.layer = state.layer;
+    $("hint").textContent = "Each patch tinted by the weight the query gives it (yellow: the most), averaged over the " +
+      "heads shown; click a patch to make it the query" + (g.prefix ? ", or a button above for a class token." : ".");
+  }
+
   // ------------------------------------------------------------------ drawing and events
   function draw() {
-    $("head-view").hidden = state.tab !== "head";
-    $("model-view").hidden = state.tab !== "model";
-    $("tab-head").classList.toggle("active", state.tab === "head");
-    $("tab-model").classList.toggle("active", state.tab === "model");
-    if (state.tab === "head") drawHeadView(); else drawModelView();
+    for (const tab of ["head", "model", "image"]) {
+      $(tab + "-view").hidden = state.tab !== tab;
+      $("tab-" + tab).classList.toggle("active", state.tab === tab);
+    }
+    if (state.tab === "head") drawHeadView(); else if (state.tab === "image") drawImageView(); else drawModelView();
+  }
+
+  // a head choice redraws what shows it
+  function headsChanged() {
+    markHeads();
+    if (state.tab === "head") drawHeadView(); else if (state.tab === "image") drawImageView();
   }
 
   function on(id, event, handler) { $(id).addEventListener(event, handler); }
 
-  on("view-select", "change", (e) => { state.view = +e.target.value; state.focus = null; state.enlarged = null; state.links = 0; fillControls(); draw(); });
+  on("view-select", "change", (e) => {
+    state.view = +e.target.value; state.focus = null; state.enlarged = null; state.links = 0; state.query = null;
+    fillControls(); draw();
+  });
   on("layer-select", "change", (e) => { state.layer = +e.target.value; state.focus = null; if (state.enlarged) state.enlarged.layer = state.layer; draw(); });
   on("links", "change", (e) => { state.links = Math.max(1, Math.min(64, Math.round(+e.target.value) || 1)); draw(); });
   on("tab-head", "click", () => { state.tab = "head"; draw(); });
   on("tab-model", "click", () => { state.tab = "model"; draw(); });
+  on("tab-image", "click", () => { state.tab = "image"; draw(); });
+  on("image-queries", "click", (e) => {
+    const q = e.target.dataset && e.target.dataset.query;
+    if (q !== undefined) { state.query = +q; drawImageView(); }
+  });
+  on("image-canvas", "click", (e) => {
+    const v = view(), g = v.image, canvas = $("image-canvas");
+    if (!g || v.rows.length !== v.cols.length) return;        // a view with one query row: nothing to pick
+    const box = canvas.getBoundingClientRect(), zoom = canvas.width / picture(g.index).naturalWidth;
+    const x = (e.clientX - box.left) * canvas.width / box.width, y = (e.clientY - box.top) * canvas.height / box.height - IMAGE_TOP;
+    const r = Math.floor(y / (g.cell[0] * zoom)), c = Math.floor(x / (g.cell[1] * zoom));
+    if (r < 0 || c < 0 || r >= g.rows || c >= g.cols) return;
+    state.query = g.prefix + r * g.cols + c; drawImageView();
+  });
   on("close-enlarged", "click", () => { state.enlarged = null; draw(); });
   on("heads", "click", (e) => {
     const h = e.target.dataset && e.target.dataset.head;
     if (h === undefined) return;
     if (state.heads.has(+h)) state.heads.delete(+h); else state.heads.add(+h);
-    markHeads(); if (state.tab === "head") drawHeadView();
+    headsChanged();
   });
   on("heads", "dblclick", (e) => {
     const h = e.target.dataset && e.target.dataset.head;
     if (h === undefined) return;
-    state.heads = new Set([+h]); markHeads(); if (state.tab === "head") drawHeadView();
+    state.heads = new Set([+h]); headsChanged();
   });
   on("thumbs", "click", (e) => {
     const c = e.target;
@@ -307,7 +420,8 @@
   }
 
   function currentCanvas() {
-    // the model view as one picture: the enlarged head, or every thumbnail on one canvas
+    // the image view's canvas; the model view as one picture: the enlarged head, or every thumbnail on one canvas
+    if (state.tab === "image") return $("image-canvas");
     if (state.enlarged) return $("enlarged-canvas");
     const thumbs = [...$("thumbs").querySelectorAll("canvas")], v = view();
     if (!thumbs.length) return null;

@@ -1,0 +1,156 @@
+"""Views of an image classifier's attention that the explorer page draws over the image itself.
+
+    views = image_views(model, processor, "cat.png")    # each view's .image: the picture and its grid
+
+Each view is an ordinary (L, H, T, S) :class:`~attnlab.viz.views.View` whose ``image`` says
+which picture its keys tile (:class:`ImageGrid`): the page tints every patch by the weight the
+chosen query gives it. Per family:
+
+- **ViT, DeiT** (one grid, a class token, DeiT's distillation token): the self-attention of
+  every layer over prefix + rows * cols tokens, and the attention rollout of
+  attnlab.viz.image.attention_rollout as a (1, 1, T, T) view (row t: how much of token t's final
+  state comes, through attention and residuals, from each input token).
+- **Swin** (no class token; attention inside windows of a map that each stage halves): one view
+  per stage, its blocks as layers. A block's calls are (windows, H, M², M²) in the rolled
+  windows' order; they are put back on the stage's (rows, cols) map, so query (r, c) has
+  weights on the tokens of its own (shifted) window and zero elsewhere (keys of the padding a
+  map gets when the window does not divide it are left out, so such rows sum to less than 1).
+  The rollout follows Abnar and Zuidema within each stage and treats a patch merging as the
+  average of the four tokens it concatenates (as rollout treats the MLPs and norms: as passing
+  the token on), then averages the last stage's rows as the classifier pools them: a
+  (1, 1, 1, patches) view, "[pooled]", of where the pooled output comes from.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..nn.window import WindowAttention, window_and_shift, window_order
+from .image import attention_rollout, image_attention
+from .labels import PatchGrid
+from .record import record_attention
+from .views import View
+
+__all__ = ["ImageGrid", "image_views", "png_bytes", "swin_stage_weights", "swin_rollout"]
+
+
+@dataclass(frozen=True, eq=False)
+class ImageGrid:
+    """The picture a view's keys tile: ``png`` (the bytes of a PNG of the image as the model saw
+    it), the key tokens ``prefix`` (how many come before the patches) then ``rows`` x ``cols``
+    patches, row by row, each ``cell`` (height, width) pixels of the picture. The page tints
+    patch (r, c) over the pixels (r * height, c * width) onwards, clipped to the picture."""
+    png: bytes
+    rows: int
+    cols: int
+    cell: tuple[int, int]
+    prefix: int = 0
+
+
+def png_bytes(picture: np.ndarray) -> bytes:
+    """(H, W) or (H, W, C) uint8 -> PNG bytes."""
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(picture[..., 0] if picture.ndim == 3 and picture.shape[-1] == 1 else picture).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _picture(processor, image) -> tuple[Tensor, np.ndarray]:
+    shown = processor.resized(image)                           # (C, H, W) uint8: what the model reads
+    return processor.finish(shown)[None], shown.permute(1, 2, 0).numpy()
+
+
+def _is_swin(model: nn.Module) -> bool:
+    return any(isinstance(m, WindowAttention) for m in model.modules())
+
+
+def swin_stage_weights(model: nn.Module, pixel_values: Tensor) -> list[tuple[Tensor, tuple[int, int]]]:
+    """Per stage: (weights (blocks, H, N, N) of its blocks over the stage's map, its (rows, cols)),
+    N = rows * cols in row-major order; from one recorded forward of one image."""
+    model.eval()
+    with torch.no_grad(), record_attention(model) as record:
+        model(pixel_values)
+    grids = model.config.grids(*pixel_values.shape[-2:])
+    stages: dict[int, list[Tensor]] = {}
+    for call in record:
+        owner = model.get_submodule(call.module.rsplit(".", 1)[0])          # the block's WindowAttention
+        stage = int(call.module.split("stages.")[1].split(".")[0])
+        rows, cols = grids[stage]
+        M, shift = window_and_shift(rows, cols, owner.window, owner.shift)
+        Hp, Wp = -(-rows // M) * M, -(-cols // M) * M
+        order = window_order(Hp, Wp, M, shift, call.weights.device)          # window slot -> padded map index
+        w = call.weights.float()                                             # (windows, H, M², M²)
+        H = w.size(1)
+        full = w.new_zeros(H, Hp * Wp, Hp * Wp)
+        slots = order.view(-1, M * M)                                        # (windows, M²)
+        full[:, slots[:, :, None], slots[:, None, :]] = w.permute(1, 0, 2, 3)
+        real = (torch.arange(Hp)[:, None] < rows) & (torch.arange(Wp)[None, :] < cols)
+        keep = real.flatten().nonzero().squeeze(1).to(w.device)
+        stages.setdefault(stage, []).append(full[:, keep][:, :, keep])
+    return [(torch.stack(stages[s]), grids[s]) for s in sorted(stages)]
+
+
+def _merging(rows: int, cols: int) -> Tensor:
+    """(N', N): each token of the merged map as the mean of the (up to four) tokens it joins."""
+    r2, c2 = (rows + 1) // 2, (cols + 1) // 2
+    P = torch.zeros(r2 * c2, rows * cols, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            P[(r // 2) * c2 + c // 2, r * cols + c] = 1.0
+    return P / P.sum(-1, keepdim=True)
+
+
+def swin_rollout(stages: list[tuple[Tensor, tuple[int, int]]]) -> Tensor:
+    """(N_0,): the pooled output's rollout over the first stage's patches (module docstring)."""
+    total = None
+    for i, (w, (rows, cols)) in enumerate(stages):
+        if i:
+            prev_rows, prev_cols = stages[i - 1][1]
+            total = _merging(prev_rows, prev_cols) @ total
+        r = attention_rollout(w).double()
+        total = r if total is None else r @ total
+    return total.mean(0).float()
+
+
+def _vit_views(model, pixels, png) -> list[View]:
+    weights, grid = image_attention(model, pixels)
+    labels = grid()
+    at = ImageGrid(png, grid.rows, grid.cols, grid.patch_size, len(grid.prefix))
+    L, H = weights.shape[:2]
+    return [View("layers/self", f"self-attention ({L} layers, {H} heads)", weights.cpu(), labels, labels,
+                 image=at),
+            View("rollout", "attention rollout (all layers, heads averaged)", attention_rollout(weights.cpu())[None, None],
+                 labels, labels, image=at)]
+
+
+def _swin_views(model, pixels, png) -> list[View]:
+    stages = swin_stage_weights(model, pixels)
+    views, patch = [], model.config.patch_size
+    for s, (w, (rows, cols)) in enumerate(stages):
+        side = patch * 2 ** s
+        labels = PatchGrid((rows, cols), 1, ())()
+        views.append(View(f"stage{s + 1}/self", f"stage {s + 1} window attention ({rows}x{cols} tokens)", w.cpu(),
+                          labels, labels, image=ImageGrid(png, rows, cols, (side, side))))
+    rows, cols = stages[0][1]
+    views.append(View("rollout", "attention rollout of the pooled output (merges as averages)",
+                      swin_rollout(stages)[None, None, None], ["[pooled]"], PatchGrid((rows, cols), 1, ())(),
+                      image=ImageGrid(png, rows, cols, (patch, patch))))
+    return views
+
+
+@torch.no_grad()
+def image_views(model: nn.Module, processor, image) -> list[View]:
+    """The views of ``image`` (a path, PIL image or uint8 array, through ``processor``, an
+    :class:`attnlab.processors.ImageProcessor`) in ``model``, a ViT, DeiT or Swin (module docstring)."""
+    pixels, picture = _picture(processor, image)
+    pixels = pixels.to(next(model.parameters()).device)
+    model.eval()
+    if _is_swin(model):
+        return _swin_views(model, pixels, png_bytes(picture))
+    patch = model.config.patch_size
+    rows, cols = pixels.size(2) // patch, pixels.size(3) // patch
+    return _vit_views(model, pixels, png_bytes(np.ascontiguousarray(picture[: rows * patch, : cols * patch])))
