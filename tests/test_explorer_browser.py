@@ -284,3 +284,232 @@ def test_long_inputs_stay_usable(browser, tmp_path, T):
     assert {q for _, q, _, _ in _lines(browser)} == {str(T // 2)}
     m["hover_ms"] = round(1000 * (time.time() - started))
     _record(m)
+
+
+# ----------------------------------------------------------------------------- the image view
+def _image_page(tmp_path_factory, family: str) -> Path:
+    """A page of the tiny preset of ``family`` (random weights) over a made-up picture."""
+    import numpy as np
+    import contract
+    from attnlab.models.registry import architectures
+    from attnlab.processors import ImageProcessor
+    from attnlab.viz.image_views import image_views
+    arch = next(a for a in architectures() if a.model_type == family and a.kind == "image-classifier")
+    model = contract.tiny(arch, randomize=True)
+    c = model.config
+    processor = ImageProcessor(size=c.image_size, image_mean=[0.5] * c.in_channels, image_std=[0.5] * c.in_channels)
+    rng = np.random.default_rng(0)
+    picture = rng.integers(0, 255, (c.image_size, c.image_size, c.in_channels)).astype(np.uint8)
+    folder = tmp_path_factory.mktemp(f"image-{family}")
+    views = image_views(model, processor, picture)
+    return write_page(views, folder / f"{family}.html", title=f"tiny {family}"), views
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    """(the page of a tiny ViT, its views)."""
+    return _image_page(tmp_path_factory, "vit")
+
+
+@pytest.fixture(scope="module")
+def vit_page(vit):
+    return vit[0]
+
+
+def test_the_page_decodes_an_image_views_rows_to_their_weights(browser, vit):
+    """Each row quantised against its own largest weight: the page's weights are the model's to
+    half a step of that row's maximum, however small the class token's weights are."""
+    page, views = vit
+    _open(browser, page)
+    weights = views[0].weights                                           # (L, H, T, T)
+    for layer, head, query in [(0, 0, 0), (1, 3, 0), (1, 2, 7)]:
+        browser.execute_script(f"attnlabExplorer.state.layer = {layer}")
+        got = torch.tensor(browser.execute_script(f"return attnlabExplorer.rowVector({head}, {query})"))
+        want = weights[layer, head, query]
+        assert (got - want).abs().max() <= want.max() / 510 * (1 + 1e-5), (layer, head, query)
+
+
+def _canvas(driver) -> tuple[str, str]:
+    """(the image view's query, its canvas pixels as a data URL), once the picture is drawn."""
+    end = time.time() + 10
+    while time.time() < end:
+        query, pixels = driver.execute_script(
+            "const c = document.getElementById('image-canvas'); return [c.dataset.query || null, c.toDataURL()]")
+        if query is not None:
+            return query, pixels
+        time.sleep(0.05)
+    raise AssertionError(f"the image view never drew; console: {driver.get_log('browser')}")
+
+
+def _click_patch(driver, row: int, col: int) -> None:
+    """Click the middle of patch (row, col), from the canvas's own geometry."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    canvas = driver.find_element(By.ID, "image-canvas")
+    g = driver.execute_script("const v = attnlabExplorer.view(); return v.image")
+    zoom = driver.execute_script("const c = document.getElementById('image-canvas'); return c.width / c.dataset.picture")
+    size = canvas.size
+    x = (col + 0.5) * g["cell"][1] * zoom - size["width"] / 2
+    y = 34 + (row + 0.5) * g["cell"][0] * zoom - size["height"] / 2
+    ActionChains(driver).move_to_element_with_offset(canvas, round(x), round(y)).click().perform()
+
+
+def test_the_image_page_loads_without_errors_or_requests_and_tints_the_patches(browser, vit_page, tmp_path):
+    _open(browser, vit_page)
+    assert not [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    sent = _requests(browser)
+    assert all(u == vit_page.as_uri() or u.startswith("data:") for doc, u in sent if doc == vit_page.as_uri())
+    assert not [u for _, u in sent if u.split(":", 1)[0] in ("http", "https", "ws", "wss", "ftp")]
+    assert all(u.startswith("data:") for u in
+               browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)"))
+    assert browser.execute_script("return attnlabExplorer.state.tab") == "image"
+    query, first = _canvas(browser)
+    assert query == "0"                                                  # the class token by default
+    # the tint follows the weights: the brightest patch of the class token's row in head 1 is
+    # yellow-most, read back from the canvas
+    brightest = browser.execute_script("""
+        const v = attnlabExplorer.view(), g = v.image, c = document.getElementById('image-canvas');
+        const zoom = c.width / +c.dataset.picture, ctx = c.getContext('2d');
+        const at = (r, k) => ctx.getImageData(Math.floor((k + 0.5) * g.cell[1] * zoom),
+                                              34 + Math.floor((r + 0.5) * g.cell[0] * zoom), 1, 1).data;
+        const row = attnlabExplorer.rowVector(0, 0).slice(g.prefix);
+        let best = 0; row.forEach((w, i) => { if (w > row[best]) best = i; });
+        return [best, [...Array(g.rows * g.cols).keys()].map(i => at(Math.floor(i / g.cols), i % g.cols)[1])];""")
+    best, greens = brightest
+    assert max(range(len(greens)), key=greens.__getitem__) == best
+    _keep(browser, "explorer-image-view.png", tmp_path)
+
+
+def test_clicking_a_patch_and_switching_head_or_layer_change_the_overlay(browser, vit_page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    _open(browser, vit_page)
+    _, first = _canvas(browser)
+    _click_patch(browser, 2, 3)
+    query, clicked = _canvas(browser)
+    cols = browser.execute_script("return attnlabExplorer.view().image.cols")
+    assert query == str(1 + 2 * cols + 3) and clicked != first           # the patch's token is the query
+    head = browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="1"]')
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('dblclick', {bubbles: true}))", head)
+    assert browser.execute_script("return [...attnlabExplorer.state.heads]") == [1]
+    _, other_head = _canvas(browser)
+    assert other_head != clicked
+    Select(browser.find_element(By.ID, "layer-select")).select_by_value("1")
+    _, other_layer = _canvas(browser)
+    assert other_layer != other_head
+    browser.find_element(By.CSS_SELECTOR, '#image-queries button[data-query="0"]').click()      # back to [CLS]
+    assert _canvas(browser)[0] == "0"
+    Select(browser.find_element(By.ID, "view-select")).select_by_value("1")                   # the rollout
+    query, rollout = _canvas(browser)
+    assert query == "0" and rollout != other_layer
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_the_image_view_exports_a_png_and_an_svg(browser, vit_page, tmp_path):
+    from selenium.webdriver.common.by import By
+    _open(browser, vit_page)
+    _canvas(browser)
+    for f in browser.downloads.iterdir():
+        f.unlink()
+    browser.find_element(By.ID, "export-png").click()
+    png = _downloaded(browser.downloads, "attention.png")
+    browser.find_element(By.ID, "export-svg").click()
+    svg = _downloaded(browser.downloads, "attention.svg")
+    width, height = browser.execute_script("const c = document.getElementById('image-canvas'); return [c.width, c.height]")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (width, height)
+    root = ET.fromstring(svg)
+    image = root.find("{http://www.w3.org/2000/svg}image")
+    assert root.tag == "{http://www.w3.org/2000/svg}svg" and image is not None
+    assert base64.b64decode(image.get("href").split(",", 1)[1]) == png        # the same picture inside
+    (tmp_path / "image-view.png").write_bytes(png)
+
+
+def test_a_swin_page_picks_patches_per_stage_and_draws_the_pooled_rollout(browser, tmp_path_factory, tmp_path):
+    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.common.by import By
+    page, _ = _image_page(tmp_path_factory, "swin")
+    _open(browser, page)
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    query, first = _canvas(browser)
+    g = browser.execute_script("return attnlabExplorer.view().image")
+    assert g["prefix"] == 0 and query == str(g["rows"] // 2 * g["cols"] + g["cols"] // 2)   # the middle patch
+    _click_patch(browser, 0, 0)
+    query, corner = _canvas(browser)
+    assert query == "0" and corner != first
+    Select(browser.find_element(By.ID, "view-select")).select_by_value("1")                   # stage 2: coarser
+    g2 = browser.execute_script("return attnlabExplorer.view().image")
+    assert g2["cell"][0] == 2 * g["cell"][0]
+    last = str(len(browser.find_elements(By.CSS_SELECTOR, "#view-select option")) - 1)
+    Select(browser.find_element(By.ID, "view-select")).select_by_value(last)
+    query, pooled = _canvas(browser)
+    assert query == "0" and browser.execute_script(
+        "return [...document.querySelectorAll('#image-queries button')].map(b => b.textContent)") == ["[pooled]"]
+    _keep(browser, "explorer-swin-rollout.png", tmp_path)
+
+
+# ----------------------------------------------------------------------------- the matrix view
+@pytest.fixture(scope="module")
+def matrix_page(tmp_path_factory):
+    """A Mamba-2's implicit attention beside a GPT's attention over the same tokens."""
+    from attnlab.models.mamba2 import PRESETS, Mamba2, Mamba2Config
+    from attnlab.models.registry import architectures
+    from attnlab.viz.views import text_views
+    torch.manual_seed(0)
+    gpt2 = next(a for a in architectures() if a.name == "GPT2LMHeadModel")
+    gpt = gpt2.build(gpt2.family.preset("tiny")).eval()
+    mamba = Mamba2(Mamba2Config(**PRESETS["tiny"])).eval()
+    with torch.no_grad():
+        for p in mamba.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids = [5, 17, 3, 8, 8, 2, 9, 11, 4, 6]
+    labels = ["the", "cat", "sat", "on", "on", "mat", "and", "then", "it", "slept"]
+    views = text_views(gpt, ids, labels) + text_views(mamba, ids, labels)
+    assert [v.kind for v in views] == ["attention", "matrix"]
+    return write_page(views, tmp_path_factory.mktemp("matrix") / "matrix.html", title="GPT beside Mamba-2")
+
+
+def _model_view_pixels(driver) -> list[str]:
+    end = time.time() + 10
+    while driver.execute_script("return document.getElementById('thumbs').dataset.complete") != "1":
+        assert time.time() < end, "the model view never finished"
+        time.sleep(0.05)
+    return driver.execute_script("return [...document.querySelectorAll('#thumbs canvas')].map(c => c.toDataURL())")
+
+
+def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, matrix_page, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    _open(browser, matrix_page)
+    assert not [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    assert not [u for _, u in _requests(browser) if u.split(":", 1)[0] in ("http", "https", "ws", "wss", "ftp")]
+    attention = _lines(browser)
+    Select(browser.find_element(By.ID, "view-select")).select_by_value("1")
+    assert "matrix" in Select(browser.find_element(By.ID, "view-select")).first_selected_option.text
+    layer1 = _lines(browser)
+    assert layer1 and layer1 != attention and all(int(k) <= int(q) for _, q, k, _ in layer1)    # causal
+    Select(browser.find_element(By.ID, "layer-select")).select_by_value("1")
+    layer2 = _lines(browser)
+    assert layer2 and layer2 != layer1
+    browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="1"]').click()
+    assert {h for h, *_ in _lines(browser)} == {"0", "1"}
+    # the model view: every layer x head of the matrix, no two panels alike, one enlarged on a click
+    browser.find_element(By.ID, "tab-model").click()
+    panels = _model_view_pixels(browser)
+    heads = browser.execute_script("return attnlabExplorer.view().heads")
+    assert len(panels) == 2 * heads and len(set(panels)) == len(panels)
+    browser.find_elements(By.CSS_SELECTOR, "#thumbs canvas")[heads + 1].click()             # layer 2, head 2
+    enlarged = browser.execute_script("return document.getElementById('enlarged-canvas').toDataURL()")
+    Select(browser.find_element(By.ID, "layer-select")).select_by_value("0")
+    assert browser.execute_script("return document.getElementById('enlarged-canvas').toDataURL()") != enlarged
+    _keep(browser, "explorer-matrix-view.png", tmp_path)
+    for f in browser.downloads.iterdir():
+        f.unlink()
+    browser.find_element(By.ID, "export-png").click()
+    png = _downloaded(browser.downloads, "attention.png")
+    browser.find_element(By.ID, "export-svg").click()
+    svg = _downloaded(browser.downloads, "attention.svg")
+    width = browser.execute_script("return document.getElementById('enlarged-canvas').width")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width
+    assert ET.fromstring(svg).find("{http://www.w3.org/2000/svg}image") is not None
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]

@@ -10,7 +10,7 @@ a page is written. What it draws comes from :func:`payload`, a JSON object::
      "images": ["data:image/png;base64,..."],                 (pictures the views below refer to)
      "views": [{"name", "title", "kind": "attention" | "matrix", "scale": float,
                 "layers": L, "heads": H, "rows": [T labels], "cols": [S labels],
-                "encoding": "dense" | "topk", "k": int (topk only),
+                "encoding": "dense" | "topk", "k": int (topk only), "rowmax": [...] (image views only),
                 "image": {"index", "rows", "cols", "cell": [h, w], "prefix"} (only where the keys
                          tile a picture: images[index], prefix tokens then rows x cols patches
                          of h x w pixels),
@@ -30,10 +30,14 @@ than a colour map or a line's opacity shows.
   strongest first), then H*T uint8 of the rest: the mass of the keys not kept, which the page
   shows as one aggregate per row instead of thousands of faint links.
 
-A view over a picture is always encoded without loss, since its overlay tints every patch of a
-row: dense, or where that would pass ``DENSE_LIMIT`` and no row has more than a few nonzero
-weights (Swin's windows), "topk" with k the largest count of nonzero weights in a row, so that
-the rest is zero. The picture is embedded once, as a data URI, however many views refer to it.
+A view over a picture keeps every key, since its overlay tints every patch of a row: dense, or
+where that would pass ``DENSE_LIMIT`` and no row has more than a few nonzero weights (Swin's
+windows), "topk" with k the largest count of nonzero weights in a row, so that the rest is zero.
+Its rows are quantised against their own largest weight (a class token spreads small weights
+over hundreds of patches, which 1/255 of 1 would flatten to a few levels): "rowmax" holds, per
+layer, base64 of H*T little-endian float32 row maxima, and a byte b of row (h, t) stands for
+b / 255 * rowmax[h, t] (times ``scale``). The picture is embedded once, as a data URI, however
+many views refer to it.
 
 The page decodes a layer only when a view first needs it.
 """
@@ -76,6 +80,11 @@ def _view_payload(view: View, dense_limit: int, k: int) -> dict:
     if view.image is not None:            # the overlay tints every patch: no key may be dropped
         k = int((w > 0).sum(-1).max())
         dense_limit = dense_limit if 3 * k < S else L * H * T * S
+        # and a class token's weights over hundreds of patches are all small: each row is
+        # quantised against its own largest weight, which the page multiplies back
+        rowmax = w.amax(-1).clamp_min(1e-30)                                   # (L, H, T)
+        w = w / rowmax[..., None]
+        out["rowmax"] = [_b64(rowmax[i].numpy().astype("<f4")) for i in range(L)]
     if L * H * T * S <= dense_limit or S <= k:
         out.update(encoding="dense", data=[_b64(_quantise(w[i])) for i in range(L)])
         return out

@@ -38,21 +38,30 @@
       d = { index: new Uint16Array(bytes.buffer, 0, n), values: bytes.subarray(2 * n, 3 * n),
             rest: bytes.subarray(3 * n, 3 * n + H * T), k: v.k, T, S };
     }
+    if (v.rowmax) {                     // a view over a picture: each row quantised against its own maximum
+      const t = atob(v.rowmax[l]), b = new Uint8Array(t.length);
+      for (let i = 0; i < t.length; i++) b[i] = t.charCodeAt(i);
+      d.rowmax = new Float32Array(b.buffer);
+    }
     decoded.set(key, d);
     return d;
   }
 
+  // what a byte of row (h, t) is multiplied by, besides 1/255
+  const rowScale = (d, h, t) => (d.rowmax ? d.rowmax[h * d.T + t] : 1);
+
   // the strongest keys of query t in head h: [[key, weight], ...] strongest first, and the weight left out
   function rowLinks(d, h, t, limit) {
     let out = [], rest = 0;
+    const f = rowScale(d, h, t) / 255;
     if (d.dense) {
       const base = (h * d.T + t) * d.S;
-      for (let s = 0; s < d.S; s++) { const w = d.dense[base + s]; if (w) out.push([s, w / 255]); }
+      for (let s = 0; s < d.S; s++) { const w = d.dense[base + s]; if (w) out.push([s, w * f]); }
       out.sort((a, b) => b[1] - a[1]);
       for (let i = limit; i < out.length; i++) rest += out[i][1];
     } else {
       const base = (h * d.T + t) * d.k;
-      for (let i = 0; i < d.k; i++) { const w = d.values[base + i]; if (w) out.push([d.index[base + i], w / 255]); }
+      for (let i = 0; i < d.k; i++) { const w = d.values[base + i]; if (w) out.push([d.index[base + i], w * f]); }
       for (let i = limit; i < out.length; i++) rest += out[i][1];
       rest += d.rest[h * d.T + t] / 255;
     }
@@ -166,16 +175,16 @@
     // max over the cells each pixel covers, so a sharp link stays visible in a small thumbnail
     const rows = Math.min(size, d.T), cols = Math.min(size, d.S), px = new Float32Array(rows * cols);
     const put = (t, s, w) => { const i = Math.floor(t * rows / d.T) * cols + Math.floor(s * cols / d.S); if (w > px[i]) px[i] = w; };
-    if (d.dense) {
-      for (let t = 0; t < d.T; t++) { const base = (h * d.T + t) * d.S; for (let s = 0; s < d.S; s++) put(t, s, d.dense[base + s]); }
-    } else {
-      for (let t = 0; t < d.T; t++) { const base = (h * d.T + t) * d.k; for (let i = 0; i < d.k; i++) put(t, d.index[base + i], d.values[base + i]); }
+    for (let t = 0; t < d.T; t++) {
+      const f = rowScale(d, h, t);
+      if (d.dense) { const base = (h * d.T + t) * d.S; for (let s = 0; s < d.S; s++) put(t, s, d.dense[base + s] * f); }
+      else { const base = (h * d.T + t) * d.k; for (let i = 0; i < d.k; i++) put(t, d.index[base + i], d.values[base + i] * f); }
     }
-    let top = 1;
+    let top = 0;
     for (const w of px) if (w > top) top = w;
     const img = new ImageData(cols, rows);
     for (let i = 0; i < px.length; i++) {
-      const c = colormap(px[i] / top);
+      const c = colormap(top > 0 ? px[i] / top : 0);
       img.data[4 * i] = c[0]; img.data[4 * i + 1] = c[1]; img.data[4 * i + 2] = c[2]; img.data[4 * i + 3] = 255;
     }
     return img;
@@ -259,13 +268,13 @@
   // one query's weights over every key, as floats (both encodings hold every nonzero weight of
   // a view over a picture: see the payload's documentation)
   function rowVector(d, h, t) {
-    const out = new Float32Array(d.S);
+    const out = new Float32Array(d.S), f = rowScale(d, h, t) / 255;
     if (d.dense) {
       const base = (h * d.T + t) * d.S;
-      for (let s = 0; s < d.S; s++) out[s] = d.dense[base + s] / 255;
+      for (let s = 0; s < d.S; s++) out[s] = d.dense[base + s] * f;
     } else {
       const base = (h * d.T + t) * d.k;
-      for (let i = 0; i < d.k; i++) if (d.values[base + i]) out[d.index[base + i]] = d.values[base + i] / 255;
+      for (let i = 0; i < d.k; i++) if (d.values[base + i]) out[d.index[base + i]] = d.values[base + i] * f;
     }
     return out;
   }
@@ -337,7 +346,7 @@
     ctx.fillText(`query ${v.rows[state.query]}: brightest patch ${(top * v.scale).toFixed(3)}` +
                  (prefix ? `; to ${prefix}` : ""), 4, 28);
     canvas.dataset.query = state.query;
-    canvas.dataset.layer = state.layer;
+    canvas.dataset.picture = img.naturalWidth;
     $("hint").textContent = "Each patch tinted by the weight the query gives it (yellow: the most), averaged over the " +
       "heads shown; click a patch to make it the query" + (g.prefix ? ", or a button above for a class token." : ".");
   }
@@ -474,7 +483,9 @@
   on("export-png", "click", () => download("png"));
   on("export-svg", "click", () => download("svg"));
 
-  window.attnlabExplorer = { state, exportView, draw };
+  // what the browser tests read: the state, the current view, one query's weights in the current layer
+  window.attnlabExplorer = { state, exportView, draw, view,
+                             rowVector: (h, t) => Array.from(rowVector(layerData(view(), state.layer), h, t)) };
   fillControls();
   draw();
   requestAnimationFrame(() => requestAnimationFrame(() => {
