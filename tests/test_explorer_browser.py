@@ -513,3 +513,54 @@ def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, ma
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width
     assert ET.fromstring(svg).find("{http://www.w3.org/2000/svg}image") is not None
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _measure_image(browser, page: Path, views) -> dict:
+    ready = _open(browser, page, timeout=60)
+    started = time.time()
+    _canvas(browser)
+    drawn = ready + 1000 * (time.time() - started)
+    paint = browser.execute_script(
+        "const p = performance.getEntriesByName('first-contentful-paint')[0]; return p ? p.startTime : null")
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    started = time.time()
+    _click_patch(browser, 3, 4)
+    _canvas(browser)
+    return {"bytes": page.stat().st_size, "first_paint_ms": paint, "first_view_ms": round(drawn),
+            "click_ms": round(1000 * (time.time() - started)), "views": [v.name for v in views]}
+
+
+def test_a_vit_base_sized_image_page_opens_quickly(browser, tmp_path):
+    """ViT-B/16 at 224 pixels: 12 layers of 12 heads over 1 + 14 x 14 tokens (peaked made-up
+    weights; only the sizes matter here), every key kept."""
+    import numpy as np
+    from attnlab.viz.image_views import ImageGrid, png_bytes
+    from attnlab.viz.labels import PatchGrid
+    g = torch.Generator().manual_seed(0)
+    weights = torch.softmax(4 * torch.randn(12, 12, 197, 197, generator=g), -1)
+    picture = np.random.default_rng(0).integers(0, 255, (224, 224, 3)).astype(np.uint8)
+    labels = PatchGrid(224, 16)()
+    grid = ImageGrid(png_bytes(picture), 14, 14, (16, 16), 1)
+    views = [View("layers/self", "self-attention", weights, labels, labels, image=grid)]
+    page = write_page(views, tmp_path / "vit-b.html", title="ViT-B/16 sized")
+    m = _measure_image(browser, page, views)
+    assert m["bytes"] < 10_000_000 and m["first_view_ms"] < 3000, m
+    (ARTIFACTS / "explorer-image-vit-b.json").write_text(json.dumps(m))
+
+
+@pytest.mark.slow
+def test_a_swin_t_image_page_stays_usable(browser, tmp_path):
+    """Swin-T at 224 pixels (random weights): stages of 56, 28, 14 and 7 tokens a side."""
+    import numpy as np
+    from attnlab.models.swin import SwinConfig, SwinForImageClassification
+    from attnlab.processors import ImageProcessor
+    from attnlab.viz.image_views import image_views
+    torch.manual_seed(0)
+    model = SwinForImageClassification(SwinConfig(image_size=224, patch_size=4, embed_dim=96, depths=(2, 2, 6, 2),
+                                                  num_heads=(3, 6, 12, 24), window_size=7, num_labels=10)).eval()
+    picture = np.random.default_rng(0).integers(0, 255, (224, 224, 3)).astype(np.uint8)
+    views = image_views(model, ImageProcessor(size=224), picture)
+    page = write_page(views, tmp_path / "swin-t.html", title="Swin-T")
+    m = _measure_image(browser, page, views)
+    assert m["bytes"] < 15_000_000 and m["first_view_ms"] < 5000, m
+    (ARTIFACTS / "explorer-image-swin-t.json").write_text(json.dumps(m))

@@ -180,3 +180,6 @@ def test_viz_image_html_writes_the_page_of_an_image_run(tmp_path, capsys):
     assert main(["viz", str(run), "--image", str(image), "--html", str(page), "--layer", "1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "the page (--html, --serve) has every layer" in err[0]
+    assert main(["viz", str(run), "--image", str(image), "--target", "a cat"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--image reads one image" in err[0]
