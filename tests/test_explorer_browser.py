@@ -499,6 +499,13 @@ def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, ma
     heads = browser.execute_script("return attnlabExplorer.view().heads")
     assert len(panels) == 2 * heads and len(set(panels)) == len(panels)
     browser.find_elements(By.CSS_SELECTOR, "#thumbs canvas")[heads + 1].click()             # layer 2, head 2
+    assert browser.find_element(By.ID, "enlarged").is_displayed()
+    assert not browser.find_element(By.ID, "thumbs").is_displayed()                    # the grid gives way
+    width, caption = browser.execute_script(
+        "const c = document.getElementById('enlarged-canvas'), x = c.getContext('2d'); x.font = '12px sans-serif';"
+        " return [c.width, x.measureText(attnlabExplorer.view().title + ', layer 2, head 2 (rows: queries, columns:"
+        " keys)').width]")
+    assert width >= caption                                                            # the title is not cut off
     enlarged = browser.execute_script("return document.getElementById('enlarged-canvas').toDataURL()")
     Select(browser.find_element(By.ID, "layer-select")).select_by_value("0")
     assert browser.execute_script("return document.getElementById('enlarged-canvas').toDataURL()") != enlarged

@@ -121,10 +121,9 @@ def _vit_views(model, pixels, png) -> list[View]:
     labels = grid()
     at = ImageGrid(png, grid.rows, grid.cols, grid.patch_size, len(grid.prefix))
     L, H = weights.shape[:2]
-    return [View("layers/self", f"self-attention ({L} layers, {H} heads)", weights.cpu(), labels, labels,
-                 image=at),
-            View("rollout", "attention rollout (all layers, heads averaged)", attention_rollout(weights.cpu())[None, None],
-                 labels, labels, image=at)]
+    rollout = attention_rollout(weights.cpu())[None, None]
+    return [View("layers/self", f"self-attention ({L} layers, {H} heads)", weights.cpu(), labels, labels, image=at),
+            View("rollout", "attention rollout (all layers, heads averaged)", rollout, labels, labels, image=at)]
 
 
 def _swin_views(model, pixels, png) -> list[View]:

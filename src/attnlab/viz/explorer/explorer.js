@@ -241,8 +241,13 @@
     const canvas = $("enlarged-canvas");
     const img = heatmap(d, head, 1024);
     const w = Math.max(cell * S, Math.min(S, 1024)), hgt = Math.max(cell * T, Math.min(T, 1024));
-    canvas.width = margin + w + 10; canvas.height = top + hgt + margin;
-    const ctx = canvas.getContext("2d");
+    const caption = `${v.title}, layer ${layer + 1}, head ${head + 1} (rows: queries, columns: keys)`;
+    let ctx = canvas.getContext("2d");
+    ctx.font = "12px sans-serif";
+    // wide enough for the caption too: a short input's heatmap is narrower than its title
+    canvas.width = Math.max(margin + w + 10, Math.ceil(ctx.measureText(caption).width) + 8);
+    canvas.height = top + hgt + margin;
+    ctx = canvas.getContext("2d");
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
     const tmp = document.createElement("canvas");
     tmp.width = img.width; tmp.height = img.height;
@@ -250,7 +255,7 @@
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(tmp, margin, top, w, hgt);
     ctx.fillStyle = "#222"; ctx.font = "12px sans-serif";
-    ctx.fillText(`${v.title}, layer ${layer + 1}, head ${head + 1} (rows: queries, columns: keys)`, 4, 15);
+    ctx.fillText(caption, 4, 15);
     if (labelled) {
       ctx.font = "11px monospace"; ctx.textAlign = "right";
       v.rows.forEach((s, i) => ctx.fillText(s.slice(0, 24), margin - 4, top + (i + 0.7) * hgt / T));
