@@ -175,10 +175,11 @@ def runs(tmp_path_factory):
     from attnlab.cli import main
     d = tmp_path_factory.mktemp("ssmruns")
     (d / "text.txt").write_text(TEXT)
-    for family in ("mamba2", "mamba3"):
+    for name, family, extra in (("mamba2", "mamba2", []), ("mamba3", "mamba3", []),
+                                ("mamba3-mimo", "mamba3", ["--mimo-rank", "2"])):
         assert main(["train", "lm", "--model", family, "--data", str(d / "text.txt"), "--steps", "2",
                      "--eval-every", "2", "--context", "32", "--batch-size", "2", "--sample-tokens", "0",
-                     "--out", str(d / family), *SMALL]) == 0
+                     "--out", str(d / name), *SMALL, *extra]) == 0
     return d
 
 
@@ -187,7 +188,7 @@ def _written(capsys):
     return [Path(line[len("wrote "):]) for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
 
 
-@pytest.mark.parametrize("family", ["mamba2", "mamba3"])
+@pytest.mark.parametrize("family", ["mamba2", "mamba3", "mamba3-mimo"])
 def test_viz_of_a_state_space_run_draws_its_implicit_attention(runs, family, tmp_path, capsys):
     from attnlab.cli import main
     assert main(["viz", str(runs / family), "the lazy fox"]) == 0
@@ -198,6 +199,7 @@ def test_viz_of_a_state_space_run_draws_its_implicit_attention(runs, family, tmp
     assert main(["viz", str(runs / family), "the lazy fox", "--html", str(page)]) == 0
     text = page.read_text()
     assert '"kind":"matrix"' in text and "implicit attention" in text
+    assert ("rank 2" in text) == (family == "mamba3-mimo")          # a MIMO run draws its blocks' norms
 
 
 def test_viz_of_a_hugging_face_mamba2_directory(tmp_path, capsys):
