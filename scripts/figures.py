@@ -11,10 +11,13 @@ fingerprint and compares it with the manifest, so a figure whose numbers attnlab
 produces fails the suite; PNG bytes are not compared across machines (fonts differ), only
 against the manifest that was written with them.
 
-The alignment figure is measured from a trained translation run: ``--run DIR``, else
-``runs/translate`` when the main job has run (scripts/main.sh), else a short seeded run trained
-here (150 steps, about a minute on an idle two-core CPU). Its manifest entry names the run and the
-translation instead of a fingerprint: the test cannot retrain it.
+Three figures are measured from trained runs, and their manifest entries name the run and the
+numbers the pages quote instead of a fingerprint (the test cannot retrain them): the alignment
+from a translation run (``--run DIR``, else ``runs/translate`` when the main job has run
+(scripts/main.sh), else a short seeded run trained here: 150 steps, about a minute on an idle
+two-core CPU), and the vision page's position similarity and class-token attention from one
+digits ViT (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
+--patch-size 2`` trained here, about three minutes on one idle core).
 """
 from __future__ import annotations
 
@@ -131,6 +134,101 @@ def data_norm_gradients() -> dict:
     post = np.mean([_layer_grad_norms(False, depth, s) for s in range(3)], axis=0)
     pre = np.mean([_layer_grad_norms(True, depth, s) for s in range(3)], axis=0)
     return {"layer": np.arange(1, depth + 1, dtype=np.float64), "post_norm": post, "pre_norm": pre}
+
+
+def data_soft_lookup() -> dict:
+    """Section 1.1 / the article's example: q = [1, 0, 1] against three keys. A dictionary's hard
+    lookup returns the value of the one matching key; attention's soft lookup weighs every value."""
+    q = torch.tensor([[1., 0., 1.]])
+    K = torch.tensor([[1., 1., 0.], [1., 0., 1.], [0., 1., 0.]])
+    V = torch.tensor([[1., 0.], [0., 1.], [1., 1.]])
+    out, w = scaled_dot_product_attention(q, K, V, return_weights=True)
+    hard = torch.nn.functional.one_hot(w.argmax(-1), 3).float()
+    return {"scores": (q @ K.T / math.sqrt(3))[0].numpy(), "weights": w[0].numpy(), "hard": hard[0].numpy(),
+            "soft_out": out[0].numpy(), "hard_out": (hard @ V)[0].numpy()}
+
+
+HEADS_SENTENCE = "the cat sat on the mat"
+
+
+def data_heads() -> dict:
+    """Sections 2.1-2.3: one seeded MultiHeadAttention(32, 4) over six word vectors (no positions),
+    its (H, T, S) weights recorded per head. Untrained: what it shows is the mechanism (each
+    head its own distribution per row; the two "the" identical without positions)."""
+    from attnlab.nn import MultiHeadAttention
+    from attnlab.viz import record_attention
+    words = HEADS_SENTENCE.split()
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(len(vocab), 32)
+    mha = MultiHeadAttention(32, 4).eval()
+    x = embed(torch.tensor([[vocab[w] for w in words]]))            # (B=1, T=6, E=32)
+    with torch.no_grad(), record_attention(mha) as record:
+        mha(x)
+    return {"weights": record.weights(0)[0].numpy()}                # (H=4, T=6, S=6)
+
+
+def data_mlm_masking() -> dict:
+    """Section 6.1: BERT's 80/10/10 rule as attnlab.data.mask_tokens applies it, counted over
+    64 x 512 ordinary tokens (ids 5..999; 0-4 special, 4 = [MASK])."""
+    from attnlab.data.masking import IGNORE_INDEX, mask_tokens
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (64, 512), generator=g)
+    inputs, labels = mask_tokens(ids, mask_id=4, vocab_size=1000, special_ids=range(5), generator=g)
+    selected = labels != IGNORE_INDEX
+    masked, kept = selected & (inputs == 4), selected & (inputs == ids)
+    swapped = selected & ~masked & ~kept
+    n = int(selected.sum())
+    row = np.where(masked[0, :48], 1, np.where(swapped[0, :48], 2, np.where(kept[0, :48], 3, 0)))
+    return {"selected": np.array([n / ids.numel()]),
+            "shares": np.array([int(masked.sum()) / n, int(swapped.sum()) / n, int(kept.sum()) / n]),
+            "row": row.astype(np.float64)}
+
+
+def _score_entries(model, prompt, new_tokens: int, use_cache: bool) -> list[int]:
+    from attnlab.viz import record_attention
+    with torch.no_grad(), record_attention(model) as record:
+        model.generate(prompt, new_tokens, use_cache=use_cache)
+    return [int(c.weights.shape[-2] * c.weights.shape[-1]) for c in record.select(layer=0)]
+
+
+def data_kv_cache() -> dict:
+    """Sections 6.2/6.6: score entries (T x S per head) the first layer of a seeded "tiny" GPT
+    computes for each forward while generating 24 tokens from a 4-token prompt, with the KV cache
+    (a prefill, then one query per step) and without it (the whole prefix again every step),
+    read off attnlab's per-call attention records."""
+    from attnlab.models.gpt import GPT, GPTConfig
+    from attnlab.models.gpt import PRESETS as GPT_PRESETS
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**GPT_PRESETS["tiny"])).eval()
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    cached, full = _score_entries(gpt, prompt, 24, True), _score_entries(gpt, prompt, 24, False)
+    return {"cached": np.array(cached, dtype=np.float64), "recomputed": np.array(full, dtype=np.float64)}
+
+
+def data_t5_buckets() -> dict:
+    """Section 6.5: T5's bucket of every relative position (key - query) from -160 to 160."""
+    from attnlab.nn.position import relative_position_bucket
+    rel = torch.arange(-160, 161)
+    return {"relative": rel.double().numpy(), "bidirectional": relative_position_bucket(rel).double().numpy(),
+            "causal": relative_position_bucket(rel, bidirectional=False).double().numpy()}
+
+
+def _digit(index: int = 0, size: int = 16) -> torch.Tensor:
+    """A digit of the embedded set, enlarged to ``size`` pixels by repeating each pixel."""
+    from attnlab.data.digits import digit_images
+    images, labels = digit_images()
+    img = images[index, 0].float() / 255.0
+    r = size // img.size(0)
+    return img.repeat_interleave(r, 0).repeat_interleave(r, 1), int(labels[index])
+
+
+def data_patches() -> dict:
+    """Section 5.3: a 16 x 16 digit cut into 4 x 4 patches (attnlab's patch order, the one
+    PatchEmbedding's convolution lays out), each patch flattened to 16 numbers."""
+    from attnlab.models.mae import patchify
+    img, _ = _digit(0)
+    return {"image": img.numpy(), "patches": patchify(img[None, None], 4)[0].numpy()}    # (16, 16)
 
 
 # --------------------------------------------------------------------------- drawing
@@ -258,6 +356,114 @@ def draw_norm_gradients(data, path):
     _save(fig, path)
 
 
+def draw_soft_lookup(data, path):
+    keys = ["k0 [1,1,0]", "k1 [1,0,1]", "k2 [0,1,0]"]
+    fig, axes = plt.subplots(1, 3, figsize=(9, 2.8))
+    axes[0].bar(range(3), data["scores"], color="grey")
+    axes[0].set_title("scores q·k/√3", fontsize=9)
+    for ax, key, title in ((axes[1], "hard", "a dictionary: the one best key"),
+                           (axes[2], "weights", "attention: softmax, every key a share")):
+        ax.bar(range(3), data[key], color="tab:blue" if key == "weights" else "tab:orange")
+        for j, v in enumerate(data[key]):
+            ax.text(j, v + 0.02, f"{v:.2f}", ha="center", fontsize=8)
+        out = data["soft_out"] if key == "weights" else data["hard_out"]
+        ax.set_title(f"{title}\noutput = [{out[0]:.2f}, {out[1]:.2f}]", fontsize=9)
+        ax.set_ylim(0, 1.15)
+    for ax in axes:
+        ax.set_xticks(range(3), labels=keys, fontsize=7)
+    fig.suptitle("query q = [1, 0, 1]", fontsize=9)
+    _save(fig, path)
+
+
+def draw_heads(data, path):
+    words = HEADS_SENTENCE.split()
+    w = data["weights"]
+    fig, axes = plt.subplots(1, w.shape[0], figsize=(3.0 * w.shape[0], 3.0))
+    for h, ax in enumerate(axes):
+        _heatmap(ax, w[h], words, words, f"head {h + 1}")
+        ax.tick_params(axis="x", rotation=90)
+    fig.suptitle("MultiHeadAttention(32, 4), seeded, untrained, no positions: rows attend to columns", fontsize=9)
+    _save(fig, path)
+
+
+def draw_mlm_masking(data, path):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 2.8), gridspec_kw={"width_ratios": [1, 2]})
+    names = ["[MASK]", "random token", "unchanged"]
+    left.bar(names, data["shares"], color=["tab:red", "tab:purple", "tab:green"])
+    for j, v in enumerate(data["shares"]):
+        left.text(j, v + 0.02, f"{v:.1%}", ha="center", fontsize=8)
+    left.set_ylim(0, 1)
+    left.set_title(f"the {data['selected'][0]:.1%} selected tokens, replaced by", fontsize=9)
+    left.tick_params(axis="x", labelsize=8)
+    cmap = matplotlib.colors.ListedColormap(["#eeeeee", "tab:red", "tab:purple", "tab:green"])
+    right.imshow(data["row"][None, :], cmap=cmap, vmin=0, vmax=3, aspect="auto")
+    right.set_yticks([])
+    right.set_xlabel("position in the first sequence (grey: not selected, loss skips it)")
+    right.set_title("which tokens one batch row predicts", fontsize=9)
+    _save(fig, path)
+
+
+def draw_kv_cache(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    steps = np.arange(1, len(data["cached"]) + 1)
+    ax.plot(steps, np.cumsum(data["recomputed"]), "o-", ms=3, label="no cache: the whole prefix every step")
+    ax.plot(steps, np.cumsum(data["cached"]), "s-", ms=3, label="KV cache: one query per step")
+    ax.set_xlabel("forward pass (1 = the prompt)")
+    ax.set_ylabel("score entries computed, cumulative")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_t5_buckets(data, path):
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.step(data["relative"], data["bidirectional"], where="mid", label="encoder (bidirectional)")
+    ax.step(data["relative"], data["causal"], where="mid", label="decoder (causal)")
+    for d in (-128, -8, 8, 128):
+        ax.axvline(d, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("relative position (key - query)")
+    ax.set_ylabel("bucket")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_patches(data, path):
+    img, patches = data["image"], data["patches"]
+    p, n = 4, patches.shape[0]
+    fig = plt.figure(figsize=(9, 3.4))
+    ax = fig.add_axes([0.02, 0.08, 0.3, 0.84])
+    ax.imshow(img, cmap="gray", vmin=0, vmax=1)
+    for t in range(0, img.shape[0] + 1, p):
+        ax.axhline(t - 0.5, color="tab:orange", lw=1)
+        ax.axvline(t - 0.5, color="tab:orange", lw=1)
+    for i in range(n):
+        r, c = divmod(i, img.shape[1] // p)
+        ax.text(c * p + 0.2, r * p + 1.0, str(i + 1), color="tab:orange", fontsize=7)
+    ax.set_title("16 x 16 digit, 4 x 4 patches", fontsize=9)
+    ax.set_axis_off()
+    width = 0.62 / (n + 1)
+    for j in range(n + 1):
+        tile = fig.add_axes([0.35 + j * width, 0.45, width * 0.9, width * 0.9 * 9 / 3.4])
+        if j == 0:
+            tile.imshow(np.full((p, p), 0.5), cmap="Blues", vmin=0, vmax=1)
+            tile.set_title("CLS", fontsize=6)
+        else:
+            tile.imshow(patches[j - 1].reshape(p, p), cmap="gray", vmin=0, vmax=1)
+            tile.set_title(str(j), fontsize=6)
+        tile.set_xticks([])
+        tile.set_yticks([])
+    fig.text(0.35, 0.25, "the sequence: a learned class token, then the patches in row-major order;\n"
+             "each patch's 16 pixels -> one linear map -> a vector of embed_dim, plus its position's row",
+             fontsize=8)
+    _save_plain(fig, path)
+
+
+def _save_plain(fig, path: Path) -> None:
+    """As :func:`_save`, for a figure laid out by hand (tight_layout would move its axes)."""
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------- alignment (measured)
 
 def _alignment_run(run: Path | None) -> tuple[Path, str]:
@@ -295,14 +501,115 @@ def alignment(path: Path, run: Path | None = None) -> dict:
     return {"source": source, "translation": translation}
 
 
+# --------------------------------------------------------------------------- vision (measured)
+
+VISION_COMMAND = ["train", "image", "--steps", "800", "--seed", "0", "--image-size", "16", "--patch-size", "2",
+                  "--no-progress"]
+OVERLAY_DIGITS = (0, 3, 7)             # which held-out digits the class-token figure shows (one each)
+_VISION = {}
+
+
+def _vision_run(run: Path | None) -> tuple[Path, str]:
+    """The digits ViT both vision figures read: ``--vision-run DIR``, else one trained here."""
+    if "run" in _VISION:
+        return _VISION["run"]
+    if run is None:
+        run = Path(tempfile.mkdtemp(prefix="attnlab-figures-")) / "vit"
+        subprocess.run([sys.executable, "-m", "attnlab.cli", *VISION_COMMAND, "--out", str(run)], check=True,
+                       cwd=ROOT, stdout=subprocess.DEVNULL)
+    _VISION["run"] = run, "attnlab " + " ".join(VISION_COMMAND)
+    return _VISION["run"]
+
+
+def _vision_model(run: Path):
+    import json as _json
+    from attnlab.tasks.run import inspect_path, load_model, load_processors
+    info = inspect_path(str(run))
+    model, processor = load_model(info.run).eval(), load_processors(info.run)["image"]
+    evals = [_json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    return model, processor, max(e["accuracy"] for e in evals)
+
+
+def position_similarity_data(model) -> dict:
+    """Cosine similarity of every patch's learned position row to every other's, (P, P), and the
+    mean over 4-neighbours against over patches at least half the grid apart (Chebyshev)."""
+    rows, cols = model.config.image_size // model.config.patch_size, model.config.image_size // model.config.patch_size
+    table = model.position.weight.detach()[0, 1:]                          # (P, E): the grid rows
+    unit = torch.nn.functional.normalize(table, dim=-1)
+    sim = (unit @ unit.T).numpy()
+    r, c = np.divmod(np.arange(rows * cols), cols)
+    dist = np.maximum(np.abs(r[:, None] - r[None]), np.abs(c[:, None] - c[None]))
+    manhattan = np.abs(r[:, None] - r[None]) + np.abs(c[:, None] - c[None])
+    return {"similarity": sim, "grid": (rows, cols), "neighbours": float(sim[manhattan == 1].mean()),
+            "far": float(sim[dist >= rows // 2].mean())}
+
+
+def position_similarity(path: Path, run: Path | None = None) -> dict:
+    run, source = _vision_run(run)
+    model, _, accuracy = _vision_model(run)
+    d = position_similarity_data(model)
+    rows, cols = d["grid"]
+    fig, axes = plt.subplots(rows, cols, figsize=(0.95 * cols + 1.2, 0.95 * rows))
+    for i, ax in enumerate(axes.flat):
+        im = ax.imshow(d["similarity"][i].reshape(rows, cols), cmap="viridis", vmin=-1, vmax=1)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(im, ax=axes, fraction=0.03, pad=0.02, label="cosine similarity")
+    fig.suptitle(f"each patch's position row against every other's (a ViT trained on the digits, "
+                 f"{accuracy:.1f} % held out)", fontsize=8)
+    _save_plain(fig, path)
+    return {"source": source, "held_out_accuracy": accuracy, "neighbour_similarity": round(d["neighbours"], 4),
+            "far_similarity": round(d["far"], 4)}
+
+
+def class_attention(path: Path, run: Path | None = None) -> dict:
+    """The class token's attention over held-out digits: rollout and the last layer's heads,
+    from attnlab's per-call records (attnlab.viz.image, what `attnlab viz --image` draws)."""
+    from attnlab.data.digits import digits_split
+    from attnlab.viz.image import class_token_maps, image_attention
+    run, source = _vision_run(run)
+    model, processor, _ = _vision_model(run)
+    images, labels = digits_split()["valid"]
+    picks = [int((labels == d).nonzero()[0]) for d in OVERLAY_DIGITS]
+    heads = model.config.num_heads
+    fig, axes = plt.subplots(len(picks), 2 + heads, figsize=(1.6 * (2 + heads), 1.7 * len(picks)))
+    on_digit, area = [], []
+    for row, i in zip(axes, picks):
+        shown = processor.resized(images[i, 0].numpy())                  # (C, H, W) bytes, as the model reads
+        weights, grid = image_attention(model, processor.finish(shown)[None])
+        rollout, per_head = class_token_maps(weights, grid)
+        picture = shown[0].numpy()
+        ph, pw = grid.patch_size
+        bright = torch.from_numpy(picture).float().reshape(grid.rows, ph, grid.cols, pw).mean((1, 3)) > 64
+        on_digit.append(float(rollout[bright].sum() / rollout.sum()))     # the rollout's share on ink patches
+        area.append(float(bright.float().mean()))                         # those patches' share of the grid
+        maps = [("input", None), ("rollout", rollout)] + [(f"last layer, head {h + 1}", per_head[h])
+                                                          for h in range(heads)]
+        for ax, (title, heat) in zip(row, maps):
+            ax.imshow(picture, cmap="gray")
+            if heat is not None:
+                heat = heat / heat.max().clamp_min(1e-12)
+                ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(-0.5, picture.shape[1] - 0.5, picture.shape[0] - 0.5, -0.5),
+                          interpolation="nearest", vmin=0, vmax=1)
+            ax.set_title(f"{title}" if heat is not None else f"digit {int(labels[i])}", fontsize=7)
+            ax.set_axis_off()
+    _save(fig, path)
+    return {"source": source, "digits": [int(labels[i]) for i in picks],
+            "rollout_on_digit": [round(v, 4) for v in on_digit], "digit_area": [round(v, 4) for v in area]}
+
+
 # --------------------------------------------------------------------------- manifest
 
 FIGURES_BY_PAGE = {
     "hand_example": "attention.md", "scaling": "attention.md", "masks": "masks.md",
     "sinusoidal": "positions.md", "rope": "positions.md", "warmup": "trainer.md",
     "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
+    "soft_lookup": "attention.md", "heads": "multi-head-attention.md", "mlm_masking": "bert.md",
+    "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md",
 }
-MEASURED = {"alignment": "encoder-decoder.md"}
+MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md"}
+_MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run"}
 
 
 def fingerprint(data: dict) -> list[float]:
@@ -316,14 +623,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(names: list[str], run: Path | None = None) -> dict:
+def build(names: list[str], run: Path | None = None, vision_run: Path | None = None) -> dict:
     FIGURES.mkdir(parents=True, exist_ok=True)
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
     module = sys.modules[__name__]
     for name in names:
         path = FIGURES / f"{name}.png"
         if name in MEASURED:
-            entry = {"page": MEASURED[name], **alignment(path, run)}
+            given = {"run": run, "vision_run": vision_run}[_MEASURED_RUN[name]]
+            entry = {"page": MEASURED[name], **getattr(module, name)(path, given)}
         else:
             data = getattr(module, f"data_{name}")()
             getattr(module, f"draw_{name}")(data, path)
@@ -341,12 +649,15 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", metavar="NAME", help=f"figures to draw (default all): {', '.join(every)}")
     p.add_argument("--run", type=Path, default=None,
                    help="translation run for the alignment (default runs/translate, else a short run trained here)")
+    p.add_argument("--vision-run", type=Path, default=None,
+                   help="digits ViT run for the position-similarity and class-attention figures (default: one "
+                        f"trained here, attnlab {' '.join(VISION_COMMAND)})")
     args = p.parse_args(argv)
     unknown = sorted(set(args.names) - set(every))
     if unknown:
         p.error(f"unknown figure {', '.join(unknown)}; choose from {', '.join(every)}")
     torch.set_num_threads(1)
-    build(args.names or every, args.run)
+    build(args.names or every, args.run, args.vision_run)
     return 0
 
 
