@@ -231,6 +231,17 @@ def data_patches() -> dict:
     return {"image": img.numpy(), "patches": patchify(img[None, None], 4)[0].numpy()}    # (16, 16)
 
 
+def data_mae_masking() -> dict:
+    """Section 5.5: MAE's random masking (attnlab.models.mae.random_masking, ratio 0.75, seeded
+    noise) of the 16 x 16 digit in 2 x 2 patches: which 16 of the 64 patches the encoder sees."""
+    from attnlab.models.mae import patchify, random_masking
+    img, _ = _digit(0)
+    patches = patchify(img[None, None], 2)                                  # (1, 64, 4)
+    noise = torch.rand(1, 64, generator=torch.Generator().manual_seed(0))
+    kept, mask, _ = random_masking(patches, 0.75, noise)
+    return {"image": img.numpy(), "mask": mask[0].reshape(8, 8).numpy(), "kept": kept[0].numpy()}
+
+
 # --------------------------------------------------------------------------- drawing
 
 def data_implicit_attention() -> dict:
@@ -458,6 +469,23 @@ def draw_patches(data, path):
     _save_plain(fig, path)
 
 
+def draw_mae_masking(data, path):
+    img, mask = data["image"], data["mask"]
+    hidden = np.kron(mask, np.ones((2, 2))).astype(bool)                     # per pixel: dropped?
+    fig, axes = plt.subplots(1, 3, figsize=(7.5, 2.8))
+    seen = np.where(hidden, np.nan, img)
+    panels = ((img, "the image: 64 patches of 2 x 2"),
+              (seen, f"the encoder sees {int((1 - mask).sum())} (25 %)"),
+              (np.where(hidden, img, np.nan), f"the decoder paints {int(mask.sum())} back"))
+    for ax, (picture, title) in zip(axes, panels):
+        cmap = matplotlib.colormaps["gray"].copy()
+        cmap.set_bad("#4a78b0")
+        ax.imshow(picture, cmap=cmap, vmin=0, vmax=1)
+        ax.set_title(title, fontsize=9)
+        ax.set_axis_off()
+    _save(fig, path)
+
+
 def _save_plain(fig, path: Path) -> None:
     """As :func:`_save`, for a figure laid out by hand (tight_layout would move its axes)."""
     fig.savefig(path, dpi=110, metadata={"Software": None})
@@ -606,7 +634,7 @@ FIGURES_BY_PAGE = {
     "sinusoidal": "positions.md", "rope": "positions.md", "warmup": "trainer.md",
     "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
     "soft_lookup": "attention.md", "heads": "multi-head-attention.md", "mlm_masking": "bert.md",
-    "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md",
+    "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md", "mae_masking": "vision.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md"}
 _MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run"}

@@ -108,6 +108,10 @@ def test_what_the_walk_through_pages_read_off_their_new_figures():
     p = figures.data_patches()
     assert p["image"].shape == (16, 16) and p["patches"].shape == (16, 16)
     assert np.array_equal(p["patches"][1].reshape(4, 4), p["image"][0:4, 4:8]), "patch 2 is row 0, column 1"
+    mae = figures.data_mae_masking()                                       # vision.md: 16 seen, 48 painted
+    assert mae["mask"].shape == (8, 8) and mae["mask"].sum() == 48 and mae["kept"].shape == (16, 4)
+    visible = {tuple(mae["image"][2 * r:2 * r + 2, 2 * c:2 * c + 2].ravel()) for r, c in zip(*np.nonzero(mae["mask"] == 0))}
+    assert {tuple(row) for row in mae["kept"]} <= visible, "the encoder's rows are the unmasked patches"
 
 
 def test_the_vision_page_quotes_its_measured_figures():
@@ -120,9 +124,12 @@ def test_the_vision_page_quotes_its_measured_figures():
     assert sim["neighbour_similarity"] > sim["far_similarity"] + 0.2
     assert all(on > area for on, area in zip(att["rollout_on_digit"], att["digit_area"]))
     page = (ROOT / "docs" / "vision.md").read_text(encoding="utf-8")
-    for number in (f"{sim['held_out_accuracy']:.1f} %", f"{sim['neighbour_similarity']:.2f}",
-                   f"{sim['far_similarity']:.2f}"):
-        assert number in page, f"vision.md does not quote {number}"
+    on, area = np.mean(att["rollout_on_digit"]), np.mean(att["digit_area"])
+    for claim in (f"{sim['held_out_accuracy']:.1f} % of the 200 held-out digits",
+                  f"{sim['neighbour_similarity']:.2f} on average for the four adjacent patches against "
+                  f"{sim['far_similarity']:.2f}",
+                  f"{100 * on:.0f} % of its mass on the patches with ink, which are {100 * area:.0f} % of the grid"):
+        assert " ".join(claim.split()) in " ".join(page.split()), f"vision.md does not say {claim!r}"
 
 
 def test_position_similarity_is_read_from_the_model_s_own_table():
