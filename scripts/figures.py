@@ -242,6 +242,17 @@ def data_mae_masking() -> dict:
     return {"image": img.numpy(), "mask": mask[0].reshape(8, 8).numpy(), "kept": kept[0].numpy()}
 
 
+def data_extrapolation() -> dict:
+    """Section 8.2 (erratum 12): a sinusoidal table for E = 512 whose model trained on positions
+    0..511: the share of the 512 channels that hold, at each later position, a value outside the
+    range that channel took in training."""
+    d, trained = 512, 512
+    table = sinusoidal_table(4 * trained, d)
+    lo, hi = table[:trained].min(0).values, table[:trained].max(0).values
+    outside = ((table < lo - 1e-3) | (table > hi + 1e-3)).double().mean(-1)
+    return {"position": np.arange(4 * trained, dtype=np.float64)[::8], "outside": outside.numpy()[::8]}
+
+
 # --------------------------------------------------------------------------- drawing
 
 def data_implicit_attention() -> dict:
@@ -486,6 +497,16 @@ def draw_mae_masking(data, path):
     _save(fig, path)
 
 
+def draw_extrapolation(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(data["position"], 100 * data["outside"])
+    ax.axvline(512, color="grey", lw=0.8, ls=":")
+    ax.text(520, 5, "trained up to 511", fontsize=8, color="grey")
+    ax.set_xlabel("position")
+    ax.set_ylabel("% of channels outside the trained range")
+    _save(fig, path)
+
+
 def _save_plain(fig, path: Path) -> None:
     """As :func:`_save`, for a figure laid out by hand (tight_layout would move its axes)."""
     fig.savefig(path, dpi=110, metadata={"Software": None})
@@ -635,6 +656,7 @@ FIGURES_BY_PAGE = {
     "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
     "soft_lookup": "attention.md", "heads": "multi-head-attention.md", "mlm_masking": "bert.md",
     "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md", "mae_masking": "vision.md",
+    "extrapolation": "positions.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md"}
 _MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run"}

@@ -112,6 +112,10 @@ def test_what_the_walk_through_pages_read_off_their_new_figures():
     assert mae["mask"].shape == (8, 8) and mae["mask"].sum() == 48 and mae["kept"].shape == (16, 4)
     visible = {tuple(mae["image"][2 * r:2 * r + 2, 2 * c:2 * c + 2].ravel()) for r, c in zip(*np.nonzero(mae["mask"] == 0))}
     assert {tuple(row) for row in mae["kept"]} <= visible, "the encoder's rows are the unmasked patches"
+    x = figures.data_extrapolation()                                       # positions.md: 0, 12 %, >= 37 %, 40 %
+    pos, out = x["position"], x["outside"]
+    assert out[pos < 512].max() == 0 and 0.10 < out[pos == 512][0] < 0.15
+    assert out[pos >= 600].min() >= 0.37 and abs(out[pos == 1024][0] - 0.40) < 0.005
 
 
 def test_the_vision_page_quotes_its_measured_figures():
