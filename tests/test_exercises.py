@@ -95,3 +95,17 @@ def test_coverage_table_is_complete_and_true():
             assert number in listed, f"{section}: {page}.md has no exercise {number}"
         for link in re.findall(r"\]\(([\w-]+\.md)", pages):
             assert (DOCS / link).is_file(), f"{section}: {link} does not exist"
+
+
+def test_every_test_a_page_cites_exists():
+    """The proofs in the pages' footnotes name tests as `tests/FILE.py::NAME`: each must be defined
+    there, so a renamed or removed test cannot leave a page citing nothing."""
+    cited = 0
+    for page in sorted(DOCS.glob("*.md")):
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)", page.read_text(encoding="utf-8")):
+            cited += 1
+            source = ROOT / path
+            assert source.is_file(), f"{page.name} cites {path}, which does not exist"
+            assert re.search(rf"^(async )?def {name}\(", source.read_text(encoding="utf-8"), re.MULTILINE), (
+                f"{page.name} cites {path}::{name}, which is not defined there")
+    assert cited > 20
