@@ -11,10 +11,14 @@ fingerprint and compares it with the manifest, so a figure whose numbers attnlab
 produces fails the suite; PNG bytes are not compared across machines (fonts differ), only
 against the manifest that was written with them.
 
-The alignment figure is measured from a trained translation run: ``--run DIR``, else
-``runs/translate`` when the main job has run (scripts/main.sh), else a short seeded run trained
-here (150 steps, about a minute on an idle two-core CPU). Its manifest entry names the run and the
-translation instead of a fingerprint: the test cannot retrain it.
+Three figures are measured from trained runs, and their manifest entries name the run and the
+numbers the pages quote instead of a fingerprint (the test cannot retrain them): the alignment
+from a translation run (``--run DIR``, else ``runs/translate`` when the main job has run
+(scripts/main.sh), else a short seeded run trained here: 150 steps, about a minute on an idle
+two-core CPU), and the vision page's position similarity and class-token attention from one
+digits ViT (scripts/figures_vision.py holds the vision page's figures; scripts/figure_common.py
+what both modules share) (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
+--patch-size 2`` trained here, about three minutes on one idle core).
 """
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ import tempfile
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling modules below, however this is run
+from figure_common import heatmap as _heatmap, plt, save_figure as _save  # noqa: E402
+from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
+                            draw_mae_masking, draw_patches, position_similarity, position_similarity_data)
 
 from attnlab.nn import (causal_mask, combine_masks, padding_mask,  # noqa: E402
                         scaled_dot_product_attention)
@@ -133,6 +139,95 @@ def data_norm_gradients() -> dict:
     return {"layer": np.arange(1, depth + 1, dtype=np.float64), "post_norm": post, "pre_norm": pre}
 
 
+def data_soft_lookup() -> dict:
+    """Section 1.1 / the article's example: q = [1, 0, 1] against three keys. A dictionary's hard
+    lookup returns the value of the one matching key; attention's soft lookup weighs every value."""
+    q = torch.tensor([[1., 0., 1.]])
+    K = torch.tensor([[1., 1., 0.], [1., 0., 1.], [0., 1., 0.]])
+    V = torch.tensor([[1., 0.], [0., 1.], [1., 1.]])
+    out, w = scaled_dot_product_attention(q, K, V, return_weights=True)
+    hard = torch.nn.functional.one_hot(w.argmax(-1), 3).float()
+    return {"scores": (q @ K.T / math.sqrt(3))[0].numpy(), "weights": w[0].numpy(), "hard": hard[0].numpy(),
+            "soft_out": out[0].numpy(), "hard_out": (hard @ V)[0].numpy()}
+
+
+HEADS_SENTENCE = "the cat sat on the mat"
+
+
+def data_heads() -> dict:
+    """Sections 2.1-2.3: one seeded MultiHeadAttention(32, 4) over six word vectors (no positions),
+    its (H, T, S) weights recorded per head. Untrained: what it shows is the mechanism (each
+    head its own distribution per row; the two "the" identical without positions)."""
+    from attnlab.nn import MultiHeadAttention
+    from attnlab.viz import record_attention
+    words = HEADS_SENTENCE.split()
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(len(vocab), 32)
+    mha = MultiHeadAttention(32, 4).eval()
+    x = embed(torch.tensor([[vocab[w] for w in words]]))            # (B=1, T=6, E=32)
+    with torch.no_grad(), record_attention(mha) as record:
+        mha(x)
+    return {"weights": record.weights(0)[0].numpy()}                # (H=4, T=6, S=6)
+
+
+def data_mlm_masking() -> dict:
+    """Section 6.1: BERT's 80/10/10 rule as attnlab.data.mask_tokens applies it, counted over
+    64 x 512 ordinary tokens (ids 5..999; 0-4 special, 4 = [MASK])."""
+    from attnlab.data.masking import IGNORE_INDEX, mask_tokens
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (64, 512), generator=g)
+    inputs, labels = mask_tokens(ids, mask_id=4, vocab_size=1000, special_ids=range(5), generator=g)
+    selected = labels != IGNORE_INDEX
+    masked, kept = selected & (inputs == 4), selected & (inputs == ids)
+    swapped = selected & ~masked & ~kept
+    n = int(selected.sum())
+    row = np.where(masked[0, :48], 1, np.where(swapped[0, :48], 2, np.where(kept[0, :48], 3, 0)))
+    return {"selected": np.array([n / ids.numel()]),
+            "shares": np.array([int(masked.sum()) / n, int(swapped.sum()) / n, int(kept.sum()) / n]),
+            "row": row.astype(np.float64)}
+
+
+def _score_entries(model, prompt, new_tokens: int, use_cache: bool) -> list[int]:
+    from attnlab.viz import record_attention
+    with torch.no_grad(), record_attention(model) as record:
+        model.generate(prompt, new_tokens, use_cache=use_cache)
+    return [int(c.weights.shape[-2] * c.weights.shape[-1]) for c in record.select(layer=0)]
+
+
+def data_kv_cache() -> dict:
+    """Sections 6.2/6.6: score entries (T x S per head) the first layer of a seeded "tiny" GPT
+    computes for each forward while generating 24 tokens from a 4-token prompt, with the KV cache
+    (a prefill, then one query per step) and without it (the whole prefix again every step),
+    read off attnlab's per-call attention records."""
+    from attnlab.models.gpt import GPT, GPTConfig
+    from attnlab.models.gpt import PRESETS as GPT_PRESETS
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**GPT_PRESETS["tiny"])).eval()
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    cached, full = _score_entries(gpt, prompt, 24, True), _score_entries(gpt, prompt, 24, False)
+    return {"cached": np.array(cached, dtype=np.float64), "recomputed": np.array(full, dtype=np.float64)}
+
+
+def data_t5_buckets() -> dict:
+    """Section 6.5: T5's bucket of every relative position (key - query) from -160 to 160."""
+    from attnlab.nn.position import relative_position_bucket
+    rel = torch.arange(-160, 161)
+    return {"relative": rel.double().numpy(), "bidirectional": relative_position_bucket(rel).double().numpy(),
+            "causal": relative_position_bucket(rel, bidirectional=False).double().numpy()}
+
+
+def data_extrapolation() -> dict:
+    """Section 8.2 (erratum 12): a sinusoidal table for E = 512 whose model trained on positions
+    0..511: the share of the 512 channels that hold, at each later position, a value outside the
+    range that channel took in training."""
+    d, trained = 512, 512
+    table = sinusoidal_table(4 * trained, d)
+    lo, hi = table[:trained].min(0).values, table[:trained].max(0).values
+    outside = ((table < lo - 1e-3) | (table > hi + 1e-3)).double().mean(-1)
+    return {"position": np.arange(4 * trained, dtype=np.float64)[::8], "outside": outside.numpy()[::8]}
+
+
 # --------------------------------------------------------------------------- drawing
 
 def data_implicit_attention() -> dict:
@@ -170,20 +265,6 @@ def draw_implicit_attention(data, path):
     fig.suptitle("last layer, untrained, seeded: rows attend to columns (each panel scaled by its largest entry)",
                  fontsize=9)
     _save(fig, path)
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-
-
-def _heatmap(ax, w, labels_x, labels_y, title):
-    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0)
-    ax.set_xticks(range(len(labels_x)), labels=labels_x)
-    ax.set_yticks(range(len(labels_y)), labels=labels_y)
-    ax.set_title(title, fontsize=10)
-    return im
 
 
 def draw_hand_example(data, path):
@@ -258,6 +339,87 @@ def draw_norm_gradients(data, path):
     _save(fig, path)
 
 
+def draw_soft_lookup(data, path):
+    keys = ["k0 [1,1,0]", "k1 [1,0,1]", "k2 [0,1,0]"]
+    fig, axes = plt.subplots(1, 3, figsize=(9, 2.8))
+    axes[0].bar(range(3), data["scores"], color="grey")
+    axes[0].set_title("scores q·k/√3", fontsize=9)
+    for ax, key, title in ((axes[1], "hard", "a dictionary: the one best key"),
+                           (axes[2], "weights", "attention: softmax, every key a share")):
+        ax.bar(range(3), data[key], color="tab:blue" if key == "weights" else "tab:orange")
+        for j, v in enumerate(data[key]):
+            ax.text(j, v + 0.02, f"{v:.2f}", ha="center", fontsize=8)
+        out = data["soft_out"] if key == "weights" else data["hard_out"]
+        ax.set_title(f"{title}\noutput = [{out[0]:.2f}, {out[1]:.2f}]", fontsize=9)
+        ax.set_ylim(0, 1.15)
+    for ax in axes:
+        ax.set_xticks(range(3), labels=keys, fontsize=7)
+    fig.suptitle("query q = [1, 0, 1]", fontsize=9)
+    _save(fig, path)
+
+
+def draw_heads(data, path):
+    words = HEADS_SENTENCE.split()
+    w = data["weights"]
+    fig, axes = plt.subplots(1, w.shape[0], figsize=(3.0 * w.shape[0], 3.0))
+    for h, ax in enumerate(axes):
+        _heatmap(ax, w[h], words, words, f"head {h + 1}")
+        ax.tick_params(axis="x", rotation=90)
+    fig.suptitle("MultiHeadAttention(32, 4), seeded, untrained, no positions: rows attend to columns", fontsize=9)
+    _save(fig, path)
+
+
+def draw_mlm_masking(data, path):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 2.8), gridspec_kw={"width_ratios": [1, 2]})
+    names = ["[MASK]", "random token", "unchanged"]
+    left.bar(names, data["shares"], color=["tab:red", "tab:purple", "tab:green"])
+    for j, v in enumerate(data["shares"]):
+        left.text(j, v + 0.02, f"{v:.1%}", ha="center", fontsize=8)
+    left.set_ylim(0, 1)
+    left.set_title(f"the {data['selected'][0]:.1%} selected tokens, replaced by", fontsize=9)
+    left.tick_params(axis="x", labelsize=8)
+    cmap = matplotlib.colors.ListedColormap(["#eeeeee", "tab:red", "tab:purple", "tab:green"])
+    right.imshow(data["row"][None, :], cmap=cmap, vmin=0, vmax=3, aspect="auto")
+    right.set_yticks([])
+    right.set_xlabel("position in the first sequence (grey: not selected, loss skips it)")
+    right.set_title("which tokens one batch row predicts", fontsize=9)
+    _save(fig, path)
+
+
+def draw_kv_cache(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    steps = np.arange(1, len(data["cached"]) + 1)
+    ax.plot(steps, np.cumsum(data["recomputed"]), "o-", ms=3, label="no cache: the whole prefix every step")
+    ax.plot(steps, np.cumsum(data["cached"]), "s-", ms=3, label="KV cache: one query per step")
+    ax.set_xlabel("forward pass (1 = the prompt)")
+    ax.set_ylabel("score entries computed, cumulative")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_t5_buckets(data, path):
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.step(data["relative"], data["bidirectional"], where="mid", label="encoder (bidirectional)")
+    ax.step(data["relative"], data["causal"], where="mid", label="decoder (causal)")
+    for d in (-128, -8, 8, 128):
+        ax.axvline(d, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("relative position (key - query)")
+    ax.set_ylabel("bucket")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def draw_extrapolation(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(data["position"], 100 * data["outside"])
+    ax.axvline(512, color="grey", lw=0.8, ls=":")
+    ax.text(520, 5, "trained up to 511", fontsize=8, color="grey")
+    ax.set_xlabel("position")
+    ax.set_ylabel("% of channels outside the trained range")
+    _save(fig, path)
+
+
 # --------------------------------------------------------------------------- alignment (measured)
 
 def _alignment_run(run: Path | None) -> tuple[Path, str]:
@@ -301,8 +463,12 @@ FIGURES_BY_PAGE = {
     "hand_example": "attention.md", "scaling": "attention.md", "masks": "masks.md",
     "sinusoidal": "positions.md", "rope": "positions.md", "warmup": "trainer.md",
     "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
+    "soft_lookup": "attention.md", "heads": "multi-head-attention.md", "mlm_masking": "bert.md",
+    "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md", "mae_masking": "vision.md",
+    "extrapolation": "positions.md",
 }
-MEASURED = {"alignment": "encoder-decoder.md"}
+MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md"}
+_MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run"}
 
 
 def fingerprint(data: dict) -> list[float]:
@@ -316,14 +482,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(names: list[str], run: Path | None = None) -> dict:
+def build(names: list[str], run: Path | None = None, vision_run: Path | None = None) -> dict:
     FIGURES.mkdir(parents=True, exist_ok=True)
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
     module = sys.modules[__name__]
     for name in names:
         path = FIGURES / f"{name}.png"
         if name in MEASURED:
-            entry = {"page": MEASURED[name], **alignment(path, run)}
+            given = {"run": run, "vision_run": vision_run}[_MEASURED_RUN[name]]
+            entry = {"page": MEASURED[name], **getattr(module, name)(path, given)}
         else:
             data = getattr(module, f"data_{name}")()
             getattr(module, f"draw_{name}")(data, path)
@@ -341,12 +508,15 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", metavar="NAME", help=f"figures to draw (default all): {', '.join(every)}")
     p.add_argument("--run", type=Path, default=None,
                    help="translation run for the alignment (default runs/translate, else a short run trained here)")
+    p.add_argument("--vision-run", type=Path, default=None,
+                   help="digits ViT run for the position-similarity and class-attention figures (default: one "
+                        f"trained here, attnlab {' '.join(VISION_COMMAND)})")
     args = p.parse_args(argv)
     unknown = sorted(set(args.names) - set(every))
     if unknown:
         p.error(f"unknown figure {', '.join(unknown)}; choose from {', '.join(every)}")
     torch.set_num_threads(1)
-    build(args.names or every, args.run)
+    build(args.names or every, args.run, args.vision_run)
     return 0
 
 

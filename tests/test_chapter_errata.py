@@ -375,7 +375,7 @@ def test_every_erratum_names_tests_that_exist():
     root = Path(__file__).resolve().parent.parent
     page = (root / "docs" / "chapter-errata.md").read_text(encoding="utf-8")
     sections = re.split(r"^## (?=\d+\. )", page, flags=re.MULTILINE)[1:]
-    assert len(sections) >= 16
+    assert len(sections) >= 19
     for section in sections:
         title = section.splitlines()[0]
         cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", section)
@@ -383,3 +383,130 @@ def test_every_erratum_names_tests_that_exist():
         for path, name in cited:
             source = (root / path).read_text(encoding="utf-8")
             assert re.search(rf"^def {name}\(", source, re.MULTILINE), f"{path}::{name} (erratum {title!r}) does not exist"
+
+
+# ---------------------------------------------------------------- the chapter's ViT (section 5.6)
+
+class ChapterPatchEmbedding(nn.Module):
+    def __init__(self, img_size=224, patch_size=16, in_channels=3, embed_dim=768):
+        super(ChapterPatchEmbedding, self).__init__()
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.num_patches = (img_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x):
+        x = self.proj(x)
+        x = x.flatten(2)
+        x = x.transpose(1, 2)
+        return x
+
+
+class ChapterVisionTransformer(nn.Module):
+    """Section 5.6's VisionTransformer, as written."""
+
+    def __init__(self, img_size=224, patch_size=16, in_channels=3, num_classes=1000, embed_dim=768, depth=12,
+                 num_heads=12, mlp_ratio=4, dropout=0.1):
+        super(ChapterVisionTransformer, self).__init__()
+        self.patch_embed = ChapterPatchEmbedding(img_size, patch_size, in_channels, embed_dim)
+        num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
+        self.dropout = nn.Dropout(dropout)
+        encoder_layer = nn.TransformerEncoderLayer(d_model=embed_dim, nhead=num_heads,
+                                                   dim_feedforward=int(embed_dim * mlp_ratio), dropout=dropout,
+                                                   activation='gelu', batch_first=True)
+        self.transformer = nn.TransformerEncoder(encoder_layer, num_layers=depth)
+        self.norm = nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes)
+        nn.init.normal_(self.cls_token, std=0.02)
+        nn.init.normal_(self.pos_embed, std=0.02)
+
+    def forward(self, x):
+        batch_size = x.shape[0]
+        x = self.patch_embed(x)
+        cls_tokens = self.cls_token.expand(batch_size, -1, -1)
+        x = torch.cat([cls_tokens, x], dim=1)
+        x = x + self.pos_embed
+        x = self.dropout(x)
+        x = self.transformer(x)
+        x = self.norm(x[:, 0])
+        x = self.head(x)
+        return x
+
+
+def _before_final_norm(model, norm, x):
+    """What ``norm`` receives during model(x), and what it returns."""
+    seen = {}
+    handle = norm.register_forward_hook(lambda m, args, out: seen.update(inp=args[0].detach(), out=out.detach()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    return seen["inp"], seen["out"]
+
+
+def test_erratum_17_chapter_vit_is_post_norm_and_its_final_norm_does_nothing():
+    """Section 5.6: nn.TransformerEncoderLayer's default is Post-Norm (norm_first=False), so every
+    layer already ends in a LayerNorm; the extra self.norm(x[:, 0]) at initialisation (weight 1,
+    bias 0) normalises a vector that is already normalised and hands it back unchanged."""
+    torch.manual_seed(0)
+    vit = ChapterVisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=64, depth=2,
+                                   num_heads=4).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert vit(x).shape == (2, 10)
+    assert all(layer.norm_first is False for layer in vit.transformer.layers), "the chapter's layers are Post-Norm"
+    before, after = _before_final_norm(vit, vit.norm, x)
+    assert (after - before).abs().max() < 1e-4, "the chapter's final norm changes nothing at initialisation"
+    assert before.std(-1, unbiased=False).sub(1).abs().max() < 1e-4      # the last layer's norm2 already did it
+    from attnlab.models.vit import VisionTransformer
+    torch.manual_seed(0)
+    ours = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=64, depth=2, num_heads=4).eval()
+    assert all(layer.norm_first for layer in ours.layers), "attnlab's ViT layers are Pre-Norm, as ViT's paper"
+    ours_before, ours_after = _before_final_norm(ours, ours.norm, x)
+    assert (ours_after - ours_before).abs().max() > 0.5, "attnlab's final norm normalises the residual stream"
+
+
+def test_erratum_18_cnn_vit_complexity_row_compares_pixels_with_patches():
+    """Section 5.4's table: CNN O(n) "n = pixels" against ViT O(n²) "between patches". Per
+    layer a convolution costs O(n k² C²) in the n pixels and ViT's attention O(N² d) in the
+    N = n / P² patches: doubling the image side multiplies the one by 4 and the other by ~16, and
+    at the chapter's own 224 px / 16 the score matrix has fewer entries than the image pixels."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from attnlab.models.vit import VisionTransformer
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, kernel_size=3, padding=1)
+    vit = VisionTransformer(img_size=224, patch_size=16, num_classes=10, embed_dim=32, depth=1, num_heads=2).eval()
+    conv_flops, scores = {}, {}
+    for side in (224, 448):
+        x = torch.randn(1, 3, side, side)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            conv(x)
+        conv_flops[side] = counter.get_total_flops()
+        with torch.no_grad(), record_attention(vit) as record:
+            vit(x, interpolate_pos_encoding=True)
+        T, S = record.weights(0).shape[-2:]
+        scores[side] = T * S
+    assert conv_flops[448] == 4 * conv_flops[224], "a convolution is linear in the pixels"
+    assert scores[224] == 197 ** 2 and scores[448] == 785 ** 2
+    assert scores[448] / scores[224] > 15, "attention is quadratic in the pixels too, not only in the patches"
+    assert scores[224] < 224 * 224, "at 224 px / 16, 38,809 score entries against 50,176 pixels"
+
+
+CHAPTER_DYT = "DyT（Dynamic Tanh）：2024年何恺明团队提出，用动态tanh替代LayerNorm，在ViT等模型上取得更好效果"
+
+
+def test_erratum_19_dyt_is_from_2025():
+    """Section 5.5 dates DyT to 2024. "Transformers without Normalization" (Zhu, Chen, He, LeCun,
+    Liu) is arXiv 2503.10622, March 2025 (CVPR 2025); attnlab's DyT cites it so, and is the
+    formula the paper gives: weight * tanh(alpha x) + bias."""
+    import inspect
+    from attnlab.nn.norm import DyT
+    assert "2024年" in CHAPTER_DYT
+    assert "LeCun, Liu 2025" in inspect.getdoc(DyT)
+    torch.manual_seed(0)
+    dyt = DyT(8, alpha_init=0.5)
+    with torch.no_grad():
+        dyt.weight.uniform_(0.5, 1.5)
+        dyt.bias.uniform_(-0.1, 0.1)
+    x = torch.randn(3, 8) * 4
+    assert_close_scaled(dyt(x), dyt.weight * torch.tanh(0.5 * x) + dyt.bias, FP32)

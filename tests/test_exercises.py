@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # the lesson pages: each opens with the intuition and ends with exercises
 LESSONS = ["attention.md", "masks.md", "multi-head-attention.md", "feed-forward.md", "positions.md", "norms.md",
-           "encoder-decoder.md", "causal-lm.md", "bert.md", "t5.md", "classification.md", "trainer.md"]
+           "encoder-decoder.md", "causal-lm.md", "bert.md", "t5.md", "classification.md", "trainer.md", "vision.md"]
 EXERCISE = re.compile(r"^### Exercise (\d+)[^\n]*\n(.*?)(?=^### |^## |^\[\^|\Z)", re.MULTILINE | re.DOTALL)
 SOLUTION = re.compile(r'<details markdown="1">\s*<summary>Solution</summary>(.*?)</details>', re.DOTALL)
 PYTHON = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -72,7 +72,7 @@ CHAPTER_SECTIONS = ([f"1.{i}" for i in range(1, 5)] + [f"2.{i}" for i in range(1
 EXERCISE_PAGES = {"attention": "attention.md", "masks": "masks.md", "multi-head": "multi-head-attention.md",
                   "feed-forward": "feed-forward.md", "positions": "positions.md", "norms": "norms.md",
                   "encoder-decoder": "encoder-decoder.md", "causal-lm": "causal-lm.md", "bert": "bert.md", "t5": "t5.md", "classification": "classification.md",
-                  "trainer": "trainer.md"}
+                  "trainer": "trainer.md", "vision": "vision.md"}
 
 
 def test_coverage_table_is_complete_and_true():
@@ -95,3 +95,17 @@ def test_coverage_table_is_complete_and_true():
             assert number in listed, f"{section}: {page}.md has no exercise {number}"
         for link in re.findall(r"\]\(([\w-]+\.md)", pages):
             assert (DOCS / link).is_file(), f"{section}: {link} does not exist"
+
+
+def test_every_test_a_page_cites_exists():
+    """The proofs in the pages' footnotes name tests as `tests/FILE.py::NAME`: each must be defined
+    there, so a renamed or removed test cannot leave a page citing nothing."""
+    cited = 0
+    for page in sorted(DOCS.glob("*.md")):
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)", page.read_text(encoding="utf-8")):
+            cited += 1
+            source = ROOT / path
+            assert source.is_file(), f"{page.name} cites {path}, which does not exist"
+            assert re.search(rf"^(async )?def {name}\(", source.read_text(encoding="utf-8"), re.MULTILINE), (
+                f"{page.name} cites {path}::{name}, which is not defined there")
+    assert cited > 20

@@ -79,3 +79,74 @@ def test_what_the_pages_read_off_the_figures():
     w = figures.data_warmup()
     peak = w["step"][np.argmax(w["w4000"])]
     assert abs(peak - 4000) <= 50, "the noam schedule peaks at its warmup step"
+
+
+def test_what_the_walk_through_pages_read_off_their_new_figures():
+    """attention.md (soft lookup), multi-head-attention.md (heads), bert.md (80/10/10),
+    causal-lm.md (the cache's score entries), t5.md (buckets), vision.md (patches)."""
+    s = figures.data_soft_lookup()
+    assert np.allclose(s["weights"], [0.299, 0.533, 0.168], atol=1e-3) and s["hard"].tolist() == [0, 1, 0]
+    assert np.allclose(s["soft_out"], [0.467, 0.701], atol=1e-3) and s["hard_out"].tolist() == [0, 1]
+    w = figures.data_heads()["weights"]
+    assert w.shape == (4, 6, 6) and np.allclose(w.sum(-1), 1.0, atol=1e-6)
+    assert np.allclose(w[:, 0], w[:, 4], atol=1e-6) and np.allclose(w[:, :, 0], w[:, :, 4], atol=1e-6)
+    assert np.abs(w[0] - w[1]).max() > 0.05, "the heads' weights differ"
+    m = figures.data_mlm_masking()
+    assert abs(m["selected"][0] - 0.15) < 0.005
+    assert np.allclose(m["shares"], [0.8, 0.1, 0.1], atol=0.01) and m["shares"].sum() == pytest.approx(1.0)
+    assert [round(100 * v, 1) for v in (m["selected"][0], *m["shares"])] == [14.9, 80.5, 10.3, 9.2]
+    k = figures.data_kv_cache()
+    assert k["cached"].tolist() == [16.0] + [float(s) for s in range(5, 28)]          # one query per step
+    assert k["recomputed"].tolist() == [float(s * s) for s in range(4, 28)]           # the whole prefix again
+    assert k["cached"].sum() == 384 and k["recomputed"].sum() == 6916
+    b = figures.data_t5_buckets()
+    rel, bi, causal = b["relative"], b["bidirectional"], b["causal"]
+    near = np.abs(rel) < 8
+    assert np.array_equal(bi[near & (rel <= 0)], -rel[near & (rel <= 0)])              # exact near the query
+    assert set(bi[rel <= -128]) == {15} and set(bi[rel >= 128]) == {31} and set(causal[rel <= -128]) == {31}
+    assert set(causal[rel > 0]) == {0} and np.all(np.diff(bi[rel <= 0][::-1]) >= 0)
+    p = figures.data_patches()
+    assert p["image"].shape == (16, 16) and p["patches"].shape == (16, 16)
+    assert np.array_equal(p["patches"][1].reshape(4, 4), p["image"][0:4, 4:8]), "patch 2 is row 0, column 1"
+    mae = figures.data_mae_masking()                                       # vision.md: 16 seen, 48 painted
+    assert mae["mask"].shape == (8, 8) and mae["mask"].sum() == 48 and mae["kept"].shape == (16, 4)
+    visible = {tuple(mae["image"][2 * r:2 * r + 2, 2 * c:2 * c + 2].ravel()) for r, c in zip(*np.nonzero(mae["mask"] == 0))}
+    assert {tuple(row) for row in mae["kept"]} <= visible, "the encoder's rows are the unmasked patches"
+    x = figures.data_extrapolation()                                       # positions.md: 0, 12 %, >= 37 %, 40 %
+    pos, out = x["position"], x["outside"]
+    assert out[pos < 512].max() == 0 and 0.10 < out[pos == 512][0] < 0.15
+    assert out[pos >= 600].min() >= 0.37 and abs(out[pos == 1024][0] - 0.40) < 0.005
+
+
+def test_the_vision_page_quotes_its_measured_figures():
+    """The position-similarity and class-attention figures come from one trained digits ViT; the
+    manifest keeps what the run measured, and docs/vision.md states those numbers and what
+    they show: a patch's position row is most like its neighbours', and the class token's rollout
+    sits on the ink more than its share of the grid."""
+    sim, att = MANIFEST["position_similarity"], MANIFEST["class_attention"]
+    assert sim["source"] == att["source"] == "attnlab " + " ".join(figures.VISION_COMMAND)
+    assert sim["neighbour_similarity"] > sim["far_similarity"] + 0.2
+    assert all(on > area for on, area in zip(att["rollout_on_digit"], att["digit_area"]))
+    page = (ROOT / "docs" / "vision.md").read_text(encoding="utf-8")
+    on, area = np.mean(att["rollout_on_digit"]), np.mean(att["digit_area"])
+    for claim in (f"{sim['held_out_accuracy']:.1f} % of the 200 held-out digits",
+                  f"{sim['neighbour_similarity']:.2f} on average for the four adjacent patches against "
+                  f"{sim['far_similarity']:.2f}",
+                  f"{100 * on:.0f} % of its mass on the patches with ink, which are {100 * area:.0f} % of the grid"):
+        assert " ".join(claim.split()) in " ".join(page.split()), f"vision.md does not say {claim!r}"
+
+
+def test_position_similarity_is_read_from_the_model_s_own_table():
+    """The measured figure's numbers come from position_similarity_data, checked here on a model
+    whose table is known: a table built from the patches' coordinates is most like its neighbours."""
+    from attnlab.models.vit import VisionTransformer
+    vit = VisionTransformer(img_size=8, patch_size=2, num_classes=3, embed_dim=8, depth=1, num_heads=2)
+    r, c = torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij")
+    freqs = torch.tensor([0.5, 1.0])
+    coords = torch.cat([torch.sin(r.flatten()[:, None] * freqs), torch.cos(r.flatten()[:, None] * freqs),
+                        torch.sin(c.flatten()[:, None] * freqs), torch.cos(c.flatten()[:, None] * freqs)], dim=1)
+    with torch.no_grad():
+        vit.position.weight[0, 1:] = coords
+    d = figures.position_similarity_data(vit)
+    assert d["similarity"].shape == (16, 16) and np.allclose(np.diag(d["similarity"]), 1.0, atol=1e-6)
+    assert d["neighbours"] > d["far"]
