@@ -182,3 +182,19 @@ def test_a_translation_run_with_image_gets_one_line(tmp_path, capsys):
     assert "--image" in line and "not an image classifier; --image takes an image run (attnlab train image)" in line
     assert main(["viz", str(run)]) == 2
     assert "give the source sentence" in _one_error_line(capsys)
+
+
+def test_the_patch_heat_covers_exactly_the_pixels_of_the_picture():
+    """imshow centres pixel i on coordinate i, so a picture of width W spans -0.5 .. W - 0.5; the
+    patch grid drawn over it must span the same box, else every patch sits half a pixel off."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from attnlab.viz.image import _overlay
+
+    fig, ax = plt.subplots()
+    picture = np.zeros((16, 24))
+    _overlay(ax, picture, torch.rand(4, 6), "t")
+    under, over = ax.get_images()
+    assert tuple(over.get_extent()) == tuple(under.get_extent()) == (-0.5, 23.5, 15.5, -0.5)
+    plt.close(fig)

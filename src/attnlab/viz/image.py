@@ -103,8 +103,10 @@ def _overlay(ax, image, heat: Tensor, title: str) -> None:
     H, W = image.shape[:2]
     ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
     heat = heat / heat.max().clamp_min(1e-12)
-    # one cell per patch, stretched over the pixels it covers
-    ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(0, W, H, 0), interpolation="nearest",
+    # one cell per patch, stretched over the pixels it covers; imshow centres pixel i on i, so the
+    # picture spans -0.5 .. W - 0.5 and the patch grid must span the same or sit half a pixel off
+    ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(-0.5, W - 0.5, H - 0.5, -0.5),
+              interpolation="nearest",
               vmin=0.0, vmax=1.0)
     ax.set_title(title, fontsize=8)
     ax.set_axis_off()
