@@ -14,12 +14,16 @@ swaps every ``nn.Linear`` of a model for one (same ``Parameter`` objects: tied w
 ``state_dict`` keys do not change).
 
 The result equals ``F.linear``'s up to the summation order of the dot products (relative
-differences ~1e-7, tests/test_linear.py). Anything else (a gradient required, another dtype or
-device, a torch without oneDNN, a oneDNN that fails its first-use self-check) falls back to
+differences ~1e-7, tests/test_linear.py). Anything else (a gradient required, short of the training
+route below; another dtype or device, a torch without oneDNN, a oneDNN that fails its first-use
+self-check) falls back to
 ``F.linear``, so an optimised model still trains, moves to CUDA and exports as before.
 ``attnlab.from_pretrained`` and the inference loaders apply :func:`optimize_for_inference`
-themselves: the fast path is the default, and a model switched to ``train()`` trains exactly as
-one with ``nn.Linear`` layers (tests/test_precision.py checks gradients and weights bit for bit).
+themselves: the fast path is the default. A model switched to ``train()`` trains as one with
+``nn.Linear`` layers: bit for bit where its products have at most :data:`MAX_FP32_ONEDNN_ROWS`
+rows or the CPU lacks the compute-bound route (tests/test_precision.py), and to the order of the
+sums (~1e-7 relative) where :func:`compute_bound_onednn` sends a training product's forward and
+input gradient to oneDNN (:class:`_OneDNNLinear`, tests/test_linear_training.py).
 
 bf16. On a CPU with AVX512-BF16 or AMX, :func:`set_inference_dtype` lets the large layers compute
 gradient-free calls from a cached bf16 copy of their weight (half the bytes per decoding step),
@@ -194,8 +198,9 @@ class InferenceLinear(nn.Linear):
 
     Build one with :meth:`from_linear` (it shares the original's parameters) or directly like an
     ``nn.Linear``. The oneDNN path is taken when autograd is off or nothing involved requires a
-    gradient, input and weight are fp32 on the CPU and the weight is contiguous; otherwise forward is
-    exactly ``nn.Linear.forward``. Weights under :data:`MIN_WEIGHT_ELEMENTS` elements also stay on
+    gradient, input and weight are fp32 on the CPU and the weight is contiguous; a training call of
+    many rows takes :class:`_OneDNNLinear` where :func:`compute_bound_onednn` holds; otherwise forward
+    is exactly ``nn.Linear.forward``. Weights under :data:`MIN_WEIGHT_ELEMENTS` elements also stay on
     ``F.linear`` (oneDNN's fixed cost per call outweighs its faster streaming there), and so do
     products of more than :data:`MAX_FP32_ONEDNN_ROWS` rows (compute-bound: MKL's GEMM is as fast).
     """
