@@ -151,6 +151,42 @@ def _explicit(q, k, v, mask, dropout_p, scale, training_dropout):
     return torch.matmul(dropped, v), weights
 
 
+def _fp32_for_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a bf16 CPU call runs torch's fused kernel on fp32 copies of its inputs: where autograd
+    will differentiate it (and no learned mask takes the explicit path: :func:`_learned_mask_on_cpu`).
+    The kernel's bf16 backward is slow on the CPU (one thread, AVX512-BF16, a forward and backward at
+    ViT-S/16's shape: 21 ms in bf16 against 18 ms from fp32 copies; at Swin-T's first stage of 49-token
+    windows 187 ms against 37), while its bf16 forward is as fast as fp32's. The fp32 kernel is also
+    the more exact (softmax and both products in fp32, rounded once)."""
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+def _learned_mask_on_cpu(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether autograd will differentiate a float mask (a learned bias: Swin's relative positions,
+    T5's) on the CPU. torch's fused kernels give no gradient for a mask, so torch's SDPA then runs
+    its math fallback, which the explicit path outruns (one thread, forward and backward at Swin-T's
+    first stage, 256 windows of 49 tokens, 3 heads: 54 ms against 40 in fp32, 66 against 33 in bf16,
+    where the explicit path's softmax is fp32 and its products bf16)."""
+    return (mask is not None and q.device.type == "cpu" and mask.dtype != torch.bool and mask.requires_grad
+            and torch.is_grad_enabled())
+
+
+def _fused(q, k, v, mask, dropout_p, is_causal, scale) -> Tensor:
+    """torch's SDPA kernel, the float mask in the computing dtype; bf16 inputs that autograd will
+    differentiate on the CPU compute in fp32 (:func:`_fp32_for_backward`), returned in bf16."""
+    if _fp32_for_backward(q, k, v):
+        with torch.autocast("cpu", enabled=False):          # autocast would cast the copies back to bf16
+            mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                 dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return out.to(q.dtype)
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale)
+
+
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -217,11 +253,10 @@ def scaled_dot_product_attention(
     weights = None
     if return_weights:
         out, weights = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0)
+    elif _learned_mask_on_cpu(q, mask):
+        out, _ = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0)
     else:
-        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                             is_causal=is_causal, scale=scale)
+        out = _fused(q, k, v, mask, dropout_p, is_causal, scale)
         # torch's fused CPU kernel returns zeros for a query row holding NaN (or inf) and for a
         # NaN scale, where the formula (and the explicit path) gives NaN: put NaN back in those
         # rows, so that a divergence shows instead of hiding. The check is one sum per row (a

@@ -14,12 +14,16 @@ swaps every ``nn.Linear`` of a model for one (same ``Parameter`` objects: tied w
 ``state_dict`` keys do not change).
 
 The result equals ``F.linear``'s up to the summation order of the dot products (relative
-differences ~1e-7, tests/test_linear.py). Anything else (a gradient required, another dtype or
-device, a torch without oneDNN, a oneDNN that fails its first-use self-check) falls back to
+differences ~1e-7, tests/test_linear.py). Anything else (a gradient required, short of the training
+route below; another dtype or device, a torch without oneDNN, a oneDNN that fails its first-use
+self-check) falls back to
 ``F.linear``, so an optimised model still trains, moves to CUDA and exports as before.
 ``attnlab.from_pretrained`` and the inference loaders apply :func:`optimize_for_inference`
-themselves: the fast path is the default, and a model switched to ``train()`` trains exactly as
-one with ``nn.Linear`` layers (tests/test_precision.py checks gradients and weights bit for bit).
+themselves: the fast path is the default. A model switched to ``train()`` trains as one with
+``nn.Linear`` layers: bit for bit where its products have at most :data:`MAX_FP32_ONEDNN_ROWS`
+rows or the CPU lacks the compute-bound route (tests/test_precision.py), and to the order of the
+sums (~1e-7 relative) where :func:`compute_bound_onednn` sends a training product's forward and
+input gradient to oneDNN (:class:`_OneDNNLinear`, tests/test_linear_training.py).
 
 bf16. On a CPU with AVX512-BF16 or AMX, :func:`set_inference_dtype` lets the large layers compute
 gradient-free calls from a cached bf16 copy of their weight (half the bytes per decoding step),
@@ -153,14 +157,50 @@ def fp32_onednn() -> bool:
     return _FP32_ONEDNN
 
 
+class _OneDNNLinear(torch.autograd.Function):
+    """``F.linear`` for a training step's compute-bound fp32 products (:func:`compute_bound_onednn`):
+    the forward and the input's gradient (``grad @ weight``, a product of as many rows as the
+    forward's) on oneDNN's matmul, the weight's gradient (``grad^T @ x``, whose long side is the
+    summed one) on MKL's GEMM as autograd computes it. Measured one thread, ViT-S/16 at batch 4
+    (788 rows), milliseconds MKL -> oneDNN: forward 13.1 -> 8.2 (384 -> 1152), 15.4 -> 11.1
+    (384 -> 1536), 15.1 -> 10.2 (1536 -> 384); input gradient 10.8 -> 7.9, 15.2 -> 9.6, 16.8 -> 10.9;
+    the weight gradient was level or slower on oneDNN (slower by up to 1.8x at Swin-T's first stage,
+    12,544 rows), so it stays with MKL. Values equal F.linear's up to the order of the sums (~1e-7
+    relative). Under ``create_graph=True`` the backward runs differentiable products instead, so
+    that a second derivative exists."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _dnn_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not ctx.needs_input_grad[0]:
+            gx = None
+        elif torch.is_grad_enabled():           # create_graph: oneDNN's op has no derivative of its own
+            gx = grad.matmul(weight)
+        else:
+            gx = _dnn_linear(grad, weight.t(), None)
+        flat = grad.reshape(-1, grad.size(-1))
+        gw = flat.t().mm(x.reshape(-1, x.size(-1))) if ctx.needs_input_grad[1] else None
+        gb = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
 class InferenceLinear(nn.Linear):
     """``nn.Linear`` whose gradient-free fp32 CPU calls run oneDNN's matmul where :func:`fp32_onednn`
     says it is faster, and whose bf16 calls use packed weights (see the module docstring).
 
     Build one with :meth:`from_linear` (it shares the original's parameters) or directly like an
     ``nn.Linear``. The oneDNN path is taken when autograd is off or nothing involved requires a
-    gradient, input and weight are fp32 on the CPU and the weight is contiguous; otherwise forward is
-    exactly ``nn.Linear.forward``. Weights under :data:`MIN_WEIGHT_ELEMENTS` elements also stay on
+    gradient, input and weight are fp32 on the CPU and the weight is contiguous; a training call of
+    many rows takes :class:`_OneDNNLinear` where :func:`compute_bound_onednn` holds; otherwise forward
+    is exactly ``nn.Linear.forward``. Weights under :data:`MIN_WEIGHT_ELEMENTS` elements also stay on
     ``F.linear`` (oneDNN's fixed cost per call outweighs its faster streaming there), and so do
     products of more than :data:`MAX_FP32_ONEDNN_ROWS` rows (compute-bound: MKL's GEMM is as fast).
     """
@@ -192,6 +232,15 @@ class InferenceLinear(nn.Linear):
         if x.numel() > MAX_FP32_ONEDNN_ROWS * x.size(-1):          # compute-bound
             return self._no_grad(x) and compute_bound_onednn()
         return w.numel() >= MIN_WEIGHT_ELEMENTS and self._no_grad(x) and fp32_onednn()
+
+    def _train_fast(self, x: Tensor) -> bool:
+        """A call that autograd will differentiate, fp32 on the CPU and compute-bound where
+        :func:`compute_bound_onednn` holds: :class:`_OneDNNLinear`. Not under autocast, whose
+        F.linear computes in bf16."""
+        w = self.weight
+        return (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
+                and x.numel() > MAX_FP32_ONEDNN_ROWS * x.size(-1) and not self._no_grad(x)
+                and not torch.is_autocast_enabled("cpu") and compute_bound_onednn())
 
     def _autocast_bf16(self, x: Tensor) -> bool:
         """A gradient-free fp32 layer called under CPU bf16 autocast: it computes from its cached
@@ -249,6 +298,8 @@ class InferenceLinear(nn.Linear):
             return (_dnn_linear(x_low.contiguous(), w, b) if packed else F.linear(x_low, w, b)).to(x.dtype)
         if self._fast(x) and x.numel() > 0:
             return _dnn_linear(x.contiguous(), self.weight, self.bias)
+        if self._train_fast(x):
+            return _OneDNNLinear.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def __getstate__(self):                             # deepcopy / pickle: the cache is derived, never copied
