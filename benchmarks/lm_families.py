@@ -195,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             if a.commands:
                 print(cmd)
             result = final_val_loss(Path(a.out) / n)
-            rows.append([n, f"{times[n]['params']:,}", f"{times[n]['step_ms']:.0f}", steps,
-                         "-" if result is None else f"{result[1]:.4f}", f"`{cmd}`" if a.markdown else cmd])
+            loss = "-" if result is None else f"{result[1]:.4f}" + (
+                "" if result[0] == steps else f" (step {result[0]}, unfinished)")
+            rows.append([n, f"{times[n]['params']:,}", f"{times[n]['step_ms']:.0f}", steps, loss,
+                         f"`{cmd}`" if a.markdown else cmd])
         if a.table:
             print(render_table(["family", "parameters", "step ms", "steps", "validation loss", "command"], rows,
                                a.markdown))

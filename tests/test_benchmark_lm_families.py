@@ -57,5 +57,8 @@ def test_budget_steps_and_the_table(tmp_path, capsys):
                       str(tmp_path / "runs"), "--data", "t.txt"])
     out = capsys.readouterr().out.splitlines()
     gpt, mamba = (next(line for line in out if line.startswith(n)) for n in ("gpt2 ", "mamba "))
-    assert " 100 " in gpt and "2.2500" in gpt and "--steps 100 --eval-every 20" in gpt
+    assert " 100 " in gpt and "2.2500" in gpt and "unfinished" not in gpt and "--steps 100 --eval-every 20" in gpt
     assert " 50 " in mamba and " - " in mamba and "--steps 50 " in mamba    # no run yet: no loss
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    lm_families.main(["--table", "--families", "gpt2", "--times", str(times), "--out", str(tmp_path / "runs")])
+    assert "2.5000 (step 50, unfinished)" in capsys.readouterr().out       # a run still going says so
