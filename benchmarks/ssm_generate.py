@@ -12,7 +12,8 @@ them. tokens/s counts the generated tokens of all rows over the whole call (pref
 Part 2, ``ms per token against the context``: for attnlab's Mamba, Mamba-2, Mamba-3, RWKV-4 and
 RWKV-7, and attnlab's GPT (SDPA attention, a KV cache) of the same width and depth, the time
 between consecutive tokens of one ``generate`` call (stamped by its ``streamer``) after a prompt
-of each ``--contexts`` length, batch 1: the median over ``--steps`` tokens, prefill excluded. A
+of each ``--contexts`` length, batch 1: the median over ``--steps`` tokens, prefill excluded, the
+best of ``--repeats`` such calls. A
 recurrent model's step reads a fixed-size state, so its time should not move with the context;
 the GPT's step attends over a cache that grows by one row per token.
 
@@ -149,16 +150,17 @@ def ms_per_token(model, ids, steps: int) -> float:
 
 @torch.no_grad()
 def per_context(models: dict, contexts: list[int], steps: int, repeats: int) -> dict:
-    """name -> {context: best-of-``repeats`` median ms per token}, the models alternating."""
+    """name -> {context: best-of-``repeats`` median ms per token}. Each repeat visits every context
+    and model in turn, so that a change in the machine's load spreads over all of them."""
     g = torch.Generator().manual_seed(1)
+    prompts = {context: torch.randint(0, VOCAB, (1, context), generator=g) for context in contexts}
     out = {name: {} for name in models}
-    for context in contexts:
-        ids = torch.randint(0, VOCAB, (1, context), generator=g)
-        for _ in range(repeats):
+    for repeat in range(repeats):
+        for context, ids in prompts.items():
             for name, model in models.items():
                 ms = ms_per_token(model, ids, steps)
                 out[name][context] = min(out[name].get(context, ms), ms)
-        print(f"# ms per token at context {context}", file=sys.stderr, flush=True)
+        print(f"# ms per token: repeat {repeat + 1} of {repeats}", file=sys.stderr, flush=True)
     return out
 
 
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=64, help="generated tokens per row in part 1 (default 64)")
     p.add_argument("--batch", type=int, default=4, help="the larger batch of part 1, beside batch 1 (default 4)")
     p.add_argument("--contexts", default="128,512,1024,2048,4096", help="prompt lengths of part 2")
-    p.add_argument("--steps", type=int, default=32, help="tokens timed after each prompt in part 2 (default 32)")
+    p.add_argument("--steps", type=int, default=64, help="tokens timed after each prompt in part 2 (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="calls per measurement, the best kept (default 3)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

@@ -107,3 +107,14 @@ def test_long_greedy_equals_the_uncached_loop(name):
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     cached = generate(model, ids, 90, attention_mask=mask)
     assert torch.equal(cached, generate(model, ids, 90, attention_mask=mask, use_cache=False))
+
+
+@pytest.mark.parametrize("width, bias", [(4, True), (4, False), (9, True)])
+def test_causal_conv_equals_conv1d(width, bias):
+    """The decoding step's depthwise convolution (a weighted sum over a kernel-wide window) and the
+    prefill's (conv1d over a longer window) both equal torch's conv1d."""
+    from attnlab.models.recurrent import causal_conv
+    conv = torch.nn.Conv1d(12, 12, 4, groups=12, bias=bias)
+    window = torch.randn(3, 12, width)
+    expected = torch.nn.functional.conv1d(window, conv.weight, conv.bias, groups=12)
+    assert torch.allclose(causal_conv(window, conv), expected, rtol=1e-6, atol=1e-6)
