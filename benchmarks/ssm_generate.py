@@ -13,9 +13,9 @@ Part 2, ``ms per token against the context``: for attnlab's Mamba, Mamba-2, Mamb
 RWKV-7, and attnlab's GPT (SDPA attention, a KV cache) of the same width and depth, the time
 between consecutive tokens of one ``generate`` call (stamped by its ``streamer``) after a prompt
 of each ``--contexts`` length, batch 1: the median over ``--steps`` tokens, prefill excluded, the
-best of ``--repeats`` such calls. A
-recurrent model's step reads a fixed-size state, so its time should not move with the context;
-the GPT's step attends over a cache that grows by one row per token.
+best of ``--repeats`` such calls. A recurrent model's step reads a fixed-size state, so its time
+should not move with the context; the GPT's step attends over a cache that grows by one row per
+token.
 
 Times are CPU seconds of one thread (``torch.set_num_threads(1)``, ``time.process_time``), the
 contenders alternating in one process, best of ``--repeats`` calls: on a shared machine wall time
