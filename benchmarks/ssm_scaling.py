@@ -18,10 +18,13 @@ The numbers go to ``docs/figures/measured/ssm_scaling.json`` and the figure
 ``docs/figures/measured/ssm_scaling.png`` is drawn from them (log-log, a time panel and a memory
 panel, a line per model, solid forward+backward, dashed forward, grey slopes for L and L²);
 ``--replot`` redraws the figure from the JSON alone. The PNG's metadata carries the SHA-256 of the
-JSON's rows it was drawn from.
+JSON's rows it was drawn from. The JSON is rewritten after every cell, so a run that is killed
+keeps what it measured. Peak memory on CPU comes from the profiler's record of every allocation,
+which itself costs memory: at 8,192 tokens Mamba-3's forward+backward under it reached 17.7 GB of
+resident memory here and was killed, so the committed figure stops at 4,096.
 
 Usage:
-  python benchmarks/ssm_scaling.py                      # measure everything, write JSON and PNG (~10 min CPU)
+  python benchmarks/ssm_scaling.py --lengths 256,512,1024,2048,4096 --repeats 1   # the committed figure
   python benchmarks/ssm_scaling.py --replot             # redraw the PNG from the committed JSON
   python benchmarks/ssm_scaling.py --quick --out /tmp/s # tiny shapes, seconds (smoke test)
 """
@@ -94,36 +97,45 @@ def _cpu_seconds(fn) -> float:
     return time.process_time() - t0
 
 
-def measure_cell(model, ids, mode: str, repeats: int, cap: float) -> dict:
-    """One (model, length, mode): peak bytes of an untimed first call, then the best CPU time."""
+def measure_cell(model, ids, mode: str, repeats: int, cap: float, memory: bool = True) -> dict:
+    """One (model, length, mode): peak bytes of an untimed first call (None without ``memory``: the
+    call runs unprofiled), then the best CPU time."""
     fn = _call(model, ids, mode)
     t0 = time.process_time()
-    peak = peak_memory(fn)
+    peak = peak_memory(fn) if memory else fn()
     first = time.process_time() - t0          # under the profiler: only decides how many timed calls
     times = [_cpu_seconds(fn)]
     while len(times) < repeats and first < cap:
         times.append(_cpu_seconds(fn))
-    return {"seconds": min(times), "calls": len(times), "peak_bytes": int(peak)}
+    return {"seconds": min(times), "calls": len(times), "peak_bytes": int(peak) if memory else None}
 
 
-def run(models: dict, lengths: list[int], repeats: int, cap: float) -> tuple[list[dict], list[str]]:
-    """Every cell, shortest length first; a (model, mode) past the cap stops there."""
+def run(models: dict, lengths: list[int], repeats: int, cap: float, data: dict, path: Path,
+        time_only: set = frozenset()) -> None:
+    """Every cell, shortest length first, into ``data["rows"]``, the JSON rewritten after each one
+    (so a run killed part-way keeps what it measured); a (model, mode) past the cap stops there."""
     g = torch.Generator().manual_seed(0)
-    rows, skipped, stopped = [], [], set()
+    rows, skipped, stopped = data["rows"], data["skipped"], set()
+    done = {(r["model"], r["length"], r["mode"]) for r in rows}
     for length in lengths:
         ids = torch.randint(0, VOCAB, (1, length), generator=g)
         for name, model in models.items():
             for mode in MODES:
+                if (name, length, mode) in done:
+                    continue
                 if (name, mode) in stopped:
                     skipped.append(f"{name} {mode} at {length}: an earlier length passed the cap of {cap:g} s")
                     continue
-                cell = measure_cell(model, ids, mode, repeats, cap)
+                memory = f"{name} {mode} {length}" not in time_only
+                if not memory:
+                    skipped.append(f"{name} {mode} at {length}: peak memory not measured (--time-only)")
+                cell = measure_cell(model, ids, mode, repeats, cap, memory)
                 rows.append({"model": name, "length": length, "mode": mode, **cell})
+                path.write_text(json.dumps(data, indent=1) + "\n")
                 if cell["seconds"] > cap:
                     stopped.add((name, mode))
-                print(f"# {name} {mode} {length}: {cell['seconds']:.3f} s, {fmt_mib(cell['peak_bytes'])} MiB",
+                print(f"# {name} {mode} {length}: {cell['seconds']:.3f} s, {fmt_mib(cell['peak_bytes'] or 0)} MiB",
                       file=sys.stderr, flush=True)
-    return rows, skipped
 
 
 def rows_digest(rows: list[dict]) -> str:
@@ -135,6 +147,8 @@ def series(rows: list[dict], key: str) -> dict:
     """(model, mode) -> ([lengths], [values]) of ``key`` ("seconds" or MiB for "peak_bytes"), by length."""
     out: dict = {}
     for r in sorted(rows, key=lambda r: r["length"]):
+        if r[key] is None:
+            continue
         value = r[key] / 2**20 if key == "peak_bytes" else r[key]
         xs, ys = out.setdefault((r["model"], r["mode"]), ([], []))
         xs.append(r["length"])
@@ -169,7 +183,7 @@ def draw(rows: list[dict]):
 def _slopes(ax, rows: list[dict], key: str) -> None:
     """Grey guides through the smallest value at the shortest length: proportional to L and to L²."""
     lengths = sorted({r["length"] for r in rows})
-    lo = min(r[key] for r in rows if r["length"] == lengths[0]) / (2**20 if key == "peak_bytes" else 1)
+    lo = min(r[key] for r in rows if r["length"] == lengths[0] and r[key] is not None) / (2**20 if key == "peak_bytes" else 1)
     for power, style in ((1, ":"), (2, "-.")):
         ax.plot(lengths, [lo * (n / lengths[0]) ** power for n in lengths], style, color="grey", linewidth=1,
                 label=f"∝ L{'²' if power == 2 else ''}", gid=f"guide|{power}")
@@ -190,7 +204,7 @@ def table(rows: list[dict]) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         for mode in MODES:
             cells = [by.get((model, mode, n)) for n in lengths]
-            out.append([model, mode] + [f"{c['seconds'] * 1e3:.0f} / {fmt_mib(c['peak_bytes'])}" if c else "-"
+            out.append([model, mode] + [f"{c['seconds'] * 1e3:.0f} / {fmt_mib(c['peak_bytes']) if c['peak_bytes'] else '-'}" if c else "-"
                                         for c in cells])
     return render_table(["model", "mode"] + [f"L={n}: ms / MiB" for n in lengths], out, markdown=True)
 
@@ -206,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", type=Path, default=OUT, help=f"folder of the JSON and PNG (default {OUT.relative_to(ROOT)})")
+    p.add_argument("--resume", action="store_true", help="keep the rows of the JSON in --out, measure the rest")
+    p.add_argument("--time-only", default="", help='cells timed without the memory profiler, e.g. "RWKV-7 fwd+bwd '
+                   '4096" (comma-separated): its record of every allocation can exhaust the memory')
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out, measure nothing")
     p.add_argument("--quick", action="store_true", help="tiny shapes, lengths 16 and 32, one call (a smoke test)")
     a = p.parse_args(argv)
@@ -219,16 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     lengths = [int(n) for n in a.lengths.split(",")]
     models = build_models(a.d_model, a.layers, max(lengths), a.quick)
-    rows, skipped = run(models, lengths, a.repeats, a.cap)
     data = {"what": "CPU seconds of one thread (best of the timed calls) and peak bytes of torch's CPU allocator "
                     "during one call, batch 1, fp32",
             "command": "python benchmarks/ssm_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "config": {"d_model": a.d_model, "layers": a.layers, "vocab": VOCAB, "batch": 1, "lengths": lengths,
                        "models": list(models), "modes": list(MODES), "cap_s": a.cap},
-            "skipped": skipped, "rows": rows}
+            "skipped": [], "rows": []}
+    if a.resume:
+        old = json.loads(path.read_text())
+        data.update(command=old["command"] + f" (resumed: {data['command']})", rows=old["rows"], skipped=old["skipped"])
     a.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    run(models, lengths, a.repeats, a.cap, data, path, {c.strip() for c in a.time_only.split(",") if c.strip()})
+    rows = data["rows"]
     print(table(rows))
     print(path, save(data, a.out), sep="\n")
     return 0
