@@ -76,22 +76,44 @@ class CausalState(_Rewinding):
     and rejected draft tokens; ``mask`` (N, L) is True for the real ones. The model takes a
     row's positions from the cumulative sum of its mask, so a left-padded prompt decodes as it
     would alone and a hole shifts nothing. The model's state has consumed ``seq[:, :cache.length]``.
+
+    Both live in buffers with room to spare, doubled when full, and ``seq`` / ``mask`` are views
+    of their first L columns: appending a token writes one column instead of copying the whole
+    history, so a step of a recurrent model costs the same after 100 tokens as after 100,000.
     """
 
     def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None, use_cache: bool = True):
         self.model = model
-        self.seq = input_ids.long()
-        self.mask = torch.ones_like(self.seq, dtype=torch.bool) if attention_mask is None \
-            else attention_mask.bool().to(self.seq.device)
+        ids = input_ids.long()
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None \
+            else attention_mask.bool().to(ids.device)
+        self._length = ids.size(1)
+        # own copies (never the caller's tensors, which rewinding edits in place), with room to grow
+        self._seq = self._room(ids, 2 * self._length + 64)
+        self._mask = self._room(mask, self._seq.size(1))
         self.cache = model.new_cache() if use_cache else None
+
+    def _room(self, t: Tensor, capacity: int) -> Tensor:
+        """``t`` (N, L) copied into the first L columns of a new (N, capacity) buffer."""
+        out = t.new_zeros(t.size(0), capacity)
+        out[:, :t.size(1)] = t
+        return out
+
+    @property
+    def seq(self) -> Tensor:
+        return self._seq[:, :self._length]
+
+    @property
+    def mask(self) -> Tensor:
+        return self._mask[:, :self._length]
 
     @property
     def rows(self) -> int:
-        return self.seq.size(0)
+        return self._seq.size(0)
 
     @property
     def length(self) -> int:
-        return self.seq.size(1)
+        return self._length
 
     def logits(self, last: int = 1) -> Tensor:
         """Logits (N, last, V) at the last ``last`` slots; the model sees only unconsumed slots."""
@@ -110,23 +132,27 @@ class CausalState(_Rewinding):
     def append(self, tokens: Tensor, real: Tensor | None = None) -> None:
         """Add slots ``tokens`` (N, m) (or (N,)); ``real`` (N, m) False marks holes."""
         tokens = _check_new("CausalState", tokens, self.rows)
-        real = torch.ones_like(tokens, dtype=torch.bool) if real is None else real.bool()
-        self.seq = torch.cat([self.seq, tokens], dim=1)
-        self.mask = torch.cat([self.mask, real], dim=1)
+        n, m = self._length, tokens.size(1)
+        if n + m > self._seq.size(1):
+            capacity = max(2 * self._seq.size(1), n + m)
+            self._seq, self._mask = self._room(self.seq, capacity), self._room(self.mask, capacity)
+        self._seq[:, n:n + m] = tokens
+        self._mask[:, n:n + m] = True if real is None else real.bool()
+        self._length = n + m
 
     def select(self, index: Tensor) -> None:
-        self.seq, self.mask = self.seq.index_select(0, index), self.mask.index_select(0, index)
+        self._seq, self._mask = self._seq.index_select(0, index), self._mask.index_select(0, index)
         if self.cache is not None:
             self.cache.reorder(index)
 
     def rewind(self, start: int, keep: Tensor) -> None:
         """Row i keeps its slots up to ``start + keep[i]``; the rest up to ``start + max(keep)``
         become holes (rejected drafts, kept so that all rows keep one length), the rest go."""
-        kept = _check_rewind("CausalState", start, keep, self.seq.size(1))
-        keep = keep.to(self.seq.device)
-        self.seq, self.mask = self.seq[:, :start + kept], self.mask[:, :start + kept]
+        kept = _check_rewind("CausalState", start, keep, self._length)
+        keep = keep.to(self._seq.device)
         j = torch.arange(kept, device=keep.device)
-        self.mask = torch.cat([self.mask[:, :start], self.mask[:, start:] & (j < keep[:, None])], dim=1)
+        self._mask[:, start:start + kept] &= j < keep[:, None]
+        self._length = start + kept
         _rewind_cache(self.cache, start, keep, kept)
 
 

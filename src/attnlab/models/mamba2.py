@@ -34,6 +34,7 @@ from ..nn.norm import GatedRMSNorm
 from ..nn.ssd import ssd_scan, ssd_step
 from .convert import split_prefix
 from .mamba import Mamba, backbone_weight_map
+from .recurrent import causal_conv
 from .registry import FamilyOption, register_family
 
 __all__ = ["Mamba2Config", "Mamba2Mixer", "Mamba2", "Mamba2Model", "MAMBA2"]
@@ -136,7 +137,7 @@ class Mamba2Mixer(nn.Module):
         keep = c.d_conv - 1
         prev = xBC.new_zeros(b, c.conv_dim, keep) if state is None else state[0]
         window = torch.cat([prev, xBC.transpose(1, 2)], dim=-1)               # (b, conv_dim, keep + l)
-        xBC = F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=c.conv_dim)).transpose(1, 2)
+        xBC = F.silu(causal_conv(window, self.conv1d)).transpose(1, 2)
         conv_state = window[..., window.size(-1) - keep:]
         u, B, C = xBC.split([c.d_inner, G * c.d_state, G * c.d_state], dim=-1)
         u, B, C = u.unflatten(-1, (H, c.head_dim)), B.unflatten(-1, (G, c.d_state)), C.unflatten(-1, (G, c.d_state))

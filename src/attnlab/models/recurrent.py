@@ -16,18 +16,31 @@ positions at once and one at a time:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.cache import RecurrentState
 from .causal_lm import GenerationMixin, check_token_ids
 from .pretrained import SavePretrained
 
-__all__ = ["RecurrentLM", "zero_padding", "keep_at_padding"]
+__all__ = ["RecurrentLM", "zero_padding", "keep_at_padding", "causal_conv"]
 
 
 def zero_padding(x: Tensor, real: Tensor | None) -> Tensor:
     """x (b, l, c) with the padded positions (``real`` False) zeroed."""
     return x if real is None else x * real[..., None].to(x.dtype)
+
+
+def causal_conv(window: Tensor, conv: nn.Conv1d) -> Tensor:
+    """A depthwise ``conv`` (kernel k, groups = channels) over ``window`` (b, c, k - 1 + l) -> (b, c, l).
+
+    One decoding step (l == 1) is the window weighted by the kernel and summed: on CPU, conv1d's
+    set-up for a k-wide input costs several times the arithmetic (about 95 against 20 us for 512
+    channels of width 4, one thread), once per layer and token."""
+    if window.size(-1) == conv.kernel_size[0]:
+        out = (window * conv.weight[:, 0]).sum(-1, keepdim=True)
+        return out if conv.bias is None else out + conv.bias[:, None]
+    return F.conv1d(window, conv.weight, conv.bias, groups=conv.groups)
 
 
 def keep_at_padding(real: Tensor | None, new, old):
