@@ -190,12 +190,13 @@ def wkv4(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state=None, chunk: int = 16
     e = torch.exp((g - top[:, :, None]).clamp(min=EXPONENT_FLOOR))
     own = ((e * v).sum(2), e.sum(2), top)                               # (b, m, c) each
     starts = []
-    for j in range(k.size(1)):                                         # the triplet entering each chunk
+    # the triplet entering each chunk; unbind (not [:, j]) keeps the backward linear in the chunks
+    for own_num, own_den, own_top in zip(*(t.unbind(1) for t in own)):
         starts.append((num, den, p))
         p_old = p - q * w
-        top = torch.maximum(p_old, own[2][:, j])
-        old, new = (torch.exp((x - top).clamp(min=EXPONENT_FLOOR)) for x in (p_old, own[2][:, j]))
-        num, den, p = old * num + new * own[0][:, j], old * den + new * own[1][:, j], top
+        top = torch.maximum(p_old, own_top)
+        old, new = (torch.exp((x - top).clamp(min=EXPONENT_FLOOR)) for x in (p_old, own_top))
+        num, den, p = old * num + new * own_num, old * den + new * own_den, top
     s_num, s_den, s_p = (torch.stack(x, dim=1) for x in zip(*starts))  # (b, m, c)
     out = _Within.apply(k, v, w, u, s_num, s_den, s_p).reshape(b, -1, c)[:, :l]
     return out, (num, den, p + pad * w)
@@ -276,9 +277,11 @@ def wkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kappa: Tensor, a: Tensor, S
     new = TKV.transpose(-1, -2) @ b_end + v.transpose(-1, -2) @ k_end
     S = _wide(r.new_zeros(b, h, n, n)) if S is None else S
     ys = []
-    for j in range(r.size(2)):
-        ys.append(reads[:, :, j] @ S.transpose(-1, -2) + own[:, :, j])
-        S = S @ carry[:, :, j] + new[:, :, j]
+    # unbind, not [:, :, j]: the backward of each index would be a zero tensor of the whole
+    # (b, h, m, ...) shape, m of them, which made the backward quadratic in the length
+    for reads_j, own_j, carry_j, new_j in zip(*(t.unbind(2) for t in (reads, own, carry, new))):
+        ys.append(reads_j @ S.transpose(-1, -2) + own_j)
+        S = S @ carry_j + new_j
     y = torch.stack(ys, dim=2).permute(0, 2, 3, 1, 4).reshape(b, -1, h, n)[:, :l]
     return y, S
 
