@@ -1,14 +1,15 @@
 """Image classification: labelled images + an image processor + any registered image-classifier
 family, for the Trainer.
 
-    attnlab train image --time-budget 5                  # the embedded handwritten digits
+    attnlab train image                                  # the embedded handwritten digits, 3,000 steps
     attnlab train image --data photos/ --model vit --time-budget 10
     attnlab train image --model deit --teacher runs/image --out runs/deit
     attnlab classify runs/image cat.png dog.jpg
     attnlab eval runs/image --data photos-test/
 
 Without ``--data`` the task trains on scikit-learn's bundled 8x8 handwritten digits
-(:mod:`attnlab.data.digits`: 1,797 images, 200 of them held out by a fixed shuffle), sized for
+(:mod:`attnlab.data.digits`: 1,797 images; by a fixed shuffle 1,497 to train on, 100 to validate
+with, which choose the best checkpoint, and 200 to test it on, which choose nothing), sized for
 them: 8x8 images in patches of 2 (16 patches), light digits on a dark ground, reduced from any
 size by averaging (the box filter), so a PNG of a digit of any size classifies too. They are
 kept as RGB, grey in each channel: transformers' image-classification pipeline hands a model RGB
@@ -29,15 +30,16 @@ The model comes from the registry: a family with an architecture of kind "image-
 whose sizing builder takes the image sizes (``image_size``, ``patch_size``, ``in_channels``), the
 model sizes and ``num_labels``. The loss is the cross-entropy summed over a batch's images, so the
 Trainer's normalisation gives the mean per image; the best checkpoint has the highest validation
-accuracy.
+accuracy (the digits': the lowest validation loss). The digits train a fixed number of steps
+(:data:`DIGIT_STEPS`), the same run on a busy machine as on an idle one.
 
 Augmentation (``--augment``, :func:`attnlab.data.images.augment`) is applied to each training
 batch's bytes, as its seed says: the plan of an epoch (deterministic in the run's seed and the
 epoch) gives every batch its own seed, so a resumed run sees the very batches an uninterrupted
-one does. What suits the data: shifts of a pixel and never a flip for handwriting (a mirrored
-digit is another digit or none; ``--augment shift``, off for the digits by default, which
-learn faster without within a few minutes), a random resized crop with a horizontal flip for a
-folder of photos (the default there).
+one does. What suits the data: never a flip for handwriting (a mirrored digit is another digit
+or none), but a slight turn, zoom and move (``--augment affine``, the digits' default; ``shift``
+moves by whole pixels, an eighth of a digit at a time), a random resized crop with a horizontal
+flip for a folder of photos (the default there).
 
 Distillation (``--teacher RUN_OR_HF_DIR``, ``--model deit``): the teacher, an image run or a Hugging
 Face image classifier with the same labels in the same order, is frozen and scores each training
@@ -276,7 +278,7 @@ class ImageClassification(TaskDefinition):
     kind = KIND
     help = ("an image classifier (any registered image-classifier family) on the embedded handwritten digits or "
             "a folder of labelled images")
-    example = ("attnlab train image --time-budget 5                     # the embedded 8x8 digits\n"
+    example = ("attnlab train image                                    # the embedded 8x8 digits\n"
                "  attnlab train image --data photos/ --model vit --time-budget 10\n"
                "  attnlab train image --data photos/train --valid photos/val --image-size 64 --patch-size 8\n"
                "  attnlab train image --model deit --teacher runs/image --out runs/deit")
@@ -293,7 +295,7 @@ class ImageClassification(TaskDefinition):
         Option("heads", int, 4, "attention heads", check=positive, group=_M),
         Option("layers", int, 4, "layers", check=positive, group=_M),
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
-        Option("dropout", float, None, "dropout (default: 0.2 for the digits, 0.1 for a folder)", check=fraction,
+        Option("dropout", float, None, "dropout (default: 0.1)", check=fraction,
                group=_M),
         Option("dyt_alpha", float, None, "DyT's initial alpha (--norm dyt) (default: 0.5, the DyT paper's for a ViT; "
                f"{_DYT_ALPHA['digits']:g} for the digits, whose small patches start about 8 times weaker)",
@@ -305,9 +307,10 @@ class ImageClassification(TaskDefinition):
         Option("label_fraction", float, 1.0, "train on this fraction of the training images, drawn by --seed "
                "within each class (the validation images unchanged): a few labels, as after pre-training",
                check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]", group=_D),
-        Option("augment", str, None, "augmentation of the training batches: shift (a few pixels, never a flip: "
-               "for handwriting), crop-flip (random resized crop and horizontal flip: for photos) or none "
-               "(default: none for the digits, crop-flip for a folder)", choices=AUGMENTATIONS, group=_D),
+        Option("augment", str, None, "augmentation of the training batches: affine (a slight turn, zoom and move, "
+               "never a flip: for handwriting), shift (whole pixels), crop-flip (random resized crop and horizontal "
+               "flip: for photos) or none (default: affine for the digits, crop-flip for a folder)",
+               choices=AUGMENTATIONS, group=_D),
         Option("teacher", str, None, "an image run or a Hugging Face image-classification directory with the same "
                "labels: the frozen teacher of a DeiT student", metavar="RUN_OR_HF_DIR", group=_T),
         Option("distillation", str, None, "hard (the teacher's top class) or soft (its distribution) (default: "
