@@ -74,10 +74,10 @@ __all__ = ["ImageClassification", "ImageClassificationTask", "LoadedImageClassif
 _M, _D, _T = "model", "data and evaluation", "distillation (--model deit)"
 KIND = "image-classifier"
 # what each kind of data is trained with unless given: the digits at their own 8x8, photos at 32 px.
-# Measured on the digits (2-core EPYC, 500 steps): no augmentation at lr 2e-3 gave 95.5 % held out,
-# one-pixel shifts 70 % (a pixel is an eighth of a digit, and half a patch). Without regularisation
-# the model learns the 1,597 training digits by heart within five minutes (96.0 % held out);
-# dropout 0.2 with weight decay 0.1 reached 99.0 % on the same budget (0.1 and 0.1: 96.0 %).
+# Measured on the digits (3,000 steps, seed 0, on the 200 test digits): without augmentation the
+# model learns its 1,497 training digits by heart (training loss 0.003, validation loss rising after
+# step 1,200) and scored 96.0 %; the affine augmentation with dropout 0.2 under-fits (training loss
+# 0.16 at the end), 97.0 %; with dropout 0.1, 97.5 %. One-pixel shifts are too coarse for an 8x8 digit.
 _SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="affine", dropout=0.1),
           "folder": dict(image_size=32, patch_size=4, channels=3, augment="crop-flip", dropout=0.1)}
 _LR = {"digits": 2e-3, "folder": 1e-3}
