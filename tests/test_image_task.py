@@ -46,26 +46,43 @@ def _train(capsys, tmp_path, name, *flags, data=None):
 
 
 # ----------------------------------------------------------------------------- the embedded digits
-def test_the_digits_are_1797_real_images_with_a_fixed_held_out_split():
+def test_the_digits_are_1797_real_images_with_fixed_validation_and_test_splits():
     from sklearn.datasets import load_digits
     images, labels = digit_images()
     assert images.shape == (1797, 1, 8, 8) and images.dtype == torch.uint8 and labels.shape == (1797,)
     raw = load_digits()
     assert torch.equal(images[:, 0], torch.from_numpy(raw.images * 255 / 16).round().to(torch.uint8))
     split, again = digits_split(), digits_split()
-    (tx, ty), (vx, vy) = split["train"], split["valid"]
-    assert len(ty) == 1597 and len(vy) == 200 and Counter(vy.tolist()) == {d: 20 for d in range(10)}
+    (tx, ty), (vx, vy), (sx, sy) = split["train"], split["valid"], split["test"]
+    assert len(ty) == 1497 and len(vy) == 100 and len(sy) == 200
+    assert Counter(sy.tolist()) == {d: 20 for d in range(10)} and Counter(vy.tolist()) == {d: 10 for d in range(10)}
     assert all(torch.equal(a, b) for k in split for a, b in zip(split[k], again[k]))      # fixed, not per run
-    # together the two parts are the whole set, each image once
+    # together the three parts are the whole set, each image once
     key = lambda x, y: [bytes(a.numpy().tobytes()) + bytes([int(b)]) for a, b in zip(x, y)]
-    assert Counter(key(tx, ty)) + Counter(key(vx, vy)) == Counter(key(images, labels))
+    assert Counter(key(tx, ty)) + Counter(key(vx, vy)) + Counter(key(sx, sy)) == Counter(key(images, labels))
+
+
+def test_the_checkpoint_is_chosen_on_the_validation_digits_and_scored_on_the_test_digits(tmp_path, capsys):
+    """The accuracy reported is on 200 digits that chose nothing: the Trainer's evaluations (which
+    pick the best checkpoint) see only the 100 validation digits."""
+    task = get_task("image")
+    setup = task.prepare(task.settings(d_model=16, heads=2, layers=1), None)
+    split = digits_split()
+    assert torch.equal(setup.task.valid_x[:, :1], split["valid"][0]) and torch.equal(setup.task.valid_y, split["valid"][1])
+    test_x, test_y = setup.extra["test"]
+    assert torch.equal(test_x[:, :1], split["test"][0]) and torch.equal(test_y, split["test"][1])
+    run, out, err = _train(capsys, tmp_path, "digits", "--steps", "4", "--eval-every", "2", "--d-model", "16",
+                           "--heads", "2", "--layers", "1")
+    clf = task.load(open_run(run))
+    pred = clf.probabilities(list(test_x.permute(0, 2, 3, 1).numpy())).argmax(-1)
+    assert f"held-out test digits: 200 images\naccuracy {100 * float((pred == test_y).float().mean()):.2f}%" in out
 
 
 def test_the_default_trains_on_the_digits_and_reports_the_held_out_accuracy(tmp_path, capsys):
     run, out, err = _train(capsys, tmp_path, "digits", "--steps", "3", "--no-progress")
-    assert "the embedded 8x8 handwritten digits: 1,597 training images, 200 validation; 10 classes" in err
-    assert "images 8x8, 3 channel(s), patches of 2; augmentation: none" in err
-    assert "held-out digits: 200 images" in out and "accuracy" in out
+    assert "the embedded 8x8 handwritten digits: 1,497 training images, 100 validation, 200 test; 10 classes" in err
+    assert "images 8x8, 3 channel(s), patches of 2; augmentation: affine" in err
+    assert "held-out test digits: 200 images" in out and "accuracy" in out
     info = open_run(run)
     assert info.task_options["labels"] == [str(d) for d in range(10)]
     assert info.config["id2label"] == {str(d): str(d) for d in range(10)} or \
@@ -73,7 +90,7 @@ def test_the_default_trains_on_the_digits_and_reports_the_held_out_accuracy(tmp_
     # a grey PNG of a digit at another size is read as the digit itself: light on dark, averaged down
     task = get_task("image")
     clf = task.load(info)
-    digit = digits_split()["valid"][0][0][0].numpy()               # (8, 8) uint8
+    digit = digits_split()["test"][0][0][0].numpy()               # (8, 8) uint8
     png = tmp_path / "digit.png"
     Image.fromarray(digit).resize((40, 40), Image.NEAREST).save(png)
     assert torch.equal(clf.processor.resized(png), torch.from_numpy(np.repeat(digit[None], 3, 0)))
@@ -103,6 +120,51 @@ def test_digit_augmentation_shifts_reproducibly_and_never_flips():
     assert len(moves) >= 5                                 # many different shifts, not one
     assert not any(torch.equal(y, x.flip(-1)) and not torch.equal(x, x.flip(-1)) for x, y in zip(images, a))
     assert torch.equal(augment(images, "none", 7), images)
+
+
+def test_digit_affine_augmentation_turns_zooms_and_moves_a_little_reproducibly_never_flipping():
+    from attnlab.data.images import random_affine
+    images = digits_split()["train"][0][:200].expand(-1, 3, -1, -1).contiguous()
+    a, b, c = augment(images, "affine", 7), augment(images, "affine", 7), augment(images, "affine", 8)
+    assert torch.equal(a, b) and not torch.equal(a, c) and a.shape == images.shape and a.dtype == torch.uint8
+    g = lambda: torch.Generator().manual_seed(0)
+    # no turn, zoom or move: the very bytes (the grid lands on the pixel centres)
+    assert torch.equal(random_affine(images, g(), degrees=0, translate=0, scale=(1, 1)), images)
+    # a slight turn keeps a digit nearer itself than its mirror image (no flip), and the ink stays
+    turned = random_affine(images, g(), degrees=10, translate=0, scale=(1, 1)).float()
+    near = (turned - images.float()).abs().mean((1, 2, 3))
+    mirror = (turned - images.flip(-1).float()).abs().mean((1, 2, 3))
+    asym = (images.float() - images.flip(-1).float()).abs().mean((1, 2, 3)) > 30
+    assert int(asym.sum()) > 100 and bool((near[asym] < mirror[asym]).all())
+    assert 0.8 < float(a.float().sum() / images.float().sum()) < 1.2
+    assert float((a != images).float().mean()) > 0.3              # most images do change
+
+
+def test_an_affine_augmentation_moves_a_dot_where_its_turn_zoom_and_move_take_it():
+    """A single lit pixel, augmented 64 times: the brightest pixel of each result is the one
+    nearest to where the drawn motion (turn by the angle, zoom, then move; y pointing down) takes
+    the dot's centre, recomputed here from the same draws."""
+    import math
+    from attnlab.data.images import random_affine
+    x = torch.zeros(64, 1, 8, 8, dtype=torch.uint8)
+    x[:, 0, 1, 5] = 240
+    degrees, translate, scale = 60.0, 0.1, (0.8, 1.2)
+    out = random_affine(x, torch.Generator().manual_seed(3), degrees, translate, scale)
+    u = torch.rand(64, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64).tolist()
+    checked = 0
+    for img, (a, z, tx, ty) in zip(out, u):
+        angle, zoom = math.radians(degrees) * (2 * a - 1), scale[0] + (scale[1] - scale[0]) * z
+        shift = (2 * translate * (2 * tx - 1), 2 * translate * (2 * ty - 1))
+        px, py = (2 * 5 + 1) / 8 - 1, (2 * 1 + 1) / 8 - 1               # the dot's centre in [-1, 1]
+        dx, dy = px - shift[0], py - shift[1]                              # output = zoom * R(-angle) (input - move)
+        ox = zoom * (math.cos(angle) * dx + math.sin(angle) * dy)
+        oy = zoom * (-math.sin(angle) * dx + math.cos(angle) * dy)
+        col, row = ((ox + 1) * 8 - 1) / 2, ((oy + 1) * 8 - 1) / 2         # back to pixel indices
+        if max(abs(col - round(col)), abs(row - round(row))) > 0.3:       # near a boundary: two pixels tie
+            continue
+        assert divmod(int(img[0].flatten().argmax()), 8) == (round(row), round(col))
+        checked += 1
+    assert checked >= 10
 
 
 def test_photo_augmentation_crops_and_flips_half_the_images():
@@ -272,3 +334,34 @@ def test_exporting_a_grey_run_says_the_pipeline_cannot_run_it(tmp_path, capsys):
     code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
     assert code == 0 and "a grey (1-channel) model: transformers' image-classification pipeline makes every " \
         "image RGB and cannot run it" in err, err
+
+
+# ----------------------------------------------------------------------------- the digits' defaults
+def test_the_digits_train_a_fixed_number_of_steps_whatever_the_machine():
+    from attnlab.tasks.image import DIGIT_STEPS
+    task = get_task("image")
+    s = task.settings(d_model=16, heads=2, layers=1)
+    setup = task.prepare(s, None)
+    t = task.train_config(s, setup)
+    assert (t["steps"], t["warmup_steps"], t["budget_schedule"]) == (DIGIT_STEPS, DIGIT_STEPS // 10, False)
+    assert setup.task.augmentation == "affine"
+
+
+def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_path, capsys):
+    from attnlab.nn.norm import DyT
+    from attnlab.tasks.image import _DYT_ALPHA
+    task = get_task("image")
+    for given, want in ((None, _DYT_ALPHA["digits"]), (2.5, 2.5)):
+        s = task.settings(norm="dyt", d_model=16, heads=2, layers=2, **({} if given is None else {"dyt_alpha": given}))
+        model = task.prepare(s, None).task.model
+        dyts = [m for m in model.modules() if isinstance(m, DyT)]
+        assert len(dyts) == 5 and all(m.alpha.item() == want for m in dyts)          # 2 per layer and the last
+        assert all(torch.equal(m.weight, torch.ones(16)) and torch.equal(m.bias, torch.zeros(16)) for m in dyts)
+    assert _DYT_ALPHA["folder"] == 0.5                                                 # the paper's, for photos
+    run, _, _ = _train(capsys, tmp_path, "dyt", "--norm", "dyt", "--dyt-alpha", "3", "--steps", "1", "--d-model",
+                       "16", "--heads", "2", "--layers", "1", "--lr", "1e-9", "--warmup", "0")
+    reloaded = [m for m in task.load(open_run(run)).model.modules() if isinstance(m, DyT)]
+    assert reloaded and all(abs(m.alpha.item() - 3) < 1e-6 for m in reloaded)       # saved with the weights
+    code, _, err = _cli(capsys, "train", "image", "--dyt-alpha", "3", "--steps", "1", "--out", tmp_path / "x")
+    assert code == 2 and "--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)" in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..processors import IMAGE_SUFFIXES
 
 __all__ = ["ImageFolderError", "ImageFolder", "read_image_folder", "image_splits", "SPLIT_NAMES", "random_shift",
-           "random_resized_crop", "augment", "AUGMENTATIONS"]
+           "random_resized_crop", "random_affine", "augment", "AUGMENTATIONS"]
 
 # the split sub-folders of a split layout, by role, in the order they are looked for
 SPLIT_NAMES = {"train": ("train",), "valid": ("val", "valid", "validation"), "test": ("test",)}
@@ -134,7 +134,28 @@ def random_resized_crop(x: Tensor, generator: torch.Generator, scale: tuple[floa
     return out.round().clamp(0, 255).to(torch.uint8)
 
 
-AUGMENTATIONS = ("shift", "crop-flip", "none")
+def random_affine(x: Tensor, generator: torch.Generator, degrees: float = 10.0, translate: float = 0.1,
+                  scale: tuple[float, float] = (0.9, 1.1)) -> Tensor:
+    """Each image of the (B, C, H, W) uint8 batch turned by an angle drawn from [-degrees,
+    degrees], zoomed by a factor from ``scale`` and moved by up to ``translate`` of its side in
+    each direction (uniform draws, each image its own), resampled bilinearly, the uncovered border
+    zeros (the dark ground of a digit). Never mirrored: a handwritten digit changes identity under
+    a flip, not under a slight slant, size or place."""
+    B, C, H, W = x.shape
+    u = torch.rand(B, 4, generator=generator, dtype=torch.float64)
+    angle = math.radians(degrees) * (2 * u[:, 0] - 1)
+    zoom = scale[0] + (scale[1] - scale[0]) * u[:, 1]
+    theta = torch.zeros(B, 2, 3, dtype=torch.float64)
+    # the grid maps output coordinates to input ones (both in [-1, 1]): the inverse of the motion
+    theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle) / zoom, -torch.sin(angle) / zoom
+    theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle) / zoom, torch.cos(angle) / zoom
+    theta[:, :, 2] = 2 * translate * (2 * u[:, 2:] - 1)
+    grid = F.affine_grid(theta.float(), [B, C, H, W], align_corners=False)
+    out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8)
+
+
+AUGMENTATIONS = ("affine", "shift", "crop-flip", "none")
 
 
 def augment(x: Tensor, kind: str, seed: int) -> Tensor:
@@ -149,4 +170,6 @@ def augment(x: Tensor, kind: str, seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     if kind == "shift":
         return random_shift(x, max(1, min(x.shape[-2:]) // 16), generator)
+    if kind == "affine":
+        return random_affine(x, generator)
     return random_resized_crop(x, generator)

@@ -5,8 +5,8 @@
     attnlab train mae --data photos/ --time-budget 10 --mask-ratio 0.75 --norm-pix-loss
     attnlab train image --data photos/ --init runs/mae          # its encoder, a new head
 
-Data: without ``--data``, the embedded 8x8 digits of ``attnlab train image``, the same 1,597
-training images (their labels unused) and the same 200 held out for validation, at that task's
+Data: without ``--data``, the embedded 8x8 digits of ``attnlab train image``, the same 1,497
+training images (their labels unused) and the same 100 validation digits, at that task's
 sizes (8x8 in patches of 2, three grey channels, the box filter). ``--data DIR``: the image-folder
 layout of ``attnlab train image`` (:mod:`attnlab.data.images`: one sub-folder per class, or
 ``train/`` and ``val/``); the labels are not read. Without a validation folder 10 % of the images
@@ -54,8 +54,8 @@ _VALID_SEED = 1234            # the masking of the held-out images, the same at 
 def mae_images(s: dict, processor: ImageProcessor) -> tuple[Tensor, Tensor, str]:
     """(training images, validation images, what they are): the images as bytes (N, C, H, W) uint8,
     resized by ``processor``. Without ``--data``, the embedded digits of ``attnlab train image``: its
-    1,597 training images and its 200 held out, read by that task's own data function so that the
-    two tasks see the very same bytes."""
+    1,497 training images and its 100 validation digits (never its 200 test digits), read by that
+    task's own data function so that the two tasks see the very same bytes."""
     if s["data"] is None:
         data = IMAGE._data(s, processor, None)
         return data["train"][0], data["valid"][0], data["root"]
