@@ -3,7 +3,9 @@ autocast where the CPU does bf16 natively), bf16 weight copies for inference (--
 
 - A model loaded by from_pretrained has InferenceLinear layers; trained after inference calls
   (bf16 weight copies included), its gradients and weights equal a plain nn.Linear model's
-  bit for bit: the fast paths only run where no gradient is needed.
+  bit for bit: the bf16 copies only run where no gradient is needed, and training calls of up
+  to 64 rows (these) stay on F.linear (above that, an fp32 training product may take oneDNN,
+  equal to the order of its sums: tests/test_linear_training.py).
 - --precision auto follows the CPU's flags (patched here), says why, and records the choice;
   a bf16 run killed mid-run and resumed equals an uninterrupted bf16 run bit for bit.
 - bf16 weight copies: greedy tokens equal fp32's on a small trained model, logits within bf16's
