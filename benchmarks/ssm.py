@@ -14,12 +14,23 @@ gradient) and ``fwd+bwd`` (train mode, forward, the mean of the squared logits, 
 what torch's allocator handed out during one call (benchmarks/_util.py). The GPT is attnlab's
 GPT-2 (4 heads, d_ff 1024, context the length). Ratios are against the family's transformers model.
 attnlab's Mamba-3 (its own initialisation; transformers has none) runs beside the Mamba family.
+With ``--mambapy-path`` (or mambapy importable), mambapy's pure-PyTorch Mamba (its ``Mamba`` layers
+under an embedding, a final RMSNorm and a head, as its own LM has them) joins the Mamba family with
+the same weights, in its parallel scan (``pscan=True``) and its sequential loop; the script checks
+that its logits equal attnlab's before timing. transformers' slow path at long lengths takes many
+minutes per forward+backward call: above ``--reference-max-length`` it runs forward only.
+Times: by default the CPU time of the process (``time.process_time``; pass ``--threads 1`` so that
+it is the time of one thread), which another job on a shared machine inflates far less than the
+wall clock; ``--clock wall`` for wall-clock seconds. The column "time vs GPT" divides each
+time by the GPT's at the same mode and length.
 ``--models rwkv``: attnlab's RWKV-4 (the chunked WKV of ``attnlab.nn.wkv``) against transformers'
 RwkvForCausalLM on its CPU path (a Python loop over the positions), same weights, d_ff 4 d_model,
 with attnlab's RWKV-7 (the chunked delta rule, heads of 64) of the same width and depth, and the GPT.
 
 Usage:
   python benchmarks/ssm.py --markdown                   # both families, lengths 128, 512
+  python benchmarks/ssm.py --markdown --models mamba --lengths 128,512,2048 --threads 1 \
+      --mambapy-path /tmp/mambapy                       # the Mamba table of benchmarks/README.md
   python benchmarks/ssm.py --markdown --models mamba2 --lengths 128,512,2048
   python benchmarks/ssm.py --markdown --models rwkv     # RWKV-4 and RWKV-7
   python benchmarks/ssm.py --quick                      # tiny shapes, seconds (smoke test)
@@ -30,13 +41,14 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import environment, fmt_mib, fmt_ms, measure, render_table  # noqa: E402
+from _util import Timing, environment, fmt_mib, fmt_ms, measure, peak_memory, render_table  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.models import GPT, GPTConfig  # noqa: E402
@@ -49,7 +61,7 @@ def _from_transformers(hf):
         return attnlab.from_pretrained(d)
 
 
-def _models(family: str, d_model: int, layers: int, vocab: int, longest: int, quick: bool):
+def _models(family: str, d_model: int, layers: int, vocab: int, longest: int, quick: bool, mambapy: bool):
     """name -> model, attnlab's first and transformers' (the reference of the ratios) second."""
     import transformers
     transformers.logging.set_verbosity_error()
@@ -73,7 +85,45 @@ def _models(family: str, d_model: int, layers: int, vocab: int, longest: int, qu
     # Mamba-3 at the authors' defaults (d_state 128, headdim 64, SISO, rope_fraction 0.5, chunk 64)
     mamba3 = Mamba3(Mamba3Config(vocab_size=vocab, d_model=d_model, num_layers=layers))
     return {"attnlab Mamba (chunked scan)": _from_transformers(hf), "transformers MambaForCausalLM (slow path)": hf,
-            "attnlab GPT (SDPA), same width and depth": gpt, "attnlab Mamba-3 (chunked, SISO)": mamba3}
+            "attnlab GPT (SDPA), same width and depth": gpt, "attnlab Mamba-3 (chunked, SISO)": mamba3,
+            **(_mambapy_models(hf) if mambapy else {})}
+
+
+class _MambapyLM(torch.nn.Module):
+    """mambapy's Mamba layers with the embedding, final RMSNorm and tied head around them."""
+
+    def __init__(self, mp, config, vocab: int):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, config.d_model)
+        self.mamba = mp.Mamba(config)
+        self.norm_f = mp.RMSNorm(config.d_model, config.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(config.d_model, vocab, bias=False)
+        self.lm_head.weight = self.embedding.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.norm_f(self.mamba(self.embedding(ids))))
+
+
+def _mambapy_models(hf) -> dict:
+    """mambapy with ``hf``'s weights (transformers' names with mambapy's prefixes), its parallel
+    scan and its sequential loop."""
+    from mambapy import mamba as mp      # only its Mamba: its LM module imports einops for Mamba-2
+    c = hf.config
+    prefixes = {"backbone.embeddings.": "embedding.", "backbone.layers.": "mamba.layers.", "backbone.norm_f.": "norm_f."}
+    weights = {}
+    for key, value in hf.state_dict().items():
+        for theirs, ours in prefixes.items():
+            key = key.replace(theirs, ours)
+        weights[key] = value
+    out = {}
+    for name, parallel in (("mambapy (pscan)", True), ("mambapy (sequential)", False)):
+        config = mp.MambaConfig(d_model=c.hidden_size, n_layers=c.num_hidden_layers, d_state=c.state_size,
+                                expand_factor=c.expand, d_conv=c.conv_kernel, dt_rank=c.time_step_rank,
+                                rms_norm_eps=c.layer_norm_epsilon, bias=c.use_bias, conv_bias=c.use_conv_bias,
+                                pscan=parallel)
+        out[name] = _MambapyLM(mp, config, c.vocab_size)
+        out[name].load_state_dict(weights)
+    return out
 
 
 def _rwkv_models(d_model: int, layers: int, vocab: int, longest: int):
@@ -98,13 +148,40 @@ def _logits(model, ids):
 
 
 def _check(models, ids) -> str:
+    """transformers' logits (and mambapy's, when it runs) against attnlab's, same weights."""
     names = list(models)
     with torch.no_grad():
-        ours, theirs = (_logits(models[n].eval(), ids) for n in names[:2])
-    err = float((ours - theirs).abs().max() / theirs.abs().max())
-    if err > 1e-4:
-        raise SystemExit(f"attnlab and transformers disagree: max |diff| = {err:.2e} of the logits' scale")
-    return f"same weights: logits agree to {err:.1e} of their scale at length {ids.size(1)}"
+        ours = _logits(models[names[0]].eval(), ids)
+        errs = {n: float((_logits(models[n].eval(), ids) - ours).abs().max() / ours.abs().max())
+                for n in names[1:2] + [n for n in names if n.startswith("mambapy")]}
+    for name, err in errs.items():
+        if err > (1e-4 if name == names[1] else 1e-5):
+            raise SystemExit(f"{names[0]} and {name} disagree: max |diff| = {err:.2e} of the logits' scale")
+    return "same weights: logits agree " + ", ".join(f"with {n} to {e:.1e}" for n, e in errs.items()) + \
+        f" of their scale at length {ids.size(1)}"
+
+
+def _measure(fns, clock: str, repeats: int, budget: float):
+    """{name: (Timing, peak bytes)}: _util.measure for the wall clock; for the CPU clock the same
+    steps (a warm-up call, a call for the peak memory, then calls round-robin, as many as
+    ``budget`` seconds allow up to ``repeats``) timed by ``time.process_time``."""
+    if clock == "wall":
+        return measure(fns, repeats=repeats, min_repeats=1, budget_s=budget)
+    for fn in fns.values():
+        fn()
+    peaks = {name: peak_memory(fn) for name, fn in fns.items()}
+
+    def once(fn) -> float:
+        t0 = time.process_time()
+        fn()
+        return time.process_time() - t0
+    times = {name: Timing([once(fn)]) for name, fn in fns.items()}
+    wanted = {name: max(1, min(repeats, int(budget / max(t.times[0], 1e-9)))) for name, t in times.items()}
+    while any(times[n].n < wanted[n] for n in fns):
+        for name, fn in fns.items():
+            if times[name].n < wanted[name]:
+                times[name].times.append(once(fn))
+    return {name: (times[name], peaks[name]) for name in fns}
 
 
 def _calls(models, ids, mode: str):
@@ -125,6 +202,28 @@ def _calls(models, ids, mode: str):
     return {name: (fwd if mode == "fwd" else fwd_bwd)(m) for name, m in models.items()}
 
 
+def _rows(models, ids, mode: str, a) -> list[list]:
+    """One table row per contender; transformers' Mamba sits out forward+backward above
+    --reference-max-length (its row says so) and the ratios against it are then '-'."""
+    names, length = list(models), ids.size(1)
+    reference, gpt = names[1], next((n for n in names if n.startswith("attnlab GPT")), None)
+    skip = mode == "fwd+bwd" and length > a.reference_max_length and names[1].startswith("transformers Mamba")
+    fns = _calls({n: m for n, m in models.items() if not (skip and n == reference)}, ids, mode)
+    results = _measure(fns, a.clock, a.repeats, a.budget)
+    rows = []
+    for name in names:
+        if name not in results:
+            rows.append([mode, length, name, "not run", 0, "-", "-", "-", "-"])
+            continue
+        timing, peak = results[name]
+        ref = results.get(reference)
+        rows.append([mode, length, name, fmt_ms(timing.median), timing.n, fmt_mib(peak),
+                     f"{ref[0].median / timing.median:.1f}" if ref else "-",
+                     f"{peak / max(ref[1], 1):.2f}" if ref else "-",
+                     f"{timing.median / results[gpt][0].median:.2f}" if gpt else "-"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__[__doc__.index("Usage"):])
@@ -137,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="most timed calls per measurement (default 5)")
     p.add_argument("--budget", type=float, default=20.0, help="seconds of timed calls per contender (default 20)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="time.process_time of the process (default) or the wall clock")
+    p.add_argument("--reference-max-length", type=int, default=512,
+                   help="longest length at which transformers' Mamba runs forward+backward (default 512: "
+                        "its slow path takes many minutes a call beyond)")
+    p.add_argument("--mambapy-path", default=None,
+                   help="folder holding the mambapy package (pip install --no-deps --target FOLDER mambapy); "
+                        "without it mambapy runs only if it imports")
     p.add_argument("--quick", action="store_true", help="tiny shapes and one call each (a smoke test)")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
@@ -145,25 +252,29 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.lengths, a.d_model, a.layers, a.batch, a.repeats, a.budget = "16,40", 32, 2, 2, 1, 0.0
     lengths = [int(n) for n in a.lengths.split(",")]
+    if a.mambapy_path:
+        sys.path.insert(0, a.mambapy_path)
+    try:
+        import mambapy.mamba  # noqa: F401
+        mambapy = True
+    except ImportError:
+        mambapy = False
     warnings.filterwarnings("ignore")
     g = torch.Generator().manual_seed(0)
-    print(environment("cpu", torch.float32) + f"; {os.cpu_count()} CPUs")
+    print(environment("cpu", torch.float32) + f"; {os.cpu_count()} CPUs; "
+          f"{'CPU time of the process' if a.clock == 'cpu' else 'wall clock'}")
     rows = []
     for family in a.models.split(","):
-        models = _models(family, a.d_model, a.layers, 96, max(lengths), a.quick)
+        models = _models(family, a.d_model, a.layers, 96, max(lengths), a.quick, mambapy)
         print(_check(models, torch.randint(0, 96, (a.batch, lengths[0]), generator=g)))
         for length in lengths:
             ids = torch.randint(0, 96, (a.batch, length), generator=g)
             for mode in a.modes.split(","):
-                results = measure(_calls(models, ids, mode), repeats=a.repeats, min_repeats=1, budget_s=a.budget)
-                ref_t, ref_m = results[list(models)[1]][0].median, results[list(models)[1]][1]
-                for name, (timing, peak) in results.items():
-                    rows.append([mode, length, name, fmt_ms(timing.median), timing.n, fmt_mib(peak),
-                                 f"{ref_t / timing.median:.1f}", f"{peak / max(ref_m, 1):.2f}"])
+                rows += _rows(models, ids, mode, a)
                 print(f"# measured {family} {mode} at {length}", file=sys.stderr, flush=True)
     print()
     print(render_table(["mode", "length", "implementation", "median ms", "calls", "peak MiB",
-                        "speed vs transformers", "memory vs transformers"], rows, markdown=a.markdown))
+                        "speed vs transformers", "memory vs transformers", "time vs GPT"], rows, markdown=a.markdown))
     return 0
 
 

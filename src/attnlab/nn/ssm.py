@@ -21,15 +21,18 @@ The equations, for each position t (zero-order hold for A, Euler for B, as the p
     y_t = C_t h_t + D x_t                 (b, d)
 
 :func:`selective_scan_reference` is that loop. :func:`selective_scan` is the default fast path:
-the sequence is cut into chunks of q positions; a pass over the q positions of *every chunk at
-once* gives each chunk's own end state and its total decay, a short recurrence over the l / q
-chunks gives the state entering each chunk, and a second pass over the q positions from those
-states gives the outputs. That is 2q + l/q steps of work on (b, l/q, d, n) tensors instead of l
-steps on (b, d, n) ones. Its backward is written by hand: it keeps only the inputs and the
-states entering the chunks (l·d·n / q numbers per row rather than the l·d·n that autograd through
-the loop would keep) and recomputes the states inside the chunks, a few chunks at a time, as it
-runs the adjoint recurrence backwards. The state and all arithmetic are fp32 whatever the input
-dtype: the decay exp(Δ A) multiplies the state thousands of times, and bf16's 8 bits of
+the sequence is cut into chunks of q positions, taken a group of chunks at a time (as many as
+fit in a fixed buffer, so the work memory does not grow with l). For a group, the decays
+exp(Δ A) of all its positions are one tensor; a pass over the q positions of *every chunk of the
+group at once* gives each chunk's own end state, a short recurrence over the chunks gives the
+state entering each one, and a second pass from those states gives the states at every
+position, read out by C in one batched product. That is 2q + l/q steps of work on tensors of
+several chunks instead of l steps on (b, d, n) ones, in place. Its backward is written by hand:
+it keeps only the inputs and the states entering the chunks (l·d·n / q numbers per row rather
+than the l·d·n that autograd through the loop would keep), recomputes the states of a group,
+runs the adjoint recurrence backwards through it, and forms the input gradients of all the
+group's positions at once. The state and all arithmetic are fp32 whatever the input dtype (float64
+stays float64): the decay exp(Δ A) multiplies the state thousands of times, and bf16's 8 bits of
 mantissa would lose it. :func:`selective_step` is one position, for generation.
 
 A slot with Δ = 0 changes nothing: exp(0 · A) = 1 keeps the state and Δ B x = 0 adds nothing,
@@ -72,7 +75,8 @@ def selective_step(h: Tensor, x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C:
 def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
                    h0: Tensor | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """The chunked fast path (module docstring): equal to :func:`selective_scan_reference`,
-    gradients included -> (y (b, l, d) in x's dtype, h_l (b, d, n) fp32). ``h0`` (b, d, n): the
+    gradients included -> (y (b, l, d) in x's dtype, h_l (b, d, n) fp32, or float64 for float64
+    inputs). ``h0`` (b, d, n): the
     state before the first position (zeros by default). ``chunk``: q, by default about sqrt(2 l)
     (which makes the 2q + l/q steps fewest), at most 64. Any length: the last chunk is padded
     with Δ = 0, which changes nothing."""
@@ -84,7 +88,7 @@ def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     if delta.shape != x.shape or A.shape[0] != d or B.shape != (b, l, A.shape[1]) or C.shape != B.shape:
         raise ValueError(f"selective_scan: shapes x {tuple(x.shape)}, delta {tuple(delta.shape)}, A {tuple(A.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)} do not match (b, l, d), (d, n), (b, l, n)")
-    h0 = x.new_zeros(b, d, A.shape[1], dtype=torch.float32) if h0 is None else h0.float()
+    h0 = x.new_zeros(b, d, A.shape[1], dtype=_work_dtype(x)) if h0 is None else h0.to(_work_dtype(x))
     with torch.autocast(x.device.type, enabled=False):          # bf16 matmuls would round the state
         y, h = _ChunkedScan.apply(x, delta, A, B, C, h0, chunk)
     y = y.to(x.dtype)
@@ -92,113 +96,141 @@ def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
 
 
 # ----------------------------------------------------------------------------- the chunked scan
-# how many numbers of recomputed states the backward may hold beyond the chunk starts (32 MB in
-# fp32): a constant, so the backward's memory still grows only with l·d·n / q, and fewer, larger
-# groups of chunks take fewer Python steps
-_RECOMPUTE_BUDGET = 1 << 23
+# how many fp32 numbers the per-position buffers of one group of chunks may hold (32 MB): a
+# constant, so the memory of the scan beyond its inputs and chunk starts does not grow with the
+# length, while groups of several chunks keep the Python steps few
+_GROUP_BUDGET = 1 << 23
 
 
-def _chunked(t: Tensor, q: int) -> Tensor:
-    """(b, l, k) fp32 -> (b, l/q, q, k), the length padded with zeros to a multiple of q."""
+def _work_dtype(x: Tensor) -> torch.dtype:
+    """fp32, or float64 for float64 inputs (which lets gradcheck test the hand-written backward)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _chunked(t: Tensor, q: int, dtype: torch.dtype) -> Tensor:
+    """(b, l, k) -> (b, l/q, q, k) in ``dtype``, the length padded with zeros to a multiple of q."""
     b, l, k = t.shape
     pad = -l % q
-    t = t.float()
+    t = t.to(dtype)
     if pad:
         t = torch.cat([t, t.new_zeros(b, pad, k)], dim=1)
     return t.view(b, -1, q, k)
 
 
-def _decay(delta: Tensor, A: Tensor, i: int) -> Tensor:
-    """exp(Δ A) at position i of every chunk: (b, c, q, d), (d, n) -> (b, c, d, n)."""
-    return torch.exp(delta[:, :, i, :, None] * A)
+def _groups(c: int, q: int, per_chunk: int, buffers: int) -> tuple[list[slice], int]:
+    """Slices of the c chunks, as many chunks each as ``buffers`` (q, ..., d, n) buffers allow,
+    and that many chunks."""
+    size = max(1, min(c, _GROUP_BUDGET // (buffers * q * per_chunk)))
+    return [slice(lo, min(c, lo + size)) for lo in range(0, c, size)], size
 
 
-def _write(delta_x: Tensor, B: Tensor, i: int) -> Tensor:
-    """Δ B x at position i of every chunk -> (b, c, d, n)."""
-    return delta_x[:, :, i, :, None] * B[:, :, i, None, :]
+def _by_position(sl: slice, *ts: Tensor) -> list[Tensor]:
+    """Chunks ``sl`` of (b, c, q, k) tensors as (q, b, c', k) views: position i of every chunk is [i]."""
+    return [t[:, sl].permute(2, 0, 1, 3) for t in ts]
+
+
+def _buffer(size: int, like: Tensor):
+    """A view-maker over one block of ``size`` fp32 numbers that every group of chunks reuses:
+    allocating such a block anew for each group costs more than the arithmetic it holds."""
+    def view(*shape: int) -> Tensor:
+        return flat[:math.prod(shape)].view(shape)
+    flat = like.new_empty(size)
+    return view
+
+
+def _decays(ds: Tensor, A: Tensor, out: Tensor) -> Tensor:
+    """exp(Δ A) at every position of the chunks: ds (q, b, c', d) -> ``out`` (q, b, c', d, n),
+    contiguous, so that each position's slice is one block of memory."""
+    return torch.mul(ds[..., None], A, out=out).exp_()
 
 
 class _ChunkedScan(torch.autograd.Function):
-    """y = C h (without the D skip) and the last state; see the module docstring."""
+    """y = C h (without the D skip) and the last state; see the module docstring. Both passes
+    work a group of chunks at a time, every position of the group at once where no recurrence
+    links them (the decays, the readouts, the input gradients), and in place where one does."""
 
     @staticmethod
     def forward(ctx, x, delta, A, B, C, h0, q):
-        l = x.shape[1]
-        A32 = A.float()
-        xs, ds, Bs, Cs = (_chunked(t, q) for t in (x, delta, B, C))
+        (b, l, d), n = x.shape, A.shape[1]
+        A32 = A.to(_work_dtype(x))
+        xs, ds, Bs, Cs = (_chunked(t, q, A32.dtype) for t in (x, delta, B, C))
         dx = ds * xs
         c = xs.shape[1]
-        # each chunk's own end state (from a zero state) and its total decay exp(A sum Δ)
-        end = xs.new_zeros(*xs.shape[:2], *A.shape)
-        for i in range(q):
-            end = _decay(ds, A32, i) * end + _write(dx, Bs, i)
-        total = torch.exp(ds.sum(2)[..., None] * A32)
-        starts, h = [], h0
-        for k in range(c):
-            starts.append(h)
-            h = total[:, k] * h + end[:, k]
-        starts = torch.stack(starts, dim=1)                                # (b, c, d, n)
-        ys, s = [], starts
-        for i in range(q):
-            s = _decay(ds, A32, i) * s + _write(dx, Bs, i)
-            ys.append((s @ Cs[:, :, i, :, None]).squeeze(-1))
-        y = torch.stack(ys, dim=2).flatten(1, 2)[:, :l]
-        ctx.save_for_backward(x, delta, A, B, C, starts, total)
+        total = torch.exp(ds.sum(2)[..., None] * A32)                    # each chunk's total decay
+        starts, y, h = xs.new_empty(b, c, d, n), xs.new_empty(b, c, q, d), h0
+        groups, size = _groups(c, q, b * d * n, 1)
+        buffer = _buffer(q * b * size * d * n, A32)
+        for sl in groups:
+            dq, dxq, Bq, Cq = _by_position(sl, ds, dx, Bs, Cs)
+            a = _decays(dq, A32, buffer(*dq.shape, n))
+            end = a.new_zeros(a.shape[1:])                                 # each chunk's end from a zero state
+            for i in range(q):
+                end.mul_(a[i]).addcmul_(dxq[i, ..., None], Bq[i, :, :, None, :])
+            for k in range(end.shape[1]):
+                starts[:, sl.start + k] = h
+                h = total[:, sl.start + k] * h + end[:, k]
+            s = starts[:, sl]
+            for i in range(q):                                             # a[i] becomes the state after position i
+                s = a[i].mul_(s).addcmul_(dxq[i, ..., None], Bq[i, :, :, None, :])
+            y[:, sl] = (a @ Cq[..., None]).squeeze(-1).permute(1, 2, 0, 3)
+        ctx.save_for_backward(x, delta, A, B, C, starts)
         ctx.q = q
-        return y, h
+        return y.flatten(1, 2)[:, :l], h
 
     @staticmethod
     def backward(ctx, dy, dh):
-        x, delta, A, B, C, starts, total = ctx.saved_tensors
+        x, delta, A, B, C, starts = ctx.saved_tensors
         q, (b, l, d), n = ctx.q, x.shape, A.shape[1]
-        A32 = A.float()
-        xs, ds, Bs, Cs = (_chunked(t, q) for t in (x, delta, B, C))
-        gys = _chunked(dy, q)
-        dx_in = ds * xs
-        c = xs.shape[1]
-        # the adjoint of each chunk's start state from its own readouts, all chunks at once
-        r = xs.new_zeros(b, c, d, n)
-        for i in reversed(range(q)):
-            r = _decay(ds, A32, i) * (r + gys[:, :, i, :, None] * Cs[:, :, i, None, :])
-        # gamma[k]: the adjoint of the state entering chunk k, everything after it included
-        g = xs.new_zeros(b, d, n) if dh is None else dh.float()
-        gamma = [None] * (c + 1)
-        gamma[c] = g
-        for k in reversed(range(c)):
-            g = r[:, k] + total[:, k] * g
-            gamma[k] = g
-        after = torch.stack(gamma[1:], dim=1)                              # adjoint flowing in at each chunk's end
-        grads = [torch.zeros_like(t) for t in (xs, ds, Bs, Cs)]
+        A32 = A.to(_work_dtype(x))
+        xs, ds, Bs, Cs, gys = (_chunked(t, q, A32.dtype) for t in (x, delta, B, C, dy))
+        total = torch.exp(ds.sum(2)[..., None] * A32)
+        grads = [torch.empty_like(t) for t in (xs, ds, Bs, Cs)]
         dA = torch.zeros_like(A32)
-        # the states inside the chunks, recomputed a group of chunks at a time: as many positions
-        # at once as there are chunk starts, or more while they fit in _RECOMPUTE_BUDGET numbers
-        group = max(math.ceil(c / q), _RECOMPUTE_BUDGET // (q * b * d * n), 1)
-        for lo in range(0, c, group):
-            hi = min(c, lo + group)
-            dA += _backward_chunks(slice(lo, hi), starts, after, xs, ds, dx_in, Bs, Cs, gys, A32, grads)
+        gamma = xs.new_zeros(b, d, n) if dh is None else dh.to(A32.dtype)       # adjoint of the state after the last chunk
+        groups, size = _groups(xs.shape[1], q, b * d * n, 3)
+        buffers = [_buffer((q + 1) * b * size * d * n, A32) for _ in range(3)]
+        for sl in reversed(groups):
+            gamma = _backward_group(sl, gamma, starts, total, (xs, ds, Bs, Cs, gys), A32, grads, dA, buffers)
         gx, gd, gB, gC = (t.flatten(1, 2)[:, :l] for t in grads)
-        return (gx.to(x.dtype), gd.to(delta.dtype), dA.to(A.dtype), gB.to(B.dtype), gC.to(C.dtype), gamma[0], None)
+        return (gx.to(x.dtype), gd.to(delta.dtype), dA.to(A.dtype), gB.to(B.dtype), gC.to(C.dtype), gamma, None)
 
 
-def _backward_chunks(sl: slice, starts, after, xs, ds, dx_in, Bs, Cs, gys, A, grads) -> Tensor:
-    """The adjoint recurrence over the positions of chunks ``sl``: fills their slices of the input
-    gradients ``grads`` (x, Δ, B, C) and returns their share of A's gradient."""
-    q = xs.shape[2]
-    xs, ds, dx_in, Bs, Cs, gys = (t[:, sl] for t in (xs, ds, dx_in, Bs, Cs, gys))
-    gx, gd, gB, gC = (t[:, sl] for t in grads)
-    states = [starts[:, sl]]                                              # h before position i, i = 0..q
+def _backward_group(sl: slice, gamma, starts, total, ins, A, grads, dA, buffers) -> Tensor:
+    """The adjoint over chunks ``sl`` given ``gamma``, the adjoint of the state leaving the group:
+    fills their slices of ``grads`` (x, Δ, B, C), adds their share of A's gradient to ``dA`` and
+    returns the adjoint of the state entering the group.
+
+    With G_i = dL/dh_i inside a chunk: G_i = gy_i C_i + a_{i+1} G_{i+1}, and G at the chunk's end
+    also receives what flows back from the later chunks. The chunks of the group run side by
+    side, so that inflow is added afterwards (it decays back through the chunk as a_{i+1} ... a_q),
+    once the short recurrence over the group's chunks has given it from each chunk's own part."""
+    xq, dq, Bq, Cq, gq = _by_position(sl, *ins)
+    q, shape = xq.shape[0], (*xq.shape[1:], A.shape[1])                  # shape: one position's (b, c', d, n)
+    dxq = dq * xq
+    a = _decays(dq, A, buffers[0](q, *shape))
+    S = buffers[1](q + 1, *shape)                                          # S[i]: the state before position i
+    S[0] = starts[:, sl]
     for i in range(q):
-        states.append(_decay(ds, A, i) * states[-1] + _write(dx_in, Bs, i))
-    g, dA = after[:, sl].clone(), torch.zeros_like(A)
+        torch.mul(a[i], S[i], out=S[i + 1]).addcmul_(dxq[i, ..., None], Bq[i, :, :, None, :])
+    G = buffers[2](q, *shape)
+    torch.mul(gq[-1, ..., None], Cq[-1, :, :, None, :], out=G[-1])
+    for i in reversed(range(q - 1)):
+        torch.mul(a[i + 1], G[i + 1], out=G[i]).addcmul_(gq[i, ..., None], Cq[i, :, :, None, :])
+    own = a[0] * G[0]                                                      # each chunk's start adjoint from its own readouts
+    inflow = torch.empty_like(own)
+    for k in reversed(range(own.shape[1])):
+        inflow[:, k] = gamma
+        gamma = own[:, k] + total[:, sl.start + k] * gamma
     for i in reversed(range(q)):
-        g = g + gys[:, :, i, :, None] * Cs[:, :, i, None, :]               # dL/dh_i
-        gC[:, :, i] = (gys[:, :, i, None, :] @ states[i + 1]).squeeze(-2)
-        gB_in = (g @ Bs[:, :, i, :, None]).squeeze(-1)                     # sum_n g B: (b, c', d)
-        gx[:, :, i] = gB_in * ds[:, :, i]
-        gB[:, :, i] = (dx_in[:, :, i, None, :] @ g).squeeze(-2)
-        a = _decay(ds, A, i)
-        d_log_decay = g * a * states[i]                                    # dL/d(Δ A) (b, c', d, n)
-        gd[:, :, i] = gB_in * xs[:, :, i] + (d_log_decay * A).sum(-1)
-        dA += (d_log_decay * ds[:, :, i, :, None]).sum((0, 1))
-        g = a * g
-    return dA
+        G[i].add_(inflow)
+        inflow.mul_(a[i])
+    gB_in = (G @ Bq[..., None]).squeeze(-1)                                # sum_n G B: (q, b, c', d)
+    gx, gd, gB, gC = _by_position(sl, *grads)
+    gx.copy_(gB_in * dq)
+    gB.copy_((dxq[..., None, :] @ G).squeeze(-2))
+    gC.copy_((gq[..., None, :] @ S[1:]).squeeze(-2))
+    M = G.mul_(a).mul_(S[:-1])                                             # dL/d(Δ A) at every position
+    d = M.shape[-2]
+    dA += torch.mul(M.view(-1, *A.shape), dq.reshape(-1, d, 1), out=a.view(-1, *A.shape)).sum(0)
+    gd.copy_(gB_in * xq + M.mul_(A).sum(-1))
+    return gamma
