@@ -365,3 +365,25 @@ def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_p
     code, _, err = _cli(capsys, "train", "image", "--dyt-alpha", "3", "--steps", "1", "--out", tmp_path / "x")
     assert code == 2 and "--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_label_smoothing_reaches_the_loss_and_is_refused_with_a_teacher(teacher, tmp_path, capsys):
+    data, run = teacher
+    task = get_task("image")
+    kw = dict(data=str(data), out=str(tmp_path / "y"), image_size=16, patch_size=4, d_model=32, heads=2, layers=1,
+              batch_size=8)
+    t = task.prepare(task.settings(**kw, label_smoothing=0.2), None).task
+    batch = t.plan(0, 0)[0]
+    t.model.train(False)
+    loss, n, _ = t.loss(t.model, batch)
+    images, y = t.batch_bytes(batch)
+    logits = t.model(t.processor.finish(images)).float()
+    # smoothing 0.2 over C classes: the target is 0.8 on the label plus 0.2 / C everywhere
+    target = torch.full_like(logits, 0.2 / logits.size(-1)).scatter_add_(
+        1, y[:, None], torch.full((len(y), 1), 0.8))
+    want = -(target * logits.log_softmax(-1)).sum()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    assert not torch.allclose(loss, torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+    code, _, err = _cli(capsys, "train", "image", "--data", data, "--steps", "1", "--out", tmp_path / "s",
+                        "--model", "deit", "--teacher", run, "--label-smoothing", "0.1", *_TINY)
+    assert code == 2 and "--label-smoothing: not with --teacher" in err and len(err.strip().splitlines()) == 1, err

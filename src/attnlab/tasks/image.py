@@ -189,8 +189,10 @@ class ImageClassificationTask:
 
     def __init__(self, model: nn.Module, processor: ImageProcessor, labels: list[str], train: tuple[Tensor, Tensor],
                  valid: tuple[Tensor, Tensor], *, batch_size: int, augmentation: str = "none",
-                 teacher: Teacher | None = None, distillation: str = "hard", alpha: float = 0.1, tau: float = 3.0):
+                 teacher: Teacher | None = None, distillation: str = "hard", alpha: float = 0.1, tau: float = 3.0,
+                 label_smoothing: float = 0.0):
         self.model, self.processor, self.labels, self.batch_size = model, processor, labels, batch_size
+        self.label_smoothing = label_smoothing
         (self.train_x, self.train_y), (self.valid_x, self.valid_y) = train, valid
         self.augmentation, self.teacher = augmentation, teacher
         self.distillation, self.alpha, self.tau = distillation, alpha, tau
@@ -213,7 +215,7 @@ class ImageClassificationTask:
         pixels, y = self.processor.finish(images).to(device), y.to(device)
         if self.teacher is None:
             logits = model(pixels)
-            loss = F.cross_entropy(logits.float(), y, reduction="sum")
+            loss = F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=self.label_smoothing)
         else:
             from ..models.deit import hard_distillation_loss, soft_distillation_loss
             cls_logits, dist_logits = model.heads(pixels)
@@ -297,6 +299,8 @@ class ImageClassification(TaskDefinition):
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
         Option("dropout", float, None, "dropout (default: 0.1)", check=fraction,
                group=_M),
+        Option("label_smoothing", float, 0.0, "label smoothing of the training loss (not with --teacher, "
+               "whose losses are DeiT's)", check=fraction, group=_D),
         Option("dyt_alpha", float, None, "DyT's initial alpha (--norm dyt) (default: 0.5, the DyT paper's for a ViT; "
                f"{_DYT_ALPHA['digits']:g} for the digits, whose small patches start about 8 times weaker)",
                check=positive, group=_M),
@@ -370,6 +374,9 @@ class ImageClassification(TaskDefinition):
                              f"not --model {s['model']}")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--teacher: distillation trains in one process; run it without torchrun")
+        if s["label_smoothing"]:
+            raise ValueError("--label-smoothing: not with --teacher (the losses are DeiT's: the labels and the "
+                             "teacher's classes)")
         s["distillation"] = s["distillation"] or "hard"
         if s["distillation"] == "hard" and soft:
             raise ValueError(f"{', '.join(soft)}: only for --distillation soft")
@@ -479,7 +486,7 @@ class ImageClassification(TaskDefinition):
         task = ImageClassificationTask(model, processor, labels, data["train"], data["valid"],
                                        batch_size=s["batch_size"], augmentation=s["augment"], teacher=teacher,
                                        distillation=s["distillation"] or "hard", alpha=s["distillation_alpha"] or 0.1,
-                                       tau=s["distillation_tau"] or 3.0)
+                                       tau=s["distillation_tau"] or 3.0, label_smoothing=s["label_smoothing"])
         n = sum(p.numel() for p in model.parameters()) / 1e6
         test = data.get("test")
         few = f" (--label-fraction {s['label_fraction']:g}, stratified)" if s["label_fraction"] < 1 else ""
