@@ -166,14 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"attnlab {args.command}: interrupted", file=sys.stderr)
+        _say(f"attnlab {args.command}: interrupted")
         return 130
     except Exception as e:
         if debug or not is_user_error(e):
             raise
         message = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
-        print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
+        _say(f"attnlab {args.command}: error: {message}")
         return 2
+
+
+def _say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write: under torchrun every rank shares the
+    terminal or pipe, and ``print`` (text, then newline, in two writes) lets another rank's line
+    land between them, gluing two error lines into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 @contextmanager
