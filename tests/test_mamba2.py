@@ -6,7 +6,6 @@ speculative decoding equals greedy); the gated norm per group; A_log, D and dt_b
 `attnlab train lm --model mamba2` trains and generates."""
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 import attnlab
 import attnlab.models  # noqa: F401
 import contract
-from attnlab.generate import GenerationStats, generate
+import recurrent_contract
 from attnlab.models.mamba2 import MAMBA2, Mamba2, Mamba2Config, Mamba2Model
 from attnlab.nn.norm import GatedRMSNorm
 from attnlab.train.optim import no_decay_parameters
@@ -135,77 +134,28 @@ def test_gated_norm_equals_transformers_per_group():
 
 # ----------------------------------------------------------------------------- decoding
 def test_step_by_step_logits_equal_the_full_forward(pair):
-    model = pair[0]
-    ids = _ids((3, 75), seed=5)
-    with torch.no_grad():
-        full = model(ids)
-        state = model.new_cache()
-        steps = [model(ids[:, :67], cache=state)] + [model(ids[:, t:t + 1], cache=state) for t in range(67, 75)]
-    assert state.length == 75
-    assert_close_scaled(torch.cat(steps, 1), full, FP32, "stepwise logits")
+    recurrent_contract.check_pieces_equal_the_full_forward(pair[0], _ids((3, 75), seed=5), [67])
 
 
 def test_the_state_has_a_constant_size_per_token(pair):
-    model = pair[0]
-    sizes = []
-    with torch.no_grad():
-        state = model.new_cache()
-        model(_ids((2, 3)), cache=state)
-        for t in range(20):
-            model(_ids((2, 1), seed=t), cache=state)
-            sizes.append(sum(x.numel() for x in state.tensors))
-    c = model.config
-    assert set(sizes) == {c.num_layers * 2 * (c.conv_dim * (c.d_conv - 1) + c.num_heads * c.head_dim * c.d_state)}
+    c = pair[0].config
+    recurrent_contract.check_the_state_has_a_constant_size(
+        pair[0], c.num_layers * 2 * (c.conv_dim * (c.d_conv - 1) + c.num_heads * c.head_dim * c.d_state))
 
 
 def test_cached_equals_uncached_greedy(pair):
-    model = pair[0]
-    prompt = _ids((3, 5), seed=6)
-    stats = GenerationStats()
-    cached = generate(model, prompt, 16, stats=stats)
-    assert stats.target_passes == 16
-    assert torch.equal(cached, generate(model, prompt, 16, use_cache=False))
-
-
-def _left_padded():
-    prompts = [_ids((1, n), seed=10 + n)[0] for n in (6, 2, 4)]
-    ids, mask = torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, 6 - len(p):], mask[i, 6 - len(p):] = p, 1
-    return prompts, ids, mask
+    recurrent_contract.check_cached_equals_uncached(pair[0])
 
 
 def test_left_padded_batch_gives_each_row_what_it_gives_alone(pair):
     """The state is carried over padding unchanged (Δ = 0 there, zeros into the convolution).
     transformers' Mamba2 zeroes the padded inputs but its state still decays there, so it is no
     reference for this."""
-    model = pair[0]
-    prompts, ids, mask = _left_padded()
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        for i, p in enumerate(prompts):
-            assert_close_scaled(padded[i, 6 - len(p):], model(p[None])[0], FP32, f"row {i} logits")
-    for use_cache in (True, False):
-        out = generate(model, ids, 12, attention_mask=mask, use_cache=use_cache)
-        for i, p in enumerate(prompts):
-            assert out[i, 6:].tolist() == generate(model, p[None], 12)[0, len(p):].tolist(), f"row {i}"
+    recurrent_contract.check_left_padding_changes_no_row(pair[0])
 
 
 def test_speculative_decoding_equals_greedy_with_rejections_per_row(pair):
-    model = pair[0]
-    prompts, ids, mask = _left_padded()
-    plain = generate(model, ids, 14, attention_mask=mask)
-    draft = _tiny(seed=0)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for p in draft.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    for k in (1, 3):
-        stats = GenerationStats()
-        got = generate(model, ids, 14, attention_mask=mask, draft_model=draft, num_draft_tokens=k, stats=stats)
-        assert torch.equal(got, plain), f"k={k}"
-        assert 0 < stats.accepted < stats.drafted, (k, stats)
-    assert torch.equal(model.generate(ids, 14, attention_mask=mask, draft_model=model), plain)
+    recurrent_contract.check_speculative_decoding_equals_greedy(pair[0], _tiny(seed=0))
 
 
 # ----------------------------------------------------------------------------- training surface
@@ -247,38 +197,14 @@ def test_sizing_builder_and_bad_input():
 
 
 def test_train_lm_with_mamba2_from_the_command_line(tmp_path):
-    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["train", "lm", "--model", "mamba2", "--data", tmp_path / "text.txt", "--out", tmp_path / "run",
-            "--steps", "12", "--d-model", "16", "--heads", "2", "--layers", "1", "--d-state", "8", "--n-groups", "2",
-            "--context", "24", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--eval-every", "6",
-            "--no-progress"]
-    r = subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    meta = json.loads((tmp_path / "run" / "best" / "run.json").read_text())
+    meta = recurrent_contract.check_train_lm_from_the_command_line(
+        tmp_path, "mamba2", ["--heads", "2", "--d-state", "8", "--n-groups", "2"])
     assert (meta["model_type"], meta["architecture"]) == ("mamba2", "Mamba2ForCausalLM")
     assert (meta["config"]["num_heads"], meta["config"]["head_dim"], meta["config"]["n_groups"]) == (2, 16, 2)
-    train = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
-    assert train[-1] < train[0], train
-    g = subprocess.run([sys.executable, "-m", "attnlab.cli", "generate", str(tmp_path / "run"), "--prompt", "the",
-                        "--max-new-tokens", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-    assert g.returncode == 0, g.stderr
-    assert len(g.stdout) >= 40
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    model = _tiny().train()
-    ids = _ids((2, 30))
-
-    def grads():
-        model.zero_grad()
-        model(ids).square().mean().backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-    plain = grads()
-    model.gradient_checkpointing = True
-    assert_close_scaled(grads(), plain, FP32, "checkpointed gradients")
+    recurrent_contract.check_gradient_checkpointing(_tiny())
 
 
 def test_ssm_benchmark_quick_runs_for_mamba2():

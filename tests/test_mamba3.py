@@ -8,10 +8,6 @@ recurrent state (speculative equals greedy); a directory round trip; bad input g
 `attnlab train lm --model mamba3` trains and generates."""
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,13 +17,11 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 import attnlab.models  # noqa: F401
 import contract
-from attnlab.generate import GenerationStats, generate
+import recurrent_contract
 from attnlab.models.mamba3 import MAMBA3, Mamba3, Mamba3Config, Mamba3Mixer
 from attnlab.nn.mamba3_scan import mamba3_scan, mamba3_scan_reference, rotate_pairs
 from attnlab.train.optim import no_decay_parameters
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- the authors' recurrence
@@ -259,73 +253,29 @@ def model(request):
 
 
 def test_step_by_step_logits_equal_the_full_forward(model):
-    ids = _ids((3, 19), seed=5)
-    with torch.no_grad():
-        full = model(ids)
-        state = model.new_cache()
-        steps = [model(ids[:, :4], cache=state)] + [model(ids[:, t:t + 1], cache=state) for t in range(4, 19)]
-        fresh = model.new_cache()
-        single = [model(ids[:, t:t + 1], cache=fresh) for t in range(19)]
-    assert state.length == 19
-    assert_close_scaled(torch.cat(steps, 1), full, FP32, "prefill then steps")
-    assert_close_scaled(torch.cat(single, 1), full, FP32, "one position at a time from the start")
+    tokens = _ids((3, 19), seed=5)
+    recurrent_contract.check_pieces_equal_the_full_forward(model, tokens, [4])
+    recurrent_contract.check_pieces_equal_the_full_forward(model, tokens, [1])    # one at a time from the start
 
 
 def test_the_state_has_a_constant_size_per_token(model):
-    c, sizes = model.config, []
-    with torch.no_grad():
-        state = model.new_cache()
-        model(_ids((2, 3)), cache=state)
-        for t in range(30):
-            model(_ids((2, 1), seed=t), cache=state)
-            sizes.append(sum(x.numel() for x in state.tensors))
+    c = model.config
     per_row = c.nheads * (c.num_rope_angles + c.headdim * c.d_state + c.rank * (c.d_state + c.headdim))
-    assert set(sizes) == {2 * c.num_layers * per_row}
+    recurrent_contract.check_the_state_has_a_constant_size(model, 2 * c.num_layers * per_row, steps=30)
 
 
 def test_cached_equals_uncached_greedy_and_beam_search(model):
-    prompt = _ids((3, 5), seed=6)
-    stats = GenerationStats()
-    cached = generate(model, prompt, 12, stats=stats)
-    assert stats.target_passes == 12
-    assert torch.equal(cached, generate(model, prompt, 12, use_cache=False))
-    beams = generate(model, prompt[:2], 6, num_beams=3)
-    assert torch.equal(beams, generate(model, prompt[:2], 6, num_beams=3, use_cache=False))
-    assert torch.equal(generate(model, prompt, 6, num_beams=1), generate(model, prompt, 6))
-
-
-def _left_padded():
-    prompts = [_ids((1, n), seed=10 + n)[0] for n in (6, 2, 4)]
-    ids, mask = torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, 6 - len(p):], mask[i, 6 - len(p):] = p, 1
-    return prompts, ids, mask
+    recurrent_contract.check_cached_equals_uncached(model, 12)
+    recurrent_contract.check_beam_search(model)
 
 
 def test_left_padded_batch_gives_each_row_what_it_gives_alone(model):
-    prompts, ids, mask = _left_padded()
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        for i, p in enumerate(prompts):
-            assert_close_scaled(padded[i, 6 - len(p):], model(p[None])[0], FP32, f"row {i} logits")
-    out = generate(model, ids, 10, attention_mask=mask)
-    for i, p in enumerate(prompts):
-        assert out[i, 6:].tolist() == generate(model, p[None], 10)[0, len(p):].tolist(), f"row {i}"
+    recurrent_contract.check_left_padding_changes_no_row(model, 10)
 
 
 def test_speculative_decoding_equals_greedy_with_rejections_per_row(model):
-    prompts, ids, mask = _left_padded()
-    plain = generate(model, ids, 14, attention_mask=mask)
     draft = _tiny("tiny-mimo" if model.config.is_mimo else "tiny")
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for p in draft.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    for k in (1, 3):
-        stats = GenerationStats()
-        got = generate(model, ids, 14, attention_mask=mask, draft_model=draft, num_draft_tokens=k, stats=stats)
-        assert torch.equal(got, plain), f"k={k}"
-        assert 0 < stats.accepted < stats.drafted, (k, stats)
+    recurrent_contract.check_speculative_decoding_equals_greedy(model, draft)
 
 
 def test_directory_round_trip_in_attnlabs_layout(model, tmp_path):
@@ -351,16 +301,7 @@ def test_no_weight_decay_on_the_dynamics():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    model = _tiny("tiny-mimo").train()
-    ids = _ids((2, 30))
-
-    def grads():
-        model.zero_grad()
-        model(ids).square().mean().backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-    plain = grads()
-    model.gradient_checkpointing = True
-    assert_close_scaled(grads(), plain, FP32, "checkpointed gradients")
+    recurrent_contract.check_gradient_checkpointing(_tiny("tiny-mimo"))
 
 
 def test_sizing_builder_and_bad_input():
@@ -391,26 +332,11 @@ def test_sizing_builder_and_bad_input():
 
 
 def test_train_lm_with_mamba3_from_the_command_line(tmp_path):
-    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["train", "lm", "--model", "mamba3", "--data", tmp_path / "text.txt", "--out", tmp_path / "run",
-            "--steps", "12", "--d-model", "16", "--layers", "1", "--d-state", "8", "--headdim", "8",
-            "--mimo-rank", "2", "--no-trapezoidal", "--context", "24", "--batch-size", "4", "--lr", "1e-2",
-            "--warmup", "2", "--eval-every", "6", "--no-progress"]
-    r = subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    meta = json.loads((tmp_path / "run" / "best" / "run.json").read_text())
+    meta = recurrent_contract.check_train_lm_from_the_command_line(
+        tmp_path, "mamba3", ["--d-state", "8", "--headdim", "8", "--mimo-rank", "2", "--no-trapezoidal"])
     assert (meta["model_type"], meta["architecture"]) == ("mamba3", "Mamba3ForCausalLM")
     c = meta["config"]
     assert (c["d_state"], c["is_mimo"], c["mimo_rank"], c["trapezoidal"], c["headdim"]) == (8, True, 2, False, 8)
-    train = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
-    assert train[-1] < train[0], train
-    g = subprocess.run([sys.executable, "-m", "attnlab.cli", "generate", str(tmp_path / "run"), "--prompt", "the",
-                        "--max-new-tokens", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-    assert g.returncode == 0, g.stderr
-    assert len(g.stdout) >= 40
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -5,10 +5,6 @@ no row, speculative decoding equals greedy, constant state size); save/load thro
 layout; `attnlab train lm --model rwkv7`."""
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,13 +13,11 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 import attnlab.models  # noqa: F401
 import contract
-from attnlab.generate import GenerationStats, generate
+import recurrent_contract
 from attnlab.models.rwkv7 import RWKV7, Rwkv7, Rwkv7Config
 from attnlab.nn.wkv import wkv7, wkv7_reference, wkv7_step
 from attnlab.train.optim import no_decay_parameters
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny(seed=0, **overrides) -> Rwkv7:
@@ -164,69 +158,26 @@ def test_a_step_with_unit_decay_zero_rate_and_zero_key_keeps_the_state():
 
 # ----------------------------------------------------------------------------- decoding
 def test_step_by_step_logits_equal_the_full_forward(model):
-    ids = _ids((3, 17), seed=5)
-    with torch.no_grad():
-        full = model(ids)
-        state = model.new_cache()
-        steps = [model(ids[:, :4], cache=state), model(ids[:, 4:9], cache=state)]
-        steps += [model(ids[:, t:t + 1], cache=state) for t in range(9, 17)]
-    assert state.length == 17
-    assert_close_scaled(torch.cat(steps, 1), full, FP32, "stepwise logits")
+    recurrent_contract.check_pieces_equal_the_full_forward(model, _ids((3, 17), seed=5), [4, 9])
 
 
 def test_the_state_has_a_constant_size_per_token(model):
-    sizes = []
-    with torch.no_grad():
-        state = model.new_cache()
-        model(_ids((2, 3)), cache=state)
-        for t in range(20):
-            model(_ids((2, 1), seed=t), cache=state)
-            sizes.append(sum(x.numel() for x in state.tensors))
     c = model.config
-    assert set(sizes) == {c.num_layers * 2 * (2 * c.d_model + c.num_heads * c.head_size ** 2)}
-
-
-def _left_padded():
-    prompts = [_ids((1, n), seed=10 + n)[0] for n in (6, 2, 4)]
-    ids, mask = torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, 6 - len(p):], mask[i, 6 - len(p):] = p, 1
-    return prompts, ids, mask
+    recurrent_contract.check_the_state_has_a_constant_size(
+        model, c.num_layers * 2 * (2 * c.d_model + c.num_heads * c.head_size ** 2))
 
 
 def test_left_padded_batch_gives_each_row_what_it_gives_alone(model):
-    prompts, ids, mask = _left_padded()
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        for i, p in enumerate(prompts):
-            assert_close_scaled(padded[i, 6 - len(p):], model(p[None])[0], FP32, f"row {i} logits")
-    stats = GenerationStats()
-    out = generate(model, ids, 10, attention_mask=mask, stats=stats)
-    assert stats.target_passes == 10
-    assert torch.equal(out, generate(model, ids, 10, attention_mask=mask, use_cache=False))
-    for i, p in enumerate(prompts):
-        assert out[i, 6:].tolist() == generate(model, p[None], 10)[0, len(p):].tolist(), f"row {i}"
+    recurrent_contract.check_left_padding_changes_no_row(model, 10)
+    recurrent_contract.check_cached_equals_uncached(model, 10)
 
 
 def test_speculative_decoding_equals_greedy_with_rejections_per_row(model):
-    prompts, ids, mask = _left_padded()
-    plain = generate(model, ids, 12, attention_mask=mask)
-    draft = _tiny(seed=0)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for p in draft.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    for k in (1, 3):
-        stats = GenerationStats()
-        got = generate(model, ids, 12, attention_mask=mask, draft_model=draft, num_draft_tokens=k, stats=stats)
-        assert torch.equal(got, plain), f"k={k}"
-        assert 0 < stats.accepted < stats.drafted, (k, stats)
+    recurrent_contract.check_speculative_decoding_equals_greedy(model, _tiny(seed=0), 12)
 
 
 def test_beam_search_runs_through_the_recurrent_state(model):
-    prompt = _ids((2, 4), seed=8)
-    assert torch.equal(generate(model, prompt, 5, num_beams=3), generate(model, prompt, 5, num_beams=3,
-                                                                        use_cache=False))
+    recurrent_contract.check_beam_search(model, 5)
 
 
 # ----------------------------------------------------------------------------- saving and training
@@ -280,33 +231,9 @@ def test_sizing_builder_and_bad_input(model):
 
 
 def test_train_lm_with_rwkv7_from_the_command_line(tmp_path):
-    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["train", "lm", "--model", "rwkv7", "--data", tmp_path / "text.txt", "--out", tmp_path / "run",
-            "--steps", "12", "--d-model", "16", "--layers", "1", "--head-size", "8", "--context", "24",
-            "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--eval-every", "6", "--no-progress"]
-    r = subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    meta = json.loads((tmp_path / "run" / "best" / "run.json").read_text())
+    meta = recurrent_contract.check_train_lm_from_the_command_line(tmp_path, "rwkv7", ["--head-size", "8"])
     assert (meta["model_type"], meta["architecture"], meta["config"]["head_size"]) == ("rwkv7", "Rwkv7ForCausalLM", 8)
-    train = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
-    assert train[-1] < train[0], train
-    g = subprocess.run([sys.executable, "-m", "attnlab.cli", "generate", str(tmp_path / "run"), "--prompt", "the",
-                        "--max-new-tokens", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-    assert g.returncode == 0, g.stderr
-    assert len(g.stdout) >= 40
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    model = _tiny().train()
-    ids = _ids((2, 20))
-
-    def grads():
-        model.zero_grad()
-        model(ids).square().mean().backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-    plain = grads()
-    model.gradient_checkpointing = True
-    assert_close_scaled(grads(), plain, FP32, "checkpointed gradients")
+    recurrent_contract.check_gradient_checkpointing(_tiny(), length=20)
