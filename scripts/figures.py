@@ -16,8 +16,8 @@ numbers the pages quote instead of a fingerprint (the test cannot retrain them):
 from a translation run (``--run DIR``, else ``runs/translate`` when the main job has run
 (scripts/main.sh), else a short seeded run trained here: 150 steps, about a minute on an idle
 two-core CPU), and the vision page's position similarity and class-token attention from one
-digits ViT (scripts/figures_vision.py holds the vision page's figures; scripts/figure_common.py
-what both modules share) (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
+digits ViT (scripts/figures_vision.py holds the vision page's figures, scripts/figures_lessons.py
+those of the sections that had none; scripts/figure_common.py what the modules share) (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
 --patch-size 2`` trained here, about three minutes on one idle core).
 """
 from __future__ import annotations
@@ -37,6 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling modules below, however this is run
 from figure_common import heatmap as _heatmap, plt, save_figure as _save  # noqa: E402
+from figures_lessons import (data_accumulation, data_block_stream, data_encoder_influence,  # noqa: E402,F401
+                             data_ffn_width, data_parameter_budget, data_position_offset, data_shapes,
+                             data_torch_parity, draw_accumulation, draw_block_stream, draw_encoder_influence,
+                             draw_ffn_width, draw_parameter_budget, draw_position_offset, draw_shapes,
+                             draw_torch_parity)
 from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
                             draw_mae_masking, draw_patches, position_similarity, position_similarity_data)
 
@@ -465,7 +470,9 @@ FIGURES_BY_PAGE = {
     "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
     "soft_lookup": "attention.md", "heads": "multi-head-attention.md", "mlm_masking": "bert.md",
     "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md", "mae_masking": "vision.md",
-    "extrapolation": "positions.md",
+    "extrapolation": "positions.md", "encoder_influence": "encoder-decoder.md", "ffn_width": "feed-forward.md",
+    "position_offset": "positions.md", "accumulation": "trainer.md", "parameter_budget": "summary.md",
+    "shapes": "index.md", "block_stream": "classification.md", "torch_parity": "masks.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md"}
 _MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run"}
