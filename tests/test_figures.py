@@ -136,6 +136,19 @@ def test_the_vision_page_quotes_its_measured_figures():
         assert " ".join(claim.split()) in " ".join(page.split()), f"vision.md does not say {claim!r}"
 
 
+
+def test_the_vision_page_reads_the_explorer_screenshot():
+    """docs/vision.md's sentence under the explorer's screenshot quotes what the manifest kept of
+    the page's drawn row (layer 1, head 1, the class token) and of the run."""
+    shot = MANIFEST["explorer_image_view"]
+    assert shot["source"] == "attnlab " + " ".join(figures.VISION_COMMAND)
+    assert 0 < shot["to_class_token"] < shot["brightest_patch"] <= 1
+    page = " ".join((ROOT / "docs" / "vision.md").read_text(encoding="utf-8").split())
+    for claim in (f"a held-out {shot['digit']}", f"{shot['held_out_accuracy']:.1f} % held out",
+                  f"puts {shot['brightest_patch']:.3f} of its weight on one patch",
+                  f"and {shot['to_class_token']:.2f} on itself"):
+        assert claim in page, f"vision.md does not say {claim!r}"
+
 def test_position_similarity_is_read_from_the_model_s_own_table():
     """The measured figure's numbers come from position_similarity_data, checked here on a model
     whose table is known: a table built from the patches' coordinates is most like its neighbours."""
