@@ -238,30 +238,36 @@ def draw_parameter_budget(data, path):
 
 def data_shapes() -> dict:
     """Section A1: the shapes inside one MultiHeadAttention(32, 4) call of cross-attention,
-    B = 2 sentences of T = 5 queries over S = 7 keys, read off the module while it runs."""
+    B = 2 sentences of T = 5 queries over S = 7 keys, each read off the module while it runs
+    (hooks on its projections, its head split wrapped, the weights recorded)."""
     from attnlab.nn import MultiHeadAttention
     from attnlab.viz import record_attention
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 4).eval()
-    seen = {}
-    hooks = [getattr(mha, n).register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, o.shape))
-             for n in ("q_proj", "k_proj", "out_proj")]
+    seen, split = {}, []
+    hooks = [mha.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("q", o.shape)),
+             mha.out_proj.register_forward_hook(lambda m, i, o: seen.update(merged=i[0].shape, out=o.shape))]
+    plain = mha._split
+
+    def keep_split(t, heads):                                     # (B, L, H·D) -> (B, H, L, D), kept
+        split.append(plain(t, heads))
+        return split[-1]
+    mha._split = keep_split                                       # this instance only, for this one call
     x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     with torch.no_grad(), record_attention(mha) as record:
         mha(x, memory, memory)
     for h in hooks:
         h.remove()
-    B, T, E = x.shape
-    H = mha.num_heads
-    shapes = [x.shape, memory.shape, seen["q_proj"], (B, H, T, E // H), (B, H, memory.size(1), E // H),
-              record.weights(0).shape, (B, H, T, E // H), seen["out_proj"]]
+    by_length = {t.size(2): t.shape for t in split}                                  # q: T = 5; k, v: S = 7
+    shapes = [x.shape, memory.shape, seen["q"], by_length[5], by_length[7], record.weights(0).shape,
+              seen["merged"], seen["out"]]
     return {"shapes": np.array([list(s) + [0] * (4 - len(s)) for s in shapes], dtype=np.float64)}
 
 
-SHAPE_STEPS = ("query x", "key/value memory", "q = x W_q", "split into heads", "k, v in heads",
-               "softmax(q kᵀ/√D)", "weights @ v", "merge heads, W_o")
+SHAPE_STEPS = ("query x", "key/value memory", "q = x W_q", "q split into heads", "k, v split into heads",
+               "softmax(q kᵀ/√D)", "weights @ v, heads merged", "output: · W_o")
 SHAPE_LETTERS = ("(B, T, E)", "(B, S, E)", "(B, T, H·D)", "(B, H, T, D)", "(B, H, S, D)", "(B, H, T, S)",
-                 "(B, H, T, D)", "(B, T, E)")
+                 "(B, T, H·D)", "(B, T, E)")
 
 
 def draw_shapes(data, path):
