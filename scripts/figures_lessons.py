@@ -168,17 +168,48 @@ def _train_losses(micro: int, accum: int, mean_of_means: bool = False) -> list[f
     return [r["loss_per_token"] for r in records if r.get("kind") == "eval"]
 
 
+SAVED_CASES = ("batch 8", "micro-batch 2", "batch 8,\ncheckpointed", "micro-batch 2,\ncheckpointed")
+
+
+def _saved_bytes(model, batch: int, checkpointed: bool) -> int:
+    """Bytes of the activations ``model`` (a "tiny" GPT: 2 layers, E = 32) keeps for its backward
+    pass on ``batch`` sequences of 32 tokens: the storages of the floating-point tensors autograd
+    saves in the forward, each counted once (views share one), weights left out (so are integer
+    positions and boolean masks, which a cache may share between calls)."""
+    model.gradient_checkpointing = checkpointed                  # what --grad-checkpointing sets
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if t.is_floating_point() and storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage                 # held, so no later tensor reuses its memory
+        return t
+    ids = torch.randint(0, 96, (batch, 32), generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids).logsumexp(-1).mean()
+    loss.backward()
+    return sum(s.nbytes() for s in saved.values())
+
+
 def data_accumulation() -> dict:
     """Section 8.4: 16 steps of attnlab's Trainer on batches of 8 uneven sequences, as one batch
     of 8, as 4 accumulated micro-batches of 2 (the Trainer's sum / tokens), and as 4 micro-batches
-    whose mean losses are averaged: after each step, the loss per real token over all 32 sequences."""
+    whose mean losses are averaged: after each step, the loss per real token over all 32 sequences.
+    And what the memory is saved from: the activations kept for the backward pass, for a batch of
+    8 and a micro-batch of 2, with and without gradient checkpointing."""
+    from attnlab.models.gpt import PRESETS, GPT, GPTConfig
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**PRESETS["tiny"])).train()
     return {"one_batch": np.array(_train_losses(8, 1)), "accumulated": np.array(_train_losses(2, 4)),
-            "mean_of_means": np.array(_train_losses(2, 4, mean_of_means=True))}
+            "mean_of_means": np.array(_train_losses(2, 4, mean_of_means=True)),
+            "saved_bytes": np.array([_saved_bytes(gpt, b, c) for b, c in ((8, False), (2, False), (8, True), (2, True))],
+                                    dtype=np.float64)}
 
 
 def draw_accumulation(data, path):
     steps = np.arange(1, len(data["one_batch"]) + 1)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (left, right, memory) = plt.subplots(1, 3, figsize=(13, 3.4))
     left.plot(steps, data["one_batch"], "o-", ms=6, label="one batch of 8")
     left.plot(steps, data["accumulated"], "x-", ms=6, label="4 x 2, accumulated (sum / tokens)")
     left.plot(steps, data["mean_of_means"], "s--", ms=3, label="4 x 2, mean of the micro-batch means")
@@ -191,6 +222,13 @@ def draw_accumulation(data, path):
     right.set_xlabel("optimizer step")
     right.set_ylabel("|loss - one batch's| / loss (floor 1e-9)")
     right.legend(fontsize=7)
+    kib = data["saved_bytes"] / 1024
+    memory.bar(range(4), kib, color=["tab:blue", "tab:orange", "tab:green", "tab:olive"])
+    for i, v in enumerate(kib):
+        memory.text(i, v * 1.02, f"{v:.0f} KiB", ha="center", fontsize=7)
+    memory.set_xticks(range(4), labels=SAVED_CASES, fontsize=7)
+    memory.set_ylabel("activations kept for backward (KiB)")
+    memory.set_title('"tiny" GPT, 32 tokens a sequence', fontsize=8)
     _save(fig, path)
 
 
