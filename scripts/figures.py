@@ -4,7 +4,8 @@
     PYTHONPATH=src .venv/bin/python scripts/figures.py masks rope  # some of them
 
 Each figure is two functions: ``data_NAME()`` computes the numbers the figure shows with attnlab
-(seeded, a second or less), ``draw_NAME(data, path)`` plots them with matplotlib's Agg backend.
+(seeded; a second or less, 8.4's accumulation, which trains three tiny runs, about two),
+``draw_NAME(data, path)`` plots them with matplotlib's Agg backend.
 docs/figures/manifest.json records, per figure, the page that embeds it, a fingerprint of its
 data (up to 64 of its numbers) and the PNG's SHA-256. tests/test_figures.py recomputes each
 fingerprint and compares it with the manifest, so a figure whose numbers attnlab no longer

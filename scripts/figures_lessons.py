@@ -1,9 +1,10 @@
 """The lesson figures of sections that had none, for scripts/figures.py: the encoder's
 bidirectional reach (3.2), the feed-forward network's width and position-wise action (3.4),
 `PositionalEncoding`'s offset in cached decoding (4.6), gradient accumulation against one
-batch (8.4), where the 2017 model's parameters live (9), the shapes of multi-head attention
-(A1), the residual stream through one complete block (A5) and the check against
-`torch.nn.MultiheadAttention` (A6). Each ``data_NAME()`` runs attnlab in well under a second."""
+batch and the activations each keeps (8.4), where the 2017 model's parameters live (9), the
+shapes of multi-head attention (A1), the residual stream through one complete block (A5) and
+the check against `torch.nn.MultiheadAttention` (A6). Each ``data_NAME()`` runs attnlab in
+under a second (the accumulation's three tiny training runs, about two)."""
 from __future__ import annotations
 
 import json
@@ -375,7 +376,7 @@ def draw_block_stream(data, path):
         ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
     axes[0].set_ylabel("RMS of the token's vector")
-    axes[1].legend(fontsize=6, ncol=2, loc="lower left")
+    axes[0].legend(fontsize=6, ncol=2, loc="upper right")      # where the Post-Norm lines are all at 1
     _save(fig, path)
 
 
