@@ -4,21 +4,24 @@
     PYTHONPATH=src .venv/bin/python scripts/figures.py masks rope  # some of them
 
 Each figure is two functions: ``data_NAME()`` computes the numbers the figure shows with attnlab
-(seeded, a second or less), ``draw_NAME(data, path)`` plots them with matplotlib's Agg backend.
+(seeded; a second or less, 8.4's accumulation, which trains three tiny runs, about two),
+``draw_NAME(data, path)`` plots them with matplotlib's Agg backend.
 docs/figures/manifest.json records, per figure, the page that embeds it, a fingerprint of its
 data (up to 64 of its numbers) and the PNG's SHA-256. tests/test_figures.py recomputes each
 fingerprint and compares it with the manifest, so a figure whose numbers attnlab no longer
 produces fails the suite; PNG bytes are not compared across machines (fonts differ), only
 against the manifest that was written with them.
 
-Three figures are measured from trained runs, and their manifest entries name the run and the
+Four figures are measured from trained runs, and their manifest entries name the run and the
 numbers the pages quote instead of a fingerprint (the test cannot retrain them): the alignment
 from a translation run (``--run DIR``, else ``runs/translate`` when the main job has run
 (scripts/main.sh), else a short seeded run trained here: 150 steps, about a minute on an idle
-two-core CPU), and the vision page's position similarity and class-token attention from one
-digits ViT (scripts/figures_vision.py holds the vision page's figures; scripts/figure_common.py
-what both modules share) (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
---patch-size 2`` trained here, about three minutes on one idle core).
+two-core CPU), and the vision page's position similarity, class-token attention and a screenshot
+of the explorer's image view (headless Chromium, /usr/bin/chromium through Selenium) from one
+digits ViT (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
+--patch-size 2`` trained here, about three minutes on one idle core). scripts/figures_vision.py
+holds the vision page's figures, scripts/figures_lessons.py those of the sections that had none,
+scripts/figure_common.py what the modules share.
 """
 from __future__ import annotations
 
@@ -37,8 +40,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling modules below, however this is run
 from figure_common import heatmap as _heatmap, plt, save_figure as _save  # noqa: E402
+from figures_lessons import (data_accumulation, data_block_stream, data_encoder_influence,  # noqa: E402,F401
+                             data_ffn_width, data_parameter_budget, data_position_offset, data_shapes,
+                             data_torch_parity, draw_accumulation, draw_block_stream, draw_encoder_influence,
+                             draw_ffn_width, draw_parameter_budget, draw_position_offset, draw_shapes,
+                             draw_torch_parity)
 from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
-                            draw_mae_masking, draw_patches, position_similarity, position_similarity_data)
+                            draw_mae_masking, draw_patches, explorer_image_view, position_similarity,
+                            position_similarity_data)
 
 from attnlab.nn import (causal_mask, combine_masks, padding_mask,  # noqa: E402
                         scaled_dot_product_attention)
@@ -465,10 +474,14 @@ FIGURES_BY_PAGE = {
     "norm_gradients": "norms.md", "implicit_attention": "state-space.md",
     "soft_lookup": "attention.md", "heads": "multi-head-attention.md", "mlm_masking": "bert.md",
     "kv_cache": "causal-lm.md", "t5_buckets": "t5.md", "patches": "vision.md", "mae_masking": "vision.md",
-    "extrapolation": "positions.md",
+    "extrapolation": "positions.md", "encoder_influence": "encoder-decoder.md", "ffn_width": "feed-forward.md",
+    "position_offset": "positions.md", "accumulation": "trainer.md", "parameter_budget": "summary.md",
+    "shapes": "index.md", "block_stream": "classification.md", "torch_parity": "masks.md",
 }
-MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md"}
-_MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run"}
+MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md",
+            "explorer_image_view": "vision.md"}
+_MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run",
+                 "explorer_image_view": "vision_run"}
 
 
 def fingerprint(data: dict) -> list[float]:

@@ -194,3 +194,57 @@ def class_attention(path: Path, run: Path | None = None) -> dict:
     _save(fig, path)
     return {"source": source, "digits": [int(labels[i]) for i in picks],
             "rollout_on_digit": [round(v, 4) for v in on_digit], "digit_area": [round(v, 4) for v in area]}
+
+
+# --------------------------------------------------------------------------- the explorer's image view (measured)
+
+SCREENSHOT_DIGIT = 3                   # the held-out digit whose page the screenshot shows
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")   # Debian's, scripts/setup.sh
+BROWSER_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1000,900",
+                 "--hide-scrollbars"]
+
+
+def _screenshot(page: Path, path: Path, profile: Path) -> None:
+    """Open ``page`` in headless Chromium (through Selenium and its chromedriver, both Debian's)
+    and save the window once the image view has drawn its first overlay."""
+    import time
+    if not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()):
+        raise SystemExit(f"explorer_image_view needs {CHROMIUM} and {CHROMEDRIVER} (scripts/setup.sh installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in BROWSER_FLAGS + [f"--user-data-dir={profile}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        driver.get(page.as_uri())
+        end = time.time() + 30
+        while not driver.execute_script("return document.getElementById('image-canvas')?.dataset.query ?? null"):
+            if time.time() > end:
+                raise RuntimeError(f"{page}: the image view never drew")
+            time.sleep(0.05)
+        driver.save_screenshot(str(path))
+    finally:
+        driver.quit()
+
+
+def explorer_image_view(path: Path, run: Path | None = None) -> dict:
+    """A screenshot of the explorer page (`attnlab viz RUN --image digit.png --html page.html`)
+    of the trained digits ViT on a held-out digit: its image view as it opens, the class token's
+attention in layer 1, head 1."""
+    from attnlab.data.digits import digits_split
+    from attnlab.viz.explorer import write_page
+    from attnlab.viz.image_views import image_views
+    run, source = _vision_run(run)
+    model, processor, accuracy = _vision_model(run)
+    images, labels = digits_split()["valid"]
+    i = int((labels == SCREENSHOT_DIGIT).nonzero()[0])
+    views = image_views(model, processor, images[i, 0].numpy())
+    row = views[0].weights[0, 0, 0]                  # layer 1, head 1, the class token's row: what is drawn
+    with tempfile.TemporaryDirectory(prefix="attnlab-figures-") as tmp:
+        page = write_page(views, Path(tmp) / "digit.html", title=f"a held-out {SCREENSHOT_DIGIT}")
+        _screenshot(page, path, Path(tmp) / "profile")
+    return {"source": source, "held_out_accuracy": accuracy, "digit": SCREENSHOT_DIGIT,
+            "brightest_patch": round(float(row[1:].max()), 4), "to_class_token": round(float(row[0]), 4)}

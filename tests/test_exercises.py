@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # the lesson pages: each opens with the intuition and ends with exercises
 LESSONS = ["attention.md", "masks.md", "multi-head-attention.md", "feed-forward.md", "positions.md", "norms.md",
-           "encoder-decoder.md", "causal-lm.md", "bert.md", "t5.md", "classification.md", "trainer.md", "vision.md"]
+           "encoder-decoder.md", "causal-lm.md", "bert.md", "t5.md", "classification.md", "trainer.md", "vision.md",
+           "state-space.md", "explorer.md"]
 EXERCISE = re.compile(r"^### Exercise (\d+)[^\n]*\n(.*?)(?=^### |^## |^\[\^|\Z)", re.MULTILINE | re.DOTALL)
 SOLUTION = re.compile(r'<details markdown="1">\s*<summary>Solution</summary>(.*?)</details>', re.DOTALL)
 PYTHON = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -72,7 +73,8 @@ CHAPTER_SECTIONS = ([f"1.{i}" for i in range(1, 5)] + [f"2.{i}" for i in range(1
 EXERCISE_PAGES = {"attention": "attention.md", "masks": "masks.md", "multi-head": "multi-head-attention.md",
                   "feed-forward": "feed-forward.md", "positions": "positions.md", "norms": "norms.md",
                   "encoder-decoder": "encoder-decoder.md", "causal-lm": "causal-lm.md", "bert": "bert.md", "t5": "t5.md", "classification": "classification.md",
-                  "trainer": "trainer.md", "vision": "vision.md"}
+                  "trainer": "trainer.md", "vision": "vision.md", "state-space": "state-space.md",
+                  "explorer": "explorer.md"}
 
 
 def test_coverage_table_is_complete_and_true():

@@ -136,6 +136,19 @@ def test_the_vision_page_quotes_its_measured_figures():
         assert " ".join(claim.split()) in " ".join(page.split()), f"vision.md does not say {claim!r}"
 
 
+
+def test_the_vision_page_reads_the_explorer_screenshot():
+    """docs/vision.md's sentence under the explorer's screenshot quotes what the manifest kept of
+    the page's drawn row (layer 1, head 1, the class token) and of the run."""
+    shot = MANIFEST["explorer_image_view"]
+    assert shot["source"] == "attnlab " + " ".join(figures.VISION_COMMAND)
+    assert 0 < shot["to_class_token"] < shot["brightest_patch"] <= 1
+    page = " ".join((ROOT / "docs" / "vision.md").read_text(encoding="utf-8").split())
+    for claim in (f"a held-out {shot['digit']}", f"{shot['held_out_accuracy']:.1f} % held out",
+                  f"puts {shot['brightest_patch']:.3f} of its weight on one patch",
+                  f"and {shot['to_class_token']:.2f} on itself"):
+        assert claim in page, f"vision.md does not say {claim!r}"
+
 def test_position_similarity_is_read_from_the_model_s_own_table():
     """The measured figure's numbers come from position_similarity_data, checked here on a model
     whose table is known: a table built from the patches' coordinates is most like its neighbours."""
@@ -150,3 +163,34 @@ def test_position_similarity_is_read_from_the_model_s_own_table():
     d = figures.position_similarity_data(vit)
     assert d["similarity"].shape == (16, 16) and np.allclose(np.diag(d["similarity"]), 1.0, atol=1e-6)
     assert d["neighbours"] > d["far"]
+
+
+def test_what_the_pages_read_off_the_figures_of_the_sections_that_had_none():
+    """encoder-decoder.md (3.2), feed-forward.md (3.4), positions.md (4.6), trainer.md (8.4),
+    summary.md (9), index.md (A1), classification.md (A5), masks.md (A6)."""
+    off = ~np.eye(6, dtype=bool)
+    e = figures.data_encoder_influence()              # every input reaches every output; causal: none above
+    assert e["encoder"][off].min() > 0.03 and e["causal"][np.triu_indices(6, 1)].max() == 0
+    assert e["causal"][np.tril_indices(6, -1)].min() > 0.03
+    f = figures.data_ffn_width()                      # 8 -> 32 -> 8, about half the hidden units zero, diagonal
+    assert f["hidden"].shape == (6, 32) and f["out"].shape == (6, 8) and 0.4 < (f["hidden"] == 0).mean() < 0.65
+    assert f["influence"][off].max() == 0 and np.allclose(np.diag(f["influence"]), 1.0)
+    p = figures.data_position_offset()                # offset=t gives the full forward's rows; none gives row 0
+    assert np.array_equal(p["offset"], p["full"]) and np.array_equal(p["no_offset"], np.tile(p["full"][:1], (8, 1)))
+    a = figures.data_accumulation()                   # 4 x 2 accumulated = one batch of 8; mean of means drifts
+    rel = {k: np.abs(a[k] - a["one_batch"]) / a["one_batch"] for k in ("accumulated", "mean_of_means")}
+    assert rel["accumulated"].max() < 1e-5 and rel["mean_of_means"].min() > 1e-4 and rel["mean_of_means"].max() > 1e-2
+    assert a["one_batch"][-1] < a["one_batch"][0] - 0.5
+    kept = a["saved_bytes"]                           # batch 8, micro-batch 2, each checkpointed: a quarter, less
+    assert kept[0] == 4 * kept[1] and kept[2] == 4 * kept[3] and kept[2] < kept[1] < kept[0]
+    assert [round(v / 1024) for v in kept] == [1211, 303, 227, 57]
+    c = figures.data_parameter_budget()["count"]      # 63.1 M; feed-forward 40 %, attention 30 %, embeddings 30 %
+    assert c.sum() == 63_082_496 and round(100 * (c[2] + c[5]) / c.sum()) == 40
+    assert round(100 * (c[1] + c[3] + c[4]) / c.sum()) == 30 and round(100 * c[0] / c.sum()) == 30
+    s = figures.data_shapes()["shapes"]                # (B, H, T, S) weights between (B, T, E) ends
+    assert s[5].tolist() == [2, 4, 5, 7] and s[0].tolist() == s[-1].tolist() == [2, 5, 32, 0]
+    b = figures.data_block_stream()                   # Post-Norm: RMS 1 after each norm; Pre-Norm keeps the spread
+    assert np.abs(b["post_norm"][[2, 4]] - 1).max() < 1e-3 and b["post_norm"][0].max() > 4 > 0.5 > b["post_norm"][0].min()
+    assert b["pre_norm"][-1].max() / b["pre_norm"][-1].min() > 8
+    t = figures.data_torch_parity()                   # converted: round-off; unconverted: another answer
+    assert t["inverted"].max() < 1e-5 and t["as_is"].min() > 0.3

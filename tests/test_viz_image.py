@@ -1,6 +1,7 @@
 """Attention over an image (attnlab.viz.image, ``attnlab viz RUN --image``): the rollout and the
 class token's per-head rows against a hand computation from transformers' ``output_attentions``
-on the same weights, for ViT and DeiT; the PNG's size; the command's one-line refusals."""
+on the same weights, for ViT and DeiT; the PNG's size; a Swin run's PNG per stage; the command's
+one-line refusals."""
 import numpy as np
 import pytest
 import torch
@@ -133,18 +134,35 @@ def image_run(tmp_path_factory):
     return root, run
 
 
-def test_viz_image_writes_the_overlay_into_the_run(image_run, capsys):
+def _viz_png(root, run, capsys) -> tuple[int, int]:
+    """`attnlab viz RUN --image red/3.png`: the size of the PNG it says it wrote into the run."""
     from PIL import Image
-    root, run = image_run
     capsys.readouterr()
     assert main(["viz", str(run), "--image", str(root / "data" / "red" / "3.png")]) == 0
     out = run / "attention-3.png"
     assert f"wrote {out}" in capsys.readouterr().out
     with Image.open(out) as img:
-        assert img.size == figure_layout(2)[2]
+        return img.size
+
+
+def test_viz_image_writes_the_overlay_into_the_run(image_run, capsys):
+    root, run = image_run
+    assert _viz_png(root, run, capsys) == figure_layout(2)[2]
     chosen = root / "chosen.png"
     assert main(["viz", str(run), "--image", str(root / "data" / "red" / "3.png"), "--layer", "1",
                  "--out", str(chosen)]) == 0 and chosen.is_file()
+
+
+def test_viz_image_draws_a_swin_run_per_stage(image_run, capsys):
+    """A Swin run's PNG: the input, the pooled rollout and one panel per stage (two here)."""
+    root, _ = image_run
+    run = root / "swin"
+    assert main(["train", "image", "--model", "swin", "--data", str(root / "data"), "--out", str(run), "--steps", "1",
+                 "--image-size", "16", "--patch-size", "2", "--d-model", "16", "--batch-size", "8",
+                 "--no-progress"]) == 0
+    assert _viz_png(root, run, capsys) == figure_layout(2)[2]
+    assert main(["viz", str(run), "--image", str(root / "data" / "red" / "3.png"), "--layer", "1"]) == 2
+    assert "a Swin's PNG draws each stage's last block" in _one_error_line(capsys)
 
 
 def _one_error_line(capsys) -> str:

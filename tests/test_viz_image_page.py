@@ -2,7 +2,8 @@
 tests/test_explorer_browser.py): ViT's and DeiT's views are transformers' ``output_attentions``
 and the rollout of them; Swin's window attention put back on each stage's map equals
 transformers' per-window weights placed by hand (roll and windows written out here), with the
-crop of a padded map; the pooled rollout equals a hand composition; the page embeds the picture
+crop of a padded map; the pooled rollout equals a hand composition; the PNG of a Swin draws those
+stage maps as the attention each patch receives; the page embeds the picture
 once and encodes the views without loss; ``attnlab viz RUN --image X --html FILE`` writes it."""
 import base64
 import io
@@ -114,6 +115,31 @@ def test_swin_stage_maps_are_transformers_windows_put_back_by_hand(tmp_path):
     sums = first[0].sum(-1)
     assert_close_scaled(sums[:, 0], torch.ones(2), FP32) and (sums[:, 99] < 0.999).all()
 
+
+
+def test_swin_png_draws_the_pooled_rollout_and_what_each_stage_s_patches_receive(tmp_path):
+    """`attnlab viz RUN --image X` for a Swin: the PNG's stage maps are transformers' last-block
+    windows put back by hand, averaged over heads and queries; its rollout is the page's."""
+    from PIL import Image
+    from attnlab.viz.image import draw_image_attention, figure_layout, swin_panels
+    hf, ours = _pair(tmp_path, "swin")
+    processor = ImageProcessor(size=40)
+    picture = _picture(40)
+    pixels = _pixels(processor, picture)
+    with torch.no_grad():
+        theirs = hf(pixel_values=pixels, output_attentions=True).attentions      # each stage's last block
+    panels = swin_panels(ours, pixels)
+    assert [(t.split(",")[0], tuple(m.shape), cell) for t, m, cell in panels] == [
+        ("rollout of the pooled output", (10, 10), 4), ("stage 1 (10x10)", (10, 10), 4), ("stage 2 (5x5)", (5, 5), 8)]
+    assert_close_scaled(panels[0][1].flatten(), swin_rollout(swin_stage_weights(ours, pixels)), FP32, "rollout")
+    for (_, got, _), want, (rows, cols) in zip(panels[1:], theirs, [(10, 10), (5, 5)], strict=True):
+        received = _by_hand(want, rows, cols, 4, 2).mean(0).mean(0)
+        assert_close_scaled(got.flatten(), received, FP32, "attention received per patch")
+    out = draw_image_attention(ours, processor, picture, tmp_path / "swin.png")
+    with Image.open(out) as img:
+        assert img.size == figure_layout(2)[2]                      # input, rollout, two stages: one row of 4
+    with pytest.raises(ValueError, match="a Swin's PNG draws each stage's last block"):
+        draw_image_attention(ours, processor, picture, tmp_path / "b.png", layer=1)
 
 def test_swin_pooled_rollout_is_the_stages_rollouts_through_averaging_merges():
     g = torch.Generator().manual_seed(0)

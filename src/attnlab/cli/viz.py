@@ -12,7 +12,8 @@ are drawn from views alone:
 - a Mamba-2 or Mamba-3 (no attention layers): its implicit attention, each layer's (T, T) matrix
   per head that the scan multiplies its input by (attnlab.viz.implicit), drawn as a "matrix" view;
 - an image classifier, with ``--image img.png``: where its class token looks, over the image
-  (attnlab.viz.image; one PNG, beside the run's checkpoints); with ``--html``/``--serve`` the
+  (attnlab.viz.image; one PNG, beside the run's checkpoints; a Swin: its pooled rollout and each
+  stage's attention received per patch); with ``--html``/``--serve`` the
   page's image view of every layer, head and query patch (attnlab.viz.image_views; ViT, DeiT, Swin).
 
 Output: PNGs (one per view and layer, its heads in a grid; ``--layer``/``--head``: one) in

@@ -14,6 +14,12 @@ Two maps of the class token's attention over the patches, both from the per-call
 Shapes: L layers, H heads, T = prefix + rows * cols tokens (prefix: the class token, DeiT's
 distillation token). The maps are (rows, cols); :func:`draw_image_attention` paints them over the
 image the model saw (after its processor's resize and crop), one patch per cell.
+
+A Swin has no class token and attends within windows of a map that each stage halves; its PNG
+reads the same per-stage weights as the explorer page (attnlab.viz.image_views): the rollout of
+the pooled output over the first stage's patches, and per stage the attention each patch
+receives in the stage's last block (the block's (H, N, N) weights averaged over the heads and
+the N queries: a (rows, cols) map of that stage, each cell patch * 2^stage pixels a side).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from .labels import PatchGrid  # noqa: E402
 from .record import record_attention  # noqa: E402
 
 __all__ = ["attention_rollout", "image_attention", "class_token_maps", "draw_image_attention", "figure_layout",
+           "swin_panels",
            "PANEL_INCHES", "DPI"]
 
 PANEL_INCHES, DPI, MAX_COLUMNS = 2.4, 100, 4
@@ -99,44 +106,79 @@ def figure_layout(num_heads: int) -> tuple[int, int, tuple[int, int]]:
     return rows, cols, (round(cols * PANEL_INCHES * DPI), round(rows * PANEL_INCHES * DPI))
 
 
-def _overlay(ax, image, heat: Tensor, title: str) -> None:
+def _overlay(ax, image, heat: Tensor, title: str, cell: int | None = None) -> None:
+    """Paint ``heat`` (rows, cols) over ``image``: stretched over the whole picture, or with
+    ``cell`` pixels a side per cell (a Swin stage's map may overhang a picture it padded)."""
     H, W = image.shape[:2]
     ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
     heat = heat / heat.max().clamp_min(1e-12)
+    bottom, right = (H, W) if cell is None else (heat.size(0) * cell, heat.size(1) * cell)
     # one cell per patch, stretched over the pixels it covers; imshow centres pixel i on i, so the
     # picture spans -0.5 .. W - 0.5 and the patch grid must span the same or sit half a pixel off
-    ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(-0.5, W - 0.5, H - 0.5, -0.5),
+    ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(-0.5, right - 0.5, bottom - 0.5, -0.5),
               interpolation="nearest",
               vmin=0.0, vmax=1.0)
+    ax.set_xlim(-0.5, W - 0.5)
+    ax.set_ylim(H - 0.5, -0.5)
     ax.set_title(title, fontsize=8)
     ax.set_axis_off()
 
 
-def draw_image_attention(model: nn.Module, processor, image, path: str | Path, *, layer: int | None = None) -> Path:
-    """Write a PNG of ``image`` (a path, PIL image or uint8 array; ``processor`` an
-    :class:`attnlab.processors.ImageProcessor`) as ``model`` sees it, then the attention rollout and
-    the class token's attention per head in ``layer`` (1-based; default the last) over it.
-    Returns the path. Its size in pixels is :func:`figure_layout`'s."""
-    shown = processor.resized(image)                                  # (C, H, W) uint8, what the model reads
-    pixels = processor.finish(shown)[None].to(next(model.parameters()).device)
+def _vit_panels(model, pixels, layer):
+    """(the rows x cols the picture is cut to, [(title, map, cell)]) of a ViT or DeiT."""
     weights, grid = image_attention(model, pixels)
     L, H = weights.shape[:2]
     if layer is not None and not 1 <= layer <= L:
         raise ValueError(f"viz: --layer must be in 1..{L}, got {layer}")
     layer = L if layer is None else layer
     rollout, heads = class_token_maps(weights.cpu(), grid, layer - 1)
+    crop = (grid.rows * grid.patch_size[0], grid.cols * grid.patch_size[1])
+    return crop, [(f"rollout, {L} layers", rollout, None)] + [
+        (f"layer {layer}, head {h + 1}", heads[h], None) for h in range(H)]
+
+
+def swin_panels(model, pixels) -> list[tuple[str, Tensor, int]]:
+    """[(title, map (rows, cols), cell pixels)]: a Swin's pooled rollout, then per stage the
+    attention each patch receives in its last block (module docstring)."""
+    from .image_views import swin_rollout, swin_stage_weights
+    stages = swin_stage_weights(model, pixels)
+    patch = model.config.patch_size
+    rows, cols = stages[0][1]
+    panels = [("rollout of the pooled output", swin_rollout(stages).cpu().reshape(rows, cols), patch)]
+    for s, (w, (r, c)) in enumerate(stages):
+        received = w[-1].mean(0).mean(0).cpu().reshape(r, c)             # (N, N) -> mean over heads, queries
+        panels.append((f"stage {s + 1} ({r}x{c}), block {w.size(0)}: received", received, patch * 2 ** s))
+    return panels
+
+
+def draw_image_attention(model: nn.Module, processor, image, path: str | Path, *, layer: int | None = None) -> Path:
+    """Write a PNG of ``image`` (a path, PIL image or uint8 array; ``processor`` an
+    :class:`attnlab.processors.ImageProcessor`) as ``model`` sees it, then the attention rollout and
+    the class token's attention per head in ``layer`` (1-based; default the last) over it; for a
+    Swin, the pooled rollout and each stage's received attention (module docstring).
+    Returns the path. Its size in pixels is :func:`figure_layout`'s (heads, or a Swin's stages
+    plus one, for ``num_heads``)."""
+    from .image_views import is_swin
+    shown = processor.resized(image)                                  # (C, H, W) uint8, what the model reads
+    pixels = processor.finish(shown)[None].to(next(model.parameters()).device)
     picture = shown.permute(1, 2, 0).numpy()
     picture = picture[..., 0] if picture.shape[-1] == 1 else picture
-    picture = picture[: grid.rows * grid.patch_size[0], : grid.cols * grid.patch_size[1]]
-    rows, cols, _ = figure_layout(H)
+    if is_swin(model):
+        if layer is not None:
+            raise ValueError("viz: --layer picks a ViT's layer; a Swin's PNG draws each stage's last block "
+                             "(the page, --html, has every block)")
+        panels = swin_panels(model, pixels)
+    else:
+        crop, panels = _vit_panels(model, pixels, layer)
+        picture = picture[: crop[0], : crop[1]]
+    rows, cols, _ = figure_layout(len(panels) - 1)
     fig, axes = plt.subplots(rows, cols, figsize=(cols * PANEL_INCHES, rows * PANEL_INCHES), dpi=DPI, squeeze=False)
     for ax in axes.flat:
         ax.set_axis_off()
     axes.flat[0].imshow(picture, cmap="gray" if picture.ndim == 2 else None)
     axes.flat[0].set_title("input", fontsize=8)
-    _overlay(axes.flat[1], picture, rollout, f"rollout, {L} layers")
-    for h in range(H):
-        _overlay(axes.flat[2 + h], picture, heads[h], f"layer {layer}, head {h + 1}")
+    for ax, (title, heat, cell) in zip(axes.flat[1:], panels):
+        _overlay(ax, picture, heat, title, cell)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.92, wspace=0.05, hspace=0.15)
     path = Path(path)
     fig.savefig(path, dpi=DPI)

@@ -35,7 +35,7 @@ from .labels import PatchGrid
 from .record import record_attention
 from .views import View
 
-__all__ = ["ImageGrid", "image_views", "png_bytes", "swin_stage_weights", "swin_rollout"]
+__all__ = ["ImageGrid", "image_views", "is_swin", "png_bytes", "swin_stage_weights", "swin_rollout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +64,8 @@ def _picture(processor, image) -> tuple[Tensor, np.ndarray]:
     return processor.finish(shown)[None], shown.permute(1, 2, 0).numpy()
 
 
-def _is_swin(model: nn.Module) -> bool:
+def is_swin(model: nn.Module) -> bool:
+    """Whether ``model`` attends within windows (attnlab.nn.window.WindowAttention): a Swin."""
     return any(isinstance(m, WindowAttention) for m in model.modules())
 
 
@@ -148,7 +149,7 @@ def image_views(model: nn.Module, processor, image) -> list[View]:
     pixels, picture = _picture(processor, image)
     pixels = pixels.to(next(model.parameters()).device)
     model.eval()
-    if _is_swin(model):
+    if is_swin(model):
         return _swin_views(model, pixels, png_bytes(picture))
     patch = model.config.patch_size
     rows, cols = pixels.size(2) // patch, pixels.size(3) // patch
