@@ -28,8 +28,11 @@ class LayerNorm(nn.Module):
     Parameters ``weight`` (E,) and ``bias`` (E,) (None with ``bias=False``), named as in
     ``torch.nn.LayerNorm`` so state dicts load unchanged.
 
-    Shapes: (..., E) -> (..., E), in the input's dtype; half-precision inputs are
-    normalised in fp32 and cast back.
+    Shapes: (..., E) -> (..., E), in the input's dtype. A half-precision input goes to
+    ``F.layer_norm`` as it is, the kernel ``torch.nn.LayerNorm`` (and so transformers) runs:
+    it accumulates the statistics in fp32 and rounds once, bit for bit what Hugging Face's
+    bf16 models compute, in one pass where casting to fp32 and back took three. Under
+    autocast the norm runs in fp32 (autocast's list) and is cast back to the input's dtype.
     """
 
     def __init__(self, d: int, eps: float = 1e-5, bias: bool = True):
@@ -41,10 +44,7 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_width("LayerNorm", self.d, x)
-        if x.dtype in (torch.float16, torch.bfloat16):
-            bias = None if self.bias is None else self.bias.float()
-            return F.layer_norm(x.float(), (self.d,), self.weight.float(), bias, self.eps).to(x.dtype)
-        return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
+        return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps).to(x.dtype)
 
     def no_weight_decay(self) -> tuple[str, ...]:
         """Every parameter: the gain and shift set the output's scale, which decay would pull to 0."""
