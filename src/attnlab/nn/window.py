@@ -243,10 +243,13 @@ class WindowAttention(nn.Module):
         q, k, v = mha._project(windows, windows, windows, None)
         bias = mha.position.bias(q, k, None, None)
         dropout = mha.dropout if self.training else 0.0
+        # split, not sliced: the gradient of a split is one concatenation, a slice's a zero-filled
+        # tensor of the whole batch per group
+        sizes = [b - a for (a, b), _ in groups]
         outs = []
-        for (a, b), allowed in groups:
+        for qg, kg, vg, (_, allowed) in zip(q.split(sizes), k.split(sizes), v.split(sizes), groups):
             mask = combine_masks(allowed, bias, dtype=q.dtype)
-            out, _ = scaled_dot_product_attention(q[a:b], k[a:b], v[a:b], mask, dropout, scale=mha.scale)
+            out, _ = scaled_dot_product_attention(qg, kg, vg, mask, dropout, scale=mha.scale)
             outs.append(out.transpose(1, 2))
         return mha.out_proj(torch.cat(outs).reshape(N, T, -1))
 
