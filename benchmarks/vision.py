@@ -4,8 +4,10 @@ Each model pair is built by one function of :data:`PAIRS` (ViT-S/16 and Swin-T; 
 its own function and a line there). The transformers model is built with its own
 initialisation, written with ``save_pretrained`` and loaded by ``attnlab.from_pretrained``: both
 hold the same numbers, which the script checks (logits, and the training loss) before timing.
-timm's model of the same name is a third contender when timm imports; otherwise the output says
-why it is missing.
+timm's model of the same name is a third contender when timm imports (installed apart with
+``--no-deps``, see the Usage; :func:`_import_torchvision` for the CUDA-built torchvision beside a
+CPU torch); otherwise the output says why it is missing. The target lines compare attnlab with
+each reference.
 
   inference  ``model(pixel_values)`` under torch.inference_mode(), eval mode. attnlab: what
              ``attnlab.from_pretrained(dir)`` returns (its InferenceLinear layers); transformers:
@@ -29,6 +31,8 @@ Usage:
   python benchmarks/vision.py --markdown               # ViT-S/16, 224 px, batch 8 (~10 minutes on 2 cores)
   python benchmarks/vision.py --threads 1 --clock cpu --markdown   # on a machine shared with other jobs
   python benchmarks/vision.py --quick                  # tiny shapes, seconds (the smoke test)
+  pip install --no-deps --target /tmp/vspeed-pkgs timm==1.0.31 torchvision==0.28.0   # the timm row, torch untouched
+  PYTHONPATH=/tmp/vspeed-pkgs python benchmarks/vision.py --threads 1 --clock cpu --markdown
 """
 from __future__ import annotations
 
