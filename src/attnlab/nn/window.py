@@ -116,22 +116,17 @@ def shifted_window_mask(height: int, width: int, window: int, shift: int, device
 
 
 def window_groups(height: int, width: int, window: int, shift: int, device=None) -> list[tuple[Tensor, Tensor | None]]:
-    """The windows of a (height, width) map rolled by -``shift`` (multiples of ``window``), grouped
-    by the shift mask they share: a list of (window indices (n,), their boolean (M * M, M * M) mask,
-    or None where every token of the window may attend every other). Only the windows of the last
-    row and the last column hold more than one piece of the unrolled map, and the windows of that
-    row (or column) are cut alike: the interior, the last column, the last row and the corner, at
-    most four groups, in the order of their first window. Unshifted: one group, no mask."""
-    T = window * window
+    """The windows of a (height, width) map rolled by -``shift`` grouped by their shift mask: [(window
+    indices (n,), their boolean (M * M, M * M) mask, or None where all may attend all)]. Only the last
+    row and column of windows hold several pieces, cut alike along the row (column): the interior,
+    last column, last row and corner, in the order of their first window. Unshifted: one group."""
     if not shift:
         return [(torch.arange((height // window) * (width // window), device=device), None)]
     masks = shifted_window_mask(height, width, window, shift, device).flatten(1)          # (nW, T * T)
     unique, which = torch.unique(masks.to(torch.uint8), dim=0, return_inverse=True)
-    groups = []
-    for g in sorted(range(unique.size(0)), key=lambda g: int((which == g).nonzero()[0])):
-        mask = unique[g].view(T, T).bool()
-        groups.append(((which == g).nonzero().flatten(), None if bool(mask.all()) else mask))
-    return groups
+    first = sorted(range(unique.size(0)), key=lambda g: int((which == g).nonzero()[0]))
+    shared = [unique[g].view(window * window, -1).bool() for g in first]
+    return [((which == g).nonzero().flatten(), None if bool(m.all()) else m) for g, m in zip(first, shared)]
 
 
 def relative_position_index(window: int, table_window: int | None = None) -> Tensor:
@@ -189,13 +184,12 @@ class WindowAttention(nn.Module):
     a :class:`WindowPositionBias`, so attention records (attnlab.viz.record_attention) see each
     call's (B * nW, h, T, T) weights.
 
-    The windows that share a shift mask are attended together (:func:`window_groups`): the
-    tokens are gathered group by group (every image's interior windows, then the last column's,
-    ...), so that each group is one slice of the batch of windows and its mask one (T, T) table
-    broadcast over the slice. A single call with a mask per window would build (B * nW, h, T, T)
-    scores' worth of mask each block and check every row of it; the interior windows, most of
-    them, need no mask at all. While attention is recorded, one call over all the windows in
-    image order keeps the record's layout (transformers').
+    The windows that share a shift mask are attended together (:func:`window_groups`): gathered
+    group by group (every image's interior windows, then the last column's, ...), each group is
+    one slice of the batch of windows with one (T, T) mask broadcast over it, where a mask per
+    window would be (B * nW, h, T, T) scores' worth to build and check each block (the interior
+    windows, most of them, need none). While attention is recorded, one call over all the windows
+    in image order keeps the record's layout (transformers').
 
     forward(x (B, H, W, C)) -> (B, H, W, C), any H and W (see the module docstring for padding
     and for maps no larger than the window)."""
@@ -215,24 +209,20 @@ class WindowAttention(nn.Module):
     def _layout(self, batch: int, height: int, width: int, window: int, shift: int, grouped: bool, device):
         """(order, inverse, groups) for ``batch`` (height, width) maps, the same every call, so
         built once: ``order`` (B * H * W,) the token of the flattened maps each windowed row takes,
-        ``groups`` [((first, last) windows, mask or None)]. Grouped: by shift mask, image after
+        ``groups`` [(windows, mask or None)] in that order. Grouped: by shift mask, image after
         image within a group; else image by image, the whole (B * nW, 1, T, T) mask in one group."""
         key = (batch, height, width, window, shift, grouped, str(device))
         if key not in self._cache:
-            T, start = window * window, torch.arange(batch, device=device)[:, None, None] * (height * width)
-            base = window_order(height, width, window, shift, device).view(-1, T)          # (nW, T)
+            start = torch.arange(batch, device=device)[:, None, None] * (height * width)
+            base = window_order(height, width, window, shift, device).view(-1, window * window)   # (nW, T)
             if grouped:
-                parts, groups, n = [], [], 0
-                for ids, mask in window_groups(height, width, window, shift, device):
-                    parts.append((start + base[ids]).flatten())
-                    groups.append(((n, n + batch * len(ids)), mask))
-                    n += batch * len(ids)
-                order = torch.cat(parts)
+                groups = window_groups(height, width, window, shift, device)
+                order = torch.cat([(start + base[ids]).flatten() for ids, _ in groups])
+                groups = [(batch * len(ids), mask) for ids, mask in groups]
             else:
-                order = (start + base).flatten()
-                mask = shifted_window_mask(height, width, window, shift, device) if shift else None
-                mask = None if mask is None else mask.repeat(batch, 1, 1).unsqueeze(1)
-                groups = [((0, batch * base.size(0)), mask)]
+                mask = shifted_window_mask(height, width, window, shift, device).repeat(batch, 1, 1)[:, None] \
+                    if shift else None
+                order, groups = (start + base).flatten(), [(batch * base.size(0), mask)]
             self._cache[key] = (order, torch.argsort(order), groups)
         return self._cache[key]
 
@@ -243,10 +233,8 @@ class WindowAttention(nn.Module):
         q, k, v = mha._project(windows, windows, windows, None)
         bias = mha.position.bias(q, k, None, None)
         dropout = mha.dropout if self.training else 0.0
-        # split, not sliced: the gradient of a split is one concatenation, a slice's a zero-filled
-        # tensor of the whole batch per group
-        sizes = [b - a for (a, b), _ in groups]
-        outs = []
+        # split, not sliced: a split's gradient is one concatenation, a slice's a zero-filled batch each
+        sizes, outs = [n for n, _ in groups], []
         for qg, kg, vg, (_, allowed) in zip(q.split(sizes), k.split(sizes), v.split(sizes), groups):
             mask = combine_masks(allowed, bias, dtype=q.dtype)
             out, _ = scaled_dot_product_attention(qg, kg, vg, mask, dropout, scale=mha.scale)
