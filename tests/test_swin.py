@@ -119,6 +119,10 @@ def test_grouped_window_attention_equals_one_call_with_a_mask_per_window():
     wanted = torch.autograd.grad(want, (x, wa.attn.position.table), g)
     for a, b in zip(got, wanted):
         assert_close_scaled(a, b, FP32)
+    with torch.no_grad():                               # the layouts of a few batch sizes are kept, not all
+        for batch in range(1, 8):
+            assert_close_scaled(wa(x.detach()[:1].expand(batch, -1, -1, -1))[-1], out.detach()[0], FP32)
+    assert len(wa._cache) <= 4
 
 
 def test_the_relative_index_and_the_window_of_a_small_map():

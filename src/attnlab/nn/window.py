@@ -207,12 +207,13 @@ class WindowAttention(nn.Module):
         self._cache: dict[tuple, tuple] = {}
 
     def _layout(self, batch: int, height: int, width: int, window: int, shift: int, grouped: bool, device):
-        """(order, inverse, groups) for ``batch`` (height, width) maps, the same every call, so
-        built once: ``order`` (B * H * W,) the token of the flattened maps each windowed row takes,
-        ``groups`` [(windows, mask or None)] in that order. Grouped: by shift mask, image after
-        image within a group; else image by image, the whole (B * nW, 1, T, T) mask in one group."""
+        """(order, inverse, groups), built once: ``order`` (B * H * W,) the token of the flattened maps
+        each windowed row takes, ``groups`` [(windows, mask or None)] in that order; by shift mask,
+        image after image within a group, or (recording) image by image with the (B * nW, 1, T, T) mask."""
         key = (batch, height, width, window, shift, grouped, str(device))
         if key not in self._cache:
+            if len(self._cache) >= 4:           # a few batch sizes at most (a last, smaller batch)
+                self._cache.pop(next(iter(self._cache)))
             start = torch.arange(batch, device=device)[:, None, None] * (height * width)
             base = window_order(height, width, window, shift, device).view(-1, window * window)   # (nW, T)
             if grouped:
