@@ -15,7 +15,7 @@ import contract
 from _tolerance import FP32, assert_close_scaled
 from attnlab.models.swin import SwinConfig, SwinForImageClassification, SwinModel, swin_config_to_hf
 from attnlab.nn.window import (DropPath, WindowAttention, permute_tokens, relative_position_index, shifted_window_mask,
-                               window_and_shift, window_order, window_partition, window_reverse)
+                               window_and_shift, window_groups, window_order, window_partition, window_reverse)
 from attnlab.train import split_decay
 from attnlab.viz import record_attention
 
@@ -85,6 +85,44 @@ def test_one_gather_rolls_and_partitions_and_its_gradient_is_the_inverse():
     (grad_got,) = torch.autograd.grad(got, x, g)
     (grad_want,) = torch.autograd.grad(want, x, g)
     assert torch.equal(grad_got, grad_want)
+
+
+@pytest.mark.parametrize("H, W, M, s", [(8, 8, 4, 2), (9, 6, 3, 1), (14, 21, 7, 3)])
+def test_the_windows_that_share_a_shift_mask_are_grouped(H, W, M, s):
+    mask = shifted_window_mask(H, W, M, s)
+    groups = window_groups(H, W, M, s)
+    assert len(groups) == 4                                     # interior, last column, last row, corner
+    assert sorted(torch.cat([ids for ids, _ in groups]).tolist()) == list(range(mask.size(0)))
+    assert groups[0][1] is None and mask[groups[0][0]].all()   # the interior needs no mask
+    for ids, shared in groups[1:]:
+        assert torch.equal(mask[ids], shared.expand(len(ids), -1, -1)) and not shared.all()
+    assert window_groups(H, W, M, 0)[0][1] is None and len(window_groups(H, W, M, 0)) == 1
+
+
+def test_grouped_window_attention_equals_one_call_with_a_mask_per_window():
+    """The grouped path (the default) against MultiHeadAttention called once over every window in
+    image order with the (B * nW, 1, T, T) shift mask: outputs and the gradients of the input and
+    of the relative position table, in training mode (the learned bias takes the explicit path)."""
+    B, H, W, C, M, s = 2, 9, 6, 8, 3, 1
+    wa = WindowAttention(C, 2, M, s)
+    with torch.no_grad():
+        wa.attn.position.table.normal_()
+    x = _pixels(B, H, W, C).requires_grad_()
+    out = wa(x)
+    windows = window_partition(torch.roll(x, (-s, -s), (1, 2)), M)
+    mask = shifted_window_mask(H, W, M, s).repeat(B, 1, 1).unsqueeze(1)
+    want = wa.attn(windows, mask=mask)[0]
+    want = torch.roll(window_reverse(want, M, H, W), (s, s), (1, 2))
+    assert_close_scaled(out, want, FP32)
+    g = _pixels(*out.shape, seed=1)
+    got = torch.autograd.grad(out, (x, wa.attn.position.table), g)
+    wanted = torch.autograd.grad(want, (x, wa.attn.position.table), g)
+    for a, b in zip(got, wanted):
+        assert_close_scaled(a, b, FP32)
+    with torch.no_grad():                               # the layouts of a few batch sizes are kept, not all
+        for batch in range(1, 8):
+            assert_close_scaled(wa(x.detach()[:1].expand(batch, -1, -1, -1))[-1], out.detach()[0], FP32)
+    assert len(wa._cache) <= 4
 
 
 def test_the_relative_index_and_the_window_of_a_small_map():

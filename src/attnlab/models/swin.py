@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.checkpoint import checkpoint
+from ..nn.inplace import may_overwrite
 from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm
 from ..nn.patch import PatchEmbedding
@@ -140,8 +141,14 @@ class SwinBlock(nn.Module):
     def forward(self, x: Tensor, size: tuple[int, int]) -> Tensor:
         B, L, C = x.shape
         h = self.attn(self.attn_norm(x).view(B, *size, C)).reshape(B, L, C)
-        x = x + self.drop_path(self.dropout(h))
-        return x + self.drop_path(self.dropout(self.ff(self.ff_norm(x))))
+        x = self._residual(x, h, self.attn)
+        return self._residual(x, self.ff(self.ff_norm(x)), self.ff)
+
+    def _residual(self, x: Tensor, h: Tensor, branch: nn.Module) -> Tensor:
+        """x + DropPath(Dropout(h)), ``h`` the output of ``branch``; in inference the sum is
+        written into h (attnlab.nn.inplace: same bits, no fresh tensor)."""
+        h = self.drop_path(self.dropout(h))
+        return h.add_(x) if h.shape == x.shape and may_overwrite(self, h, branch) else x + h
 
 
 class SwinStage(nn.Module):

@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, combine_masks, scaled_dot_product_attention
 from .norm import LayerNorm
 from .position import AttentionPosition
 
 __all__ = ["window_partition", "window_reverse", "window_and_shift", "shifted_window_mask", "relative_position_index",
            "WindowPositionBias", "WindowAttention", "PatchMerging", "DropPath", "pad_to_multiple", "window_order",
-           "permute_tokens"]
+           "permute_tokens", "window_groups"]
 
 
 def pad_to_multiple(x: Tensor, multiple: int) -> Tensor:
@@ -115,6 +115,20 @@ def shifted_window_mask(height: int, width: int, window: int, shift: int, device
     return label[:, :, None] == label[:, None, :]
 
 
+def window_groups(height: int, width: int, window: int, shift: int, device=None) -> list[tuple[Tensor, Tensor | None]]:
+    """The windows of a (height, width) map rolled by -``shift`` grouped by their shift mask: [(window
+    indices (n,), their boolean (M * M, M * M) mask, or None where all may attend all)]. Only the last
+    row and column of windows hold several pieces, cut alike along the row (column): the interior,
+    last column, last row and corner, in the order of their first window. Unshifted: one group."""
+    if not shift:
+        return [(torch.arange((height // window) * (width // window), device=device), None)]
+    masks = shifted_window_mask(height, width, window, shift, device).flatten(1)          # (nW, T * T)
+    unique, which = torch.unique(masks.to(torch.uint8), dim=0, return_inverse=True)
+    first = sorted(range(unique.size(0)), key=lambda g: int((which == g).nonzero()[0]))
+    shared = [unique[g].view(window * window, -1).bool() for g in first]
+    return [((which == g).nonzero().flatten(), None if bool(m.all()) else m) for g, m in zip(first, shared)]
+
+
 def relative_position_index(window: int, table_window: int | None = None) -> Tensor:
     """(M * M, M * M) long: the row of a (2 Mt - 1)^2-row table for the offset (dy, dx) between
     query and key of an M x M window, ``(dy + Mt - 1) * (2 Mt - 1) + dx + Mt - 1``; ``table_window``
@@ -170,8 +184,17 @@ class WindowAttention(nn.Module):
     a :class:`WindowPositionBias`, so attention records (attnlab.viz.record_attention) see each
     call's (B * nW, h, T, T) weights.
 
+    The windows that share a shift mask are attended together (:func:`window_groups`): gathered
+    group by group (every image's interior windows, then the last column's, ...), each group is
+    one slice of the batch of windows with one (T, T) mask broadcast over it, where a mask per
+    window would be (B * nW, h, T, T) scores' worth to build and check each block (the interior
+    windows, most of them, need none). While attention is recorded, one call over all the windows
+    in image order keeps the record's layout (transformers').
+
     forward(x (B, H, W, C)) -> (B, H, W, C), any H and W (see the module docstring for padding
     and for maps no larger than the window)."""
+
+    returns_new_tensor = True           # forward's output (attnlab.nn.inplace)
 
     def __init__(self, dim: int, num_heads: int, window: int, shift: int = 0, dropout: float = 0.0,
                  qkv_bias: bool = True):
@@ -183,26 +206,53 @@ class WindowAttention(nn.Module):
                                        position=WindowPositionBias(num_heads, window))
         self._cache: dict[tuple, tuple] = {}
 
-    def _cached(self, height: int, width: int, window: int, shift: int, device) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(order, inverse, mask) for a (height, width) map: the same every call, so built once."""
-        key = (height, width, window, shift, str(device))
+    def _layout(self, batch: int, height: int, width: int, window: int, shift: int, grouped: bool, device):
+        """(order, inverse, groups), built once: ``order`` (B * H * W,) the token of the flattened maps
+        each windowed row takes, ``groups`` [(windows, mask or None)] in that order; by shift mask,
+        image after image within a group, or (recording) image by image with the (B * nW, 1, T, T) mask."""
+        key = (batch, height, width, window, shift, grouped, str(device))
         if key not in self._cache:
-            order = window_order(height, width, window, shift, device)
-            mask = shifted_window_mask(height, width, window, shift, device) if shift else None
-            self._cache[key] = (order, torch.argsort(order), mask)
+            if len(self._cache) >= 4:           # a few batch sizes at most (a last, smaller batch)
+                self._cache.pop(next(iter(self._cache)))
+            start = torch.arange(batch, device=device)[:, None, None] * (height * width)
+            base = window_order(height, width, window, shift, device).view(-1, window * window)   # (nW, T)
+            if grouped:
+                groups = window_groups(height, width, window, shift, device)
+                order = torch.cat([(start + base[ids]).flatten() for ids, _ in groups])
+                groups = [(batch * len(ids), mask) for ids, mask in groups]
+            else:
+                mask = shifted_window_mask(height, width, window, shift, device).repeat(batch, 1, 1)[:, None] \
+                    if shift else None
+                order, groups = (start + base).flatten(), [(batch * base.size(0), mask)]
+            self._cache[key] = (order, torch.argsort(order), groups)
         return self._cache[key]
+
+    def _attend(self, windows: Tensor, groups) -> Tensor:
+        """Attention over (N, T, C) windows, each slice of ``groups`` with its own mask: the
+        projections once, the attention function per group, the output projection once."""
+        mha, (N, T, C) = self.attn, windows.shape
+        q, k, v = mha._project(windows, windows, windows, None)
+        bias = mha.position.bias(q, k, None, None)
+        dropout = mha.dropout if self.training else 0.0
+        # split, not sliced: a split's gradient is one concatenation, a slice's a zero-filled batch each
+        sizes, outs = [n for n, _ in groups], []
+        for qg, kg, vg, (_, allowed) in zip(q.split(sizes), k.split(sizes), v.split(sizes), groups):
+            mask = combine_masks(allowed, bias, dtype=q.dtype)
+            out, _ = scaled_dot_product_attention(qg, kg, vg, mask, dropout, scale=mha.scale)
+            outs.append(out.transpose(1, 2))
+        return mha.out_proj(torch.cat(outs).reshape(N, T, -1))
 
     def forward(self, x: Tensor) -> Tensor:
         B, H, W, C = x.shape
         M, s = window_and_shift(H, W, self.window, self.shift)
         x = pad_to_multiple(x, M)
         Hp, Wp = x.shape[1:3]
-        order, inverse, m = self._cached(Hp, Wp, M, s, x.device)
+        recorded = self.attn.attention_record is not None
+        order, inverse, groups = self._layout(B, Hp, Wp, M, s, not recorded, x.device)
         # roll and partition in one gather (window_order); the inverse gather undoes both
-        windows = permute_tokens(x.reshape(B, Hp * Wp, C), order, inverse).view(-1, M * M, C)
-        mask = None if m is None else m.unsqueeze(0).expand(B, -1, -1, -1).reshape(-1, 1, M * M, M * M)
-        out, _ = self.attn(windows, mask=mask)
-        out = permute_tokens(out.view(B, Hp * Wp, C), inverse, order).view(B, Hp, Wp, C)
+        windows = permute_tokens(x.reshape(1, B * Hp * Wp, C), order, inverse).view(-1, M * M, C)
+        out = self.attn(windows, mask=groups[0][1])[0] if recorded else self._attend(windows, groups)
+        out = permute_tokens(out.view(1, -1, C), inverse, order).view(B, Hp, Wp, C)
         return out[:, :H, :W] if (Hp, Wp) != (H, W) else out
 
     def extra_repr(self) -> str:
