@@ -148,7 +148,7 @@ def test_hand_written_backward_passes_gradcheck_in_float64(budget, monkeypatch):
 
 @pytest.mark.parametrize("b, l, d, n, chunk", [(2, 21, 1024, 16, 4), (1, 9, 2048, 16, 64), (4, 30, 640, 16, 7)])
 def test_scan_in_order_equals_the_reference_with_gradients(b, l, d, n, chunk):
-    """States of 32,768 numbers and more (b·d·n) take the path that runs position by position on
+    """States of 16,384 numbers and more (b·d·n) take the path that runs position by position on
     a (b, n, d) state: the same outputs and gradients as the reference, chunks that do and do
     not divide the length, one chunk longer than the sequence."""
     ins = _inputs(b, l, d, n, seed=d)
