@@ -16,6 +16,7 @@ Usage:
   python benchmarks/lm_families.py --step-times --budget 5    # step times, steps in 5 minutes (JSON: --json)
   python benchmarks/lm_families.py --commands --times times.json --out runs/families
   python benchmarks/lm_families.py --table --times times.json --out runs/families --markdown
+  python benchmarks/lm_families.py --commands --times times.json --lrs 1e-3,2e-3,4e-3   # a learning-rate grid
   python benchmarks/lm_families.py --quick                    # tiny shapes, seconds (smoke test)
 """
 from __future__ import annotations
@@ -39,12 +40,14 @@ DATA = "../shared/data/tinyshakespeare.txt"
 # the flags every run shares: the task, the batches, the validation windows, fp32 arithmetic
 COMMON = "--context 128 --batch-size 32 --precision fp32 --eval-windows 400 --sample-tokens 0 --no-progress"
 # family -> its flags; the Mamba families take nearly twice the GPT's layers, as one of their
-# blocks holds about half a Transformer block's weights (a Mamba block: ~6 d^2, attention + MLP: 12 d^2)
+# blocks holds about half a Transformer block's weights (a Mamba block: ~6 d^2, attention + MLP: 12 d^2).
+# Mamba's state is 4 numbers per channel rather than its default 16: the selective scan's work
+# grows with it (1.6x the step at 16), and d_model 132 brings the parameters back to the GPT's
 FAMILIES = {
     "gpt2": "--model gpt2 --layers 4 --heads 4 --d-model 128",
     "llama": "--model llama --layers 4 --heads 4 --d-model 128",
     "mixtral": "--model mixtral --layers 4 --heads 4 --d-model 128 --d-ff 96 --experts 4 --top-k 2",
-    "mamba": "--model mamba --layers 7 --d-model 128",
+    "mamba": "--model mamba --layers 7 --d-model 132 --d-state 4",
     "mamba2": "--model mamba2 --layers 7 --heads 4 --d-model 128",
     "mamba3": "--model mamba3 --layers 7 --d-model 128",
     "rwkv": "--model rwkv --layers 4 --d-model 128",
@@ -128,9 +131,14 @@ def budget_steps(step_ms: float, budget_min: float) -> int:
     return int(budget_min * 60e3 // step_ms)
 
 
+def run_dir(name: str, lr: float | None) -> str:
+    """A family's run directory under --out: NAME, or NAME-lrLR for a run of the --lrs grid."""
+    return name if lr is None else f"{name}-lr{lr:g}"
+
+
 def command(name: str, steps: int, data: str, out: str, eval_every: int, lr: float | None = None) -> str:
     flags = ["--data", data, *shlex.split(FAMILIES[name]), *shlex.split(COMMON), "--steps", str(steps),
-             "--eval-every", str(eval_every), "--out", f"{out}/{name}"]
+             "--eval-every", str(eval_every), "--out", f"{out}/{run_dir(name, lr)}"]
     if lr is not None:
         flags += ["--lr", f"{lr:g}"]
     return "OMP_NUM_THREADS=1 attnlab train lm " + " ".join(flags)
@@ -144,6 +152,20 @@ def final_val_loss(run: Path) -> tuple[int, float] | None:
     rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "val_loss" in r]
     return (evals[-1]["step"], evals[-1]["val_loss"]) if evals else None
+
+
+def _table_row(name: str, timed: dict, steps: int, cmds: dict, out: str, markdown: bool) -> list:
+    """A family's row: its best finished run of those in ``cmds`` (lr -> command) found under
+    ``out``, and the final loss of each run found."""
+    results = {lr: final_val_loss(Path(out) / run_dir(name, lr)) for lr in cmds}
+    done = {lr: r[1] for lr, r in results.items() if r is not None and r[0] == steps}
+    tried = ", ".join(f"{'default' if lr is None else f'{lr:g}'}: " + (
+        "-" if r is None else f"{r[1]:.4f}" + ("" if r[0] == steps else f" (step {r[0]}, unfinished)"))
+        for lr, r in results.items() if r is not None) or "-"
+    best = min(done, key=done.get) if done else next(iter(cmds))
+    cmd = cmds[best]
+    return [name, f"{timed['params']:,}", f"{timed['step_ms']:.0f}", steps, "default" if best is None else f"{best:g}",
+            f"{done[best]:.4f}" if done else "-", tried, f"`{cmd}`" if markdown else cmd]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="the results table from the runs in --out")
     p.add_argument("--out", default="runs/families")
     p.add_argument("--evals", type=int, default=5, help="evaluations per run (--commands)")
+    p.add_argument("--lrs", help="comma-separated learning rates: --commands prints each family's run at each "
+                   "(in --out/NAME-lrLR), --table gives each family's best of the runs it finds (default: the "
+                   "task's lr, in --out/NAME)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny shapes: every family, one step each")
     a = p.parse_args(argv)
@@ -188,20 +213,17 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--commands and --table read the step times: give --times FILE (from --step-times --json)")
         saved = json.loads(Path(a.times).read_text())
         budget, times = saved["budget_min"], saved["families"]
+        lrs = [None] if not a.lrs else [float(v) for v in a.lrs.split(",")]
         rows = []
         for n in names:
             steps = budget_steps(times[n]["step_ms"], budget)
-            cmd = command(n, steps, a.data, a.out, max(1, steps // a.evals))
+            cmds = {lr: command(n, steps, a.data, a.out, max(1, steps // a.evals), lr) for lr in lrs}
             if a.commands:
-                print(cmd)
-            result = final_val_loss(Path(a.out) / n)
-            loss = "-" if result is None else f"{result[1]:.4f}" + (
-                "" if result[0] == steps else f" (step {result[0]}, unfinished)")
-            rows.append([n, f"{times[n]['params']:,}", f"{times[n]['step_ms']:.0f}", steps, loss,
-                         f"`{cmd}`" if a.markdown else cmd])
+                print("\n".join(cmds.values()))
+            rows.append(_table_row(n, times[n], steps, cmds, a.out, a.markdown))
         if a.table:
-            print(render_table(["family", "parameters", "step ms", "steps", "validation loss", "command"], rows,
-                               a.markdown))
+            print(render_table(["family", "parameters", "step ms", "steps", "lr", "validation loss",
+                                "at each lr run", "command"], rows, a.markdown))
     return 0
 
 

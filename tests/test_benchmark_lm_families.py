@@ -64,3 +64,19 @@ def test_budget_steps_and_the_table(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     lm_families.main(["--table", "--families", "gpt2", "--times", str(times), "--out", str(tmp_path / "runs")])
     assert "2.5000 (step 50, unfinished)" in capsys.readouterr().out       # a run still going says so
+
+
+def test_a_learning_rate_grid_gives_each_family_its_best_finished_run(tmp_path, capsys):
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"budget_min": 1, "families": {"gpt2": {"params": 1000, "step_ms": 600.0}}}))
+    for lr, loss, step in (("0.001", 2.4, 100), ("0.002", 2.1, 100), ("0.004", 1.9, 60)):   # 4e-3 unfinished
+        run = tmp_path / "runs" / f"gpt2-lr{lr}"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": step, "val_loss": loss}) + "\n")
+    lm_families.main(["--commands", "--table", "--families", "gpt2", "--times", str(times), "--out",
+                      str(tmp_path / "runs"), "--lrs", "1e-3,2e-3,4e-3"])
+    out = capsys.readouterr().out
+    assert out.count("--lr ") >= 3 and "gpt2-lr0.004 --lr 0.004" in out                  # one command per lr
+    row = next(line for line in out.splitlines() if line.startswith("gpt2 "))
+    assert " 0.002 " in row and " 2.1000 " in row and "--lr 0.002" in row           # the best finished run
+    assert "0.001: 2.4000" in row and "0.004: 1.9000 (step 60, unfinished)" in row

@@ -92,7 +92,8 @@ def test_the_state_is_fp32_whatever_the_input_dtype():
 
 
 def _saved_states(fn) -> int:
-    """How many numbers autograd keeps for ``fn``'s backward in tensors shaped like states (..., d=8, n=4)."""
+    """How many numbers autograd keeps for ``fn``'s backward in tensors shaped like states
+    (..., d=8, n=4), or (..., n, d) as the scan in order holds them."""
     saved = []
 
     def pack(t):
@@ -100,7 +101,7 @@ def _saved_states(fn) -> int:
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sum(t.numel() for t in saved if t.dim() >= 3 and t.shape[-2:] == (8, 4))
+    return sum(t.numel() for t in saved if t.dim() >= 3 and t.shape[-2:] in ((8, 4), (4, 8)))
 
 
 def test_backward_keeps_the_chunk_starts_not_every_state():
@@ -143,6 +144,30 @@ def test_hand_written_backward_passes_gradcheck_in_float64(budget, monkeypatch):
     assert torch.autograd.gradcheck(lambda *t: _ChunkedScan.apply(*t, 4), (x, delta, A, B, C, h0))
     y, h = selective_scan(x, delta, A, B, C, None, h0, chunk=4)
     assert y.dtype == h.dtype == torch.float64
+
+
+@pytest.mark.parametrize("b, l, d, n, chunk", [(2, 21, 1024, 16, 4), (1, 9, 2048, 16, 64), (4, 30, 640, 16, 7)])
+def test_scan_in_order_equals_the_reference_with_gradients(b, l, d, n, chunk):
+    """States of 16,384 numbers and more (b·d·n) take the path that runs position by position on
+    a (b, n, d) state: the same outputs and gradients as the reference, chunks that do and do
+    not divide the length, one chunk longer than the sequence."""
+    ins = _inputs(b, l, d, n, seed=d)
+    got, want = selective_scan(*ins, chunk=chunk), selective_scan_reference(*ins)
+    for g, w, what in zip(got, want, ("y", "last state")):
+        assert_close_scaled(g, w, FP32, what)
+    for name, g, w in zip("x delta A B C D h0".split(), _grads(got, ins, 2), _grads(want, ins, 2)):
+        assert_close_scaled(g, w, FP32, f"d{name}")
+
+
+def test_scan_in_order_passes_gradcheck_and_keeps_only_chunk_starts(monkeypatch):
+    """The path in order on small float64 shapes (its threshold lowered to every shape): its
+    hand-written backward against finite differences, and what it saves for backward is one state
+    per chunk, as the chunked path."""
+    monkeypatch.setattr("attnlab.nn.ssm._IN_ORDER_FROM", 0)
+    x, delta, A, B, C, _, h0 = (t.detach().double().requires_grad_() for t in _inputs(2, 19, 3, 2, seed=13))
+    assert torch.autograd.gradcheck(lambda *t: _ChunkedScan.apply(*t, 4), (x, delta, A, B, C, h0))
+    ins = _inputs(2, 256, 8, 4, seed=6)
+    assert _saved_states(lambda: _ChunkedScan.apply(*ins[:5], ins[6], 16)) == 2 * (256 // 16) * 8 * 4
 
 
 def test_bad_chunk_and_shapes_are_refused():

@@ -112,7 +112,7 @@ class MambaMixer(nn.Module):
         keep = c.d_conv - 1
         prev = u.new_zeros(b, c.d_inner, keep) if state is None else state[0]
         window = torch.cat([prev, u.transpose(1, 2)], dim=-1)                  # (b, d_inner, keep + l)
-        u = F.silu(causal_conv(window, self.conv1d)).transpose(1, 2)
+        u = F.silu(causal_conv(window, self.conv1d)).transpose(1, 2).contiguous()   # rows for x_proj and the scan
         conv_state = window[..., window.size(-1) - keep:]
         dt, B, C = self.x_proj(u).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         delta = F.softplus(self.dt_proj(dt))

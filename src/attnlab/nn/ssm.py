@@ -35,6 +35,13 @@ group's positions at once. The state and all arithmetic are fp32 whatever the in
 stays float64): the decay exp(Δ A) multiplies the state thousands of times, and bf16's 8 bits of
 mantissa would lose it. :func:`selective_step` is one position, for generation.
 
+When one position's state is itself large (b·d·n of 16,384 numbers or more: a training batch,
+32 rows of d = 256 and n = 4, already twice that), the same function runs the recurrence one position at a
+time instead, on a state held as (b, n, d) and updated in place: its handful of tensors then
+stays in the L2 cache, where the chunked path's buffers of many positions at once would stream
+through memory at a fraction of the speed. Its backward keeps the same chunk starts and walks
+each chunk backwards from its recomputed states.
+
 A slot with Δ = 0 changes nothing: exp(0 · A) = 1 keeps the state and Δ B x = 0 adds nothing,
 which is how a model carries its state unchanged over padding.
 """
@@ -152,6 +159,11 @@ class _ChunkedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, delta, A, B, C, h0, q):
         (b, l, d), n = x.shape, A.shape[1]
+        ctx.q = q
+        if b * d * n >= _IN_ORDER_FROM:
+            y, h, starts = _in_order_forward(x, delta, A, B, C, h0, q)
+            ctx.save_for_backward(x, delta, A, B, C, starts)
+            return y, h
         A32 = A.to(_work_dtype(x))
         xs, ds, Bs, Cs = (_chunked(t, q, A32.dtype) for t in (x, delta, B, C))
         dx = ds * xs
@@ -174,13 +186,14 @@ class _ChunkedScan(torch.autograd.Function):
                 s = a[i].mul_(s).addcmul_(dxq[i, ..., None], Bq[i, :, :, None, :])
             y[:, sl] = (a @ Cq[..., None]).squeeze(-1).permute(1, 2, 0, 3)
         ctx.save_for_backward(x, delta, A, B, C, starts)
-        ctx.q = q
         return y.flatten(1, 2)[:, :l], h
 
     @staticmethod
     def backward(ctx, dy, dh):
         x, delta, A, B, C, starts = ctx.saved_tensors
         q, (b, l, d), n = ctx.q, x.shape, A.shape[1]
+        if b * d * n >= _IN_ORDER_FROM:
+            return (*_in_order_backward(x, delta, A, B, C, starts, q, dy, dh), None)
         A32 = A.to(_work_dtype(x))
         xs, ds, Bs, Cs, gys = (_chunked(t, q, A32.dtype) for t in (x, delta, B, C, dy))
         total = torch.exp(ds.sum(2)[..., None] * A32)
@@ -234,3 +247,96 @@ def _backward_group(sl: slice, gamma, starts, total, ins, A, grads, dA, buffers)
     dA += torch.mul(M.view(-1, *A.shape), dq.reshape(-1, d, 1), out=a.view(-1, *A.shape)).sum(0)
     gd.copy_(gB_in * xq + M.mul_(A).sum(-1))
     return gamma
+
+
+# ----------------------------------------------------------------------------- the scan in order
+# from how many numbers per state (b·d·n) the scan runs position by position: one position's
+# state then fills a good part of the L2 cache, so the few operations on it run at cache speed,
+# where the chunked path's buffers of many positions at once stream through memory. Measured
+# (benchmarks/README.md, "Mamba's training step"): in order is 1.4x faster at 16,384 numbers,
+# 1.6-2.1x from 32,768, level at 8,192, where the chunked path's fewer Python steps catch up
+_IN_ORDER_FROM = 1 << 14
+
+
+def _by_time(dtype: torch.dtype, *ts: Tensor) -> list[Tensor]:
+    """(b, l, k) tensors as contiguous (l, b, 1, k) ones in ``dtype``: each position one block of
+    memory. A tensor whose k is not contiguous (Mamba's convolution output, a (b, k, l) tensor
+    seen transposed) is made contiguous first: one transposing copy from it reads k with a stride
+    of l and costs 5 times the two copies (7 against 1.5 ms for 32 x 128 x 256 numbers)."""
+    return [(t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous()).transpose(0, 1).unsqueeze(2).contiguous()
+            for t in ts]
+
+
+def _by_batch(*ts: Tensor) -> list[Tensor]:
+    """The inverse of :func:`_by_time`: (l, b, 1, k) -> contiguous (b, l, k). Gradients and outputs
+    handed back as transposed views made every later operation on them a strided one (an add
+    of two such gradients cost 20 ms instead of 1)."""
+    return [t.squeeze(2).transpose(0, 1).contiguous() for t in ts]
+
+
+def _in_order_forward(x, delta, A, B, C, h0, q) -> tuple[Tensor, Tensor, Tensor]:
+    """The recurrence one position at a time on a state kept in place, its decay made in one
+    reused buffer -> (y (b, l, d), the last state, the states
+    entering each chunk of q, which are all that the backward keeps). The state is held as
+    (b, n, d), d innermost: the products that broadcast Δ over n or B over d then run along rows
+    of d numbers rather than n."""
+    At = A.to(_work_dtype(x)).t()                                         # (n, d)
+    xt, dt, Bt, Ct = _by_time(At.dtype, x, delta, B, C)                  # (l, b, 1, d) and (l, b, 1, n)
+    dxt, l = dt * xt, xt.shape[0]
+    Bt = Bt.transpose(2, 3)                                               # (l, b, n, 1)
+    h = h0.transpose(1, 2).contiguous()                                   # (b, n, d)
+    starts, y = At.new_empty(-(-l // q), *h.shape), torch.empty_like(xt)
+    a = torch.empty_like(h)
+    for t in range(l):
+        if t % q == 0:
+            starts[t // q] = h
+        torch.mul(dt[t], At, out=a).exp_()
+        h.mul_(a).addcmul_(dxt[t], Bt[t])
+        torch.bmm(Ct[t], h, out=y[t])                                     # C_t h_t: (b, 1, d)
+    return _by_batch(y)[0], h.transpose(1, 2), starts
+
+
+def _in_order_backward(x, delta, A, B, C, starts, q, dy, dh) -> tuple[Tensor, ...]:
+    """The adjoint of :func:`_in_order_forward` -> (dx, dΔ, dA, dB, dC, dh0); states and adjoints
+    are (b, n, d) as there, the loop is :func:`_in_order_adjoint`."""
+    At = A.to(_work_dtype(x)).t()
+    ins = _by_time(At.dtype, x, delta, B, C, dy)
+    xt, dt = ins[:2]
+    G = torch.zeros_like(starts[0]) if dh is None else dh.to(At.dtype).transpose(1, 2).contiguous()
+    dA = torch.zeros_like(G)
+    gBx, gMA, gB, gC = torch.empty_like(xt), torch.empty_like(xt), torch.empty_like(ins[2]), torch.empty_like(ins[3])
+    _in_order_adjoint(ins, At, starts, q, G, dA, (gBx, gMA, gB, gC))
+    gx, gd, gB, gC = _by_batch(gBx * dt, gBx * xt + gMA, gB, gC)
+    return (gx.to(x.dtype), gd.to(delta.dtype), dA.sum(0).t().to(A.dtype), gB.to(B.dtype), gC.to(C.dtype),
+            G.transpose(1, 2))
+
+
+def _in_order_adjoint(ins, At, starts, q, G, dA, grads) -> None:
+    """The adjoint, chunk by chunk from the last: the chunk's states
+    recomputed from its start, then G = dL/dh_t backwards through it (G_t = gy_t C_t + a_{t+1}
+    G_{t+1}), each position's input gradients formed as soon as its G is known. ``G`` enters as
+    the adjoint of the last state and leaves as that of the first; ``dA`` gathers Δ dL/d(Δ A)
+    per row; ``grads`` (l, b, 1, k) receive sum_n B G (= dL/d(Δ x)), sum_n A dL/d(Δ A), dB, dC."""
+    (xt, dt, Bt, Ct, gyt), (gBx, gMA, gB, gC) = ins, grads
+    dxt, l = dt * xt, xt.shape[0]
+    Bc, Cc = Bt.transpose(2, 3), Ct.transpose(2, 3)                      # (l, b, n, 1)
+    S = At.new_empty(q + 1, *G.shape)                                     # S[j]: the state before position j
+    a, M = torch.empty_like(G), torch.empty_like(G)
+    for k in reversed(range(starts.shape[0])):
+        ts = range(k * q, min(l, (k + 1) * q))
+        S[0] = starts[k]
+        for j, t in enumerate(ts):
+            torch.mul(dt[t], At, out=a).exp_()
+            torch.mul(a, S[j], out=S[j + 1]).addcmul_(dxt[t], Bc[t])
+        for j, t in reversed(list(enumerate(ts))):
+            G.addcmul_(gyt[t], Cc[t])                                         # dL/dh_t
+            # sums over d take the state transposed, (b, d, n): bmm does a row times that
+            # matrix several times faster than the (b, n, d) matrix times a column
+            torch.bmm(gyt[t], S[j + 1].transpose(1, 2), out=gC[t])            # sum_d gy h_t: (b, 1, n)
+            torch.bmm(dxt[t], G.transpose(1, 2), out=gB[t])                   # sum_d Δ x G
+            torch.bmm(Bt[t], G, out=gBx[t])                                   # sum_n B G: (b, 1, d)
+            torch.mul(dt[t], At, out=a).exp_()
+            G.mul_(a)                                                          # what reaches h_{t-1}
+            torch.mul(G, S[j], out=M)                                          # dL/d(Δ_t A)
+            dA.addcmul_(M, dt[t])
+            torch.sum(M.mul_(At), 1, keepdim=True, out=gMA[t])
