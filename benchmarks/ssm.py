@@ -174,13 +174,21 @@ def _check(models, ids) -> str:
         f" of their scale at length {ids.size(1)}"
 
 
-def _time(fns, clock: str, repeats: int, budget: float) -> dict:
-    """{name: Timing}: a warm-up call each, then calls round-robin, as many as ``budget`` seconds
-    allow up to ``repeats``, timed by ``time.process_time`` (``--clock cpu``) or the wall clock."""
+def _time(fns, clock: str, repeats: int, budget: float) -> tuple[dict, set]:
+    """{name: Timing} and the names whose call was refused memory under the cap: a warm-up call
+    each, then calls round-robin, as many as ``budget`` seconds allow up to ``repeats``, timed by
+    ``time.process_time`` (``--clock cpu``) or the wall clock."""
+    over = set()
+    for name, fn in fns.items():
+        try:
+            fn()
+        except (RuntimeError, MemoryError) as e:
+            if not M.is_out_of_memory(e):
+                raise
+            over.add(name)
+    fns = {n: fn for n, fn in fns.items() if n not in over}
     if clock == "wall":
-        return time_calls(fns, repeats=repeats, min_repeats=1, budget_s=budget)
-    for fn in fns.values():
-        fn()
+        return time_calls(fns, warmup=0, repeats=repeats, min_repeats=1, budget_s=budget), over
 
     def once(fn) -> float:
         t0 = time.process_time()
@@ -192,7 +200,7 @@ def _time(fns, clock: str, repeats: int, budget: float) -> dict:
         for name, fn in fns.items():
             if times[name].n < wanted[name]:
                 times[name].times.append(once(fn))
-    return times
+    return times, over
 
 
 def _calls(models, ids, mode: str):
@@ -260,14 +268,16 @@ def _measure_rows(family: str, models: dict, wanted: list[str], ids, mode: str, 
     length = ids.size(1)
     skip = {n for n in wanted if mode == "fwd+bwd" and length > a.reference_max_length and _slow_loop(n)}
     run = [n for n in wanted if n not in skip]
-    times = _time(_calls({n: models[n] for n in run}, ids, mode), a.clock, a.repeats, a.budget)
+    times, over = _time(_calls({n: models[n] for n in run}, ids, mode), a.clock, a.repeats, a.budget)
     if a.memory and not a.quick:
-        a.peaks.update(_peaks(family, [(n, length, mode) for n in run], a))
+        a.peaks.update(_peaks(family, [(n, length, mode) for n in run if n not in over], a))
     rows = []
     for name in wanted:
         row = {"family": family, "mode": mode, "length": length, "name": name, "run": run_id}
         if name in skip:
             row["not_run"] = f"forward+backward above --reference-max-length {a.reference_max_length}"
+        elif name in over:
+            row["not_run"] = f"over the {a.cap_gib:g} GiB memory cap"
         else:
             peak = a.peaks.get((name, length, mode), "not measured")
             row.update(median_s=times[name].median, times=times[name].times,
@@ -301,7 +311,8 @@ def _table(rows: list[dict], names: list[str]) -> tuple[list[list], list[str]]:
         gpt = gpt if gpt and "median_s" in gpt else None
         for r in members:
             if "not_run" in r:
-                out.append([mode, length, r["name"], "not run", 0, "-", "-", "-", "-"])
+                out.append([mode, length, r["name"], "over the cap" if "cap" in r["not_run"] else "not run", 0,
+                            "-", "-", "-", "-"])
                 continue
             t, peak = r["median_s"], r.get("peak_bytes")
             out.append([mode, length, r["name"], fmt_ms(t), len(r["times"]),
@@ -370,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     if a.memory_cell:
         return _memory_child(a)
+    M.cap_memory(int(a.cap_gib * M.GIB))      # the timing process too: an oversized call fails, not the machine
     if a.resume and not (a.json and a.json.exists()):
         raise SystemExit("--resume needs --json FILE of an earlier run")
     stored = json.loads(a.json.read_text()) if a.resume else {"commands": [], "rows": []}

@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         data["config"]["lengths"] = sorted(set(lengths) | {r["length"] for r in data["rows"]})
     a.out.mkdir(parents=True, exist_ok=True)
     run(names, lengths, a, data, path)
+    path.write_text(json.dumps(data, indent=1) + "\n")
     rows = data["rows"]
     print(table(rows))
     print(meters_agree(rows))

