@@ -23,15 +23,28 @@ def committed():
 
 def test_committed_rows_cover_every_model_length_and_mode(committed):
     lengths = committed["config"]["lengths"]
-    assert lengths[0] == 256 and lengths[-1] >= 4096 and all(b == 2 * a for a, b in zip(lengths, lengths[1:]))
+    assert lengths[0] == 256 and lengths[-1] >= 8192 and all(b == 2 * a for a, b in zip(lengths, lengths[1:]))
     assert committed["config"]["models"] == MODELS
     cells = sorted((r["model"], r["length"], r["mode"]) for r in committed["rows"])
     assert cells == sorted((m, n, mode) for m in MODELS for n in lengths for mode in S.MODES)
-    assert all(r["seconds"] > 0 and r["calls"] >= 1 for r in committed["rows"])
-    # a cell without its peak memory says why in "skipped"
-    unmeasured = {f"{r['model']} {r['mode']} at {r['length']}" for r in committed["rows"] if r["peak_bytes"] is None}
-    assert all(r["peak_bytes"] is None or r["peak_bytes"] > 0 for r in committed["rows"])
-    assert unmeasured == {s.split(":")[0] for s in committed["skipped"]}
+    # a cell without figures (over the memory cap, or its process failed) says why in "skipped"
+    measured = [r for r in committed["rows"] if r["seconds"] is not None]
+    assert all(r["seconds"] > 0 and r["calls"] >= 1 and r["peak_bytes"] > 0 for r in measured)
+    unmeasured = {f"{r['model']} {r['mode']} at {r['length']}" for r in committed["rows"] if r["seconds"] is None}
+    assert unmeasured <= {s.split(":")[0] for s in committed["skipped"]}
+
+
+def test_the_resident_meter_agrees_with_the_allocator_where_both_ran(committed):
+    """The resident peak of the cell's own process counts more than tensors (the module doc of
+    benchmarks/_memory.py) and a tensor only for the pages written: where the call's tensors are tens
+    of MiB it must still read within 15 % of torch's allocator (measured: 0.90 to 1.04 where both
+    are 32 MiB or more, RWKV-7's forward+backward the lowest), or it measures something else."""
+    both = [r for r in committed["rows"] if r.get("allocator_bytes") and r["peak_bytes"]]
+    assert {r["length"] for r in both} == {n for n in committed["config"]["lengths"]
+                                          if n <= committed["config"]["allocator_max_length"]}
+    for r in both:
+        if r["allocator_bytes"] >= 32 * 2**20:
+            assert 0.85 <= r["peak_bytes"] / r["allocator_bytes"] <= 1.15, r
 
 
 def _plotted(fig) -> dict:
