@@ -63,7 +63,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.images import AUGMENTATIONS, ImageFolder, augment, image_splits, read_image_folder
-from ..nn.norm import DyT
 from ..processors import ImageProcessor
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
@@ -305,6 +304,9 @@ class ImageClassification(TaskDefinition):
                f"{_DYT_ALPHA['digits']:g} for the digits, whose small patches start about 8 times weaker)",
                check=positive, group=_M),
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
+        Option("ema", float, None, "evaluate, choose and save an exponential moving average of the weights with "
+               "this decay per step (0 = off) (default: off)", check=lambda v: None if 0 <= v < 1 else
+               "must be in [0, 1)", group=_D),
         Option("init", str, None, "start the encoder from an attnlab mae or image run or a Hugging Face ViTMAE or "
                "ViT directory (a new head; the model sizes and processor are the checkpoint's)",
                metavar="RUN_OR_HF_DIR", group=_M),
@@ -437,19 +439,14 @@ class ImageClassification(TaskDefinition):
     def _model(self, s: dict, labels: list[str]) -> nn.Module:
         from ..models.registry import family
         fam = family(s["model"])
+        dyt = {"dyt_alpha": s["dyt_alpha"]} if s.get("norm") == "dyt" else {}     # the config's, used as it is built
         config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=s["channels"],
                                   d_model=s["d_model"], num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], num_labels=len(labels), **self.family_sizes(s))
+                                  dropout=s["dropout"], num_labels=len(labels), **self.family_sizes(s), **dyt)
         if hasattr(config, "id2label"):       # the label names travel with the weights (export's config.json)
             config.id2label = dict(enumerate(labels))
         torch.manual_seed(s["seed"])
-        model = fam.for_kind(self.kind).build(config)
-        if s.get("norm") == "dyt":
-            with torch.no_grad():
-                for m in model.modules():
-                    if isinstance(m, DyT):
-                        m.alpha.fill_(s["dyt_alpha"])
-        return model
+        return fam.for_kind(self.kind).build(config)
 
     def _schedule(self, s: dict, n_images: int) -> dict:
         kind = "digits" if s["data"] is None else "folder"
@@ -511,7 +508,7 @@ class ImageClassification(TaskDefinition):
         # checkpoint: their loss tells two checkpoints apart, so it picks the best one there
         best = ("val_loss", "min") if s["data"] is None else ("accuracy", "max")
         return dict(self._schedule(s, len(setup.task.train_y)), betas=(0.9, beta2), best_metric=best[0],
-                    best_mode=best[1])
+                    best_mode=best[1], ema_decay=s["ema"] or None)
 
     def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
         from .run import open_run
