@@ -351,7 +351,7 @@ def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_p
     from attnlab.nn.norm import DyT
     from attnlab.tasks.image import _DYT_ALPHA
     task = get_task("image")
-    for given, want in ((None, _DYT_ALPHA["digits"]), (2.5, 2.5)):
+    for given, want in ((None, _DYT_ALPHA["digits"]), ("2.5", 2.5)):
         s = task.settings(norm="dyt", d_model=16, heads=2, layers=2, **({} if given is None else {"dyt_alpha": given}))
         model = task.prepare(s, None).task.model
         dyts = [m for m in model.modules() if isinstance(m, DyT)]

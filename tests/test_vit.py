@@ -150,8 +150,17 @@ def test_dyt_takes_the_place_of_every_layernorm_at_the_config_s_alpha_and_round_
     assert {m.alpha.item() for m in plain.modules() if isinstance(m, DyT)} == {0.5}
     assert "dyt_alpha" not in fam.config_to_hf(plain.config)
     assert fam.hf_unsupported(ViTConfig(dyt_alpha=3.0)) is None
-    with pytest.raises(ValueError, match="ViTConfig: dyt_alpha must be a positive number, got 0"):
+    # one alpha per depth: each layer's two norms, then the final one, saved and read back as a list
+    deep = fam.for_kind("image-classifier").build(fam.build_config(
+        image_size=16, patch_size=4, in_channels=3, d_model=32, num_heads=4, num_layers=2, num_labels=3, norm="dyt",
+        dyt_alpha=[4, 2, 0.5]))
+    assert [m.alpha.item() for m in deep.modules() if isinstance(m, DyT)] == [4, 4, 2, 2, 0.5]
+    deep.save_pretrained(tmp_path / "deep")
+    assert attnlab.from_pretrained(tmp_path / "deep").config.dyt_alpha == [4.0, 2.0, 0.5]
+    with pytest.raises(ValueError, match="ViTConfig: dyt_alpha must be a positive number or 13 of them"):
         ViTConfig(norm="dyt", dyt_alpha=0)
+    with pytest.raises(ValueError, match="got \\[1.0, 2.0\\]"):
+        ViTConfig(norm="dyt", dyt_alpha=[1.0, 2.0])
 
 
 def test_an_image_of_another_size_is_refused_without_interpolation():

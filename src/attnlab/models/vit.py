@@ -59,7 +59,9 @@ class ViTConfig:
     activation: str = "gelu"
     qkv_bias: bool = True
     norm: str = "layernorm"               # "layernorm" | "dyt"
-    dyt_alpha: float = 0.5                # DyT's initial alpha (norm "dyt"), the DyT paper's for a ViT
+    # DyT's initial alpha (norm "dyt"): the DyT paper's 0.5 for a ViT, or one per depth, num_layers + 1
+    # numbers (each layer's two norms, then the final norm), for a residual stream that grows with depth
+    dyt_alpha: float | list[float] = 0.5
     pooling: str = "cls"                  # the classifier reads the class token, or the patches' mean
     num_labels: int | None = None         # default len(id2label), else 2
     id2label: dict[int, str] | None = None
@@ -84,14 +86,24 @@ class ViTConfig:
         for f in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, f) < 1.0:
                 raise ValueError(f"{who}: {f} must be in [0, 1), got {getattr(self, f)}")
-        if not (isinstance(self.dyt_alpha, (int, float)) and self.dyt_alpha > 0):
-            raise ValueError(f"{who}: dyt_alpha must be a positive number, got {self.dyt_alpha!r}")
+        per_depth = isinstance(self.dyt_alpha, (list, tuple))
+        alphas = self.dyt_alpha if per_depth else [self.dyt_alpha]
+        if (not all(isinstance(a, (int, float)) and a > 0 for a in alphas)
+                or (per_depth and len(alphas) != self.num_layers + 1)):
+            raise ValueError(f"{who}: dyt_alpha must be a positive number or {self.num_layers + 1} of them (one per "
+                             f"layer, then the final norm's), got {self.dyt_alpha!r}")
+        if isinstance(self.dyt_alpha, (list, tuple)):
+            self.dyt_alpha = [float(a) for a in self.dyt_alpha]
         for f, allowed in (("activation", tuple(ACT_TO_HF)), ("norm", NORMS), ("pooling", POOLINGS)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"{who}: {f} must be one of {allowed}, got {getattr(self, f)!r}")
         if set(self.id2label) != set(range(self.num_labels)):
             raise ValueError(f"{who}: id2label must name classes 0 .. num_labels - 1 ({self.num_labels}), got ids "
                              f"{sorted(self.id2label)}")
+
+    def dyt_alpha_at(self, depth: int) -> float:
+        """DyT's initial alpha in layer ``depth`` (``num_layers``: the final norm)."""
+        return self.dyt_alpha[depth] if isinstance(self.dyt_alpha, list) else float(self.dyt_alpha)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -121,12 +133,12 @@ class ViTEncoder(SavePretrained, nn.Module):
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True, norm=c.norm, eps=c.layer_norm_eps,
-                         dyt_alpha=c.dyt_alpha,
+                         dyt_alpha=c.dyt_alpha_at(i),
                          self_attn=MultiHeadAttention(c.d_model, c.num_heads, c.attention_dropout, bias=c.qkv_bias,
                                                       out_bias=True, fused_qkv=True),
                          ff=FeedForward(c.d_model, c.d_ff, 0.0, activation=c.activation))
-            for _ in range(c.num_layers))
-        self.norm = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.dyt_alpha)
+            for i in range(c.num_layers))
+        self.norm = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.dyt_alpha_at(c.num_layers))
 
     def reset_parameters(self) -> None:
         """Matrices, convolutions and prefix tokens ~ N(0, 0.02) truncated at 2 std (as transformers'

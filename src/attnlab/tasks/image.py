@@ -89,6 +89,18 @@ DIGIT_STEPS = 3000
 _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
 
 
+def _alphas(value) -> float | list[float] | None:
+    """``--dyt-alpha``'s value as the config's ``dyt_alpha`` (one number, or a list of them from
+    "4,2,1"); None if it is neither, or not positive."""
+    try:
+        alphas = [float(a) for a in value.split(",")] if isinstance(value, str) else [float(value)]
+    except ValueError:
+        return None
+    if not all(a > 0 for a in alphas):
+        return None
+    return alphas[0] if len(alphas) == 1 else alphas
+
+
 def _bytes(images: Sequence, processor: ImageProcessor) -> Tensor:
     """(N, C, H, W) uint8: each image (a path or an (H, W[, C]) uint8 array) resized by ``processor``."""
     return (torch.stack([processor.resized(x) for x in images]) if len(images)
@@ -300,9 +312,11 @@ class ImageClassification(TaskDefinition):
                group=_M),
         Option("label_smoothing", float, 0.0, "label smoothing of the training loss (not with --teacher, "
                "whose losses are DeiT's)", check=fraction, group=_D),
-        Option("dyt_alpha", float, None, "DyT's initial alpha (--norm dyt) (default: 0.5, the DyT paper's for a ViT; "
+        Option("dyt_alpha", str, None, "DyT's initial alpha (--norm dyt), or --layers + 1 of them separated by commas "
+               "(each layer's, then the final norm's) (default: 0.5, the DyT paper's for a ViT; "
                f"{_DYT_ALPHA['digits']:g} for the digits, whose small patches start about 8 times weaker)",
-               check=positive, group=_M),
+               check=lambda v: None if _alphas(v) is not None else "give a positive number, or several separated "
+               "by commas", metavar="A[,A...]", group=_M),
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
         Option("ema", float, None, "evaluate, choose and save an exponential moving average of the weights with "
                "this decay per step (0 = off) (default: off)", check=lambda v: None if 0 <= v < 1 else
@@ -355,6 +369,10 @@ class ImageClassification(TaskDefinition):
                 s[name] = value
         if s.get("norm") == "dyt":
             s["dyt_alpha"] = _DYT_ALPHA[kind] if s["dyt_alpha"] is None else s["dyt_alpha"]
+            alphas = _alphas(s["dyt_alpha"])
+            if isinstance(alphas, list) and len(alphas) != s["layers"] + 1:
+                raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s['layers'] + 1} (one per layer "
+                                 "of --layers, then the final norm's)")
         elif s["dyt_alpha"] is not None:
             raise ValueError("--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)")
         if s["image_size"] % s["patch_size"]:
@@ -439,7 +457,7 @@ class ImageClassification(TaskDefinition):
     def _model(self, s: dict, labels: list[str]) -> nn.Module:
         from ..models.registry import family
         fam = family(s["model"])
-        dyt = {"dyt_alpha": s["dyt_alpha"]} if s.get("norm") == "dyt" else {}     # the config's, used as it is built
+        dyt = {"dyt_alpha": _alphas(s["dyt_alpha"])} if s.get("norm") == "dyt" else {}    # the config's, used as built
         config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=s["channels"],
                                   d_model=s["d_model"], num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
                                   dropout=s["dropout"], num_labels=len(labels), **self.family_sizes(s), **dyt)
