@@ -399,6 +399,7 @@ def test_ema_evaluates_and_saves_the_average_of_the_weights(tmp_path, capsys):
     task = get_task("image")
     tiny = ["--steps", "3", "--d-model", "16", "--heads", "2", "--layers", "1", "--warmup", "0", "--no-progress"]
     assert task.train_config(s := task.settings(ema=0.9), task.prepare(s, None))["ema_decay"] == 0.9
+    assert task.train_config(s := task.settings(), task.prepare(s, None))["ema_decay"] == 0.999     # the digits' default
     assert task.train_config(s := task.settings(ema=0.0), task.prepare(s, None))["ema_decay"] is None
     run, _, _ = _train(capsys, tmp_path, "ema", *tiny, "--ema", "0.5")
     ckpt = open_run(run).path
