@@ -351,12 +351,18 @@ def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_p
     from attnlab.nn.norm import DyT
     from attnlab.tasks.image import _DYT_ALPHA
     task = get_task("image")
-    for given, want in ((None, _DYT_ALPHA["digits"]), ("2.5", 2.5)):
-        s = task.settings(norm="dyt", d_model=16, heads=2, layers=2, **({} if given is None else {"dyt_alpha": given}))
+    # the digits: 4 in the first layer, halved in each after it, the final norm as the last layer;
+    # a number given: every DyT; a list: one per layer, then the final norm
+    cases = ((None, 3, [4.0, 4.0, 2.0, 2.0, 1.0, 1.0, 1.0], [4.0, 2.0, 1.0, 1.0]), ("2.5", 2, [2.5] * 5, 2.5),
+             ("3,1,0.5", 2, [3.0, 3.0, 1.0, 1.0, 0.5], [3.0, 1.0, 0.5]))
+    assert _DYT_ALPHA["digits"] == 4.0
+    for given, layers, want, config in cases:
+        s = task.settings(norm="dyt", d_model=16, heads=2, layers=layers,
+                          **({} if given is None else {"dyt_alpha": given}))
         model = task.prepare(s, None).task.model
         dyts = [m for m in model.modules() if isinstance(m, DyT)]
-        assert len(dyts) == 5 and all(m.alpha.item() == want for m in dyts)          # 2 per layer and the last
-        assert model.config.dyt_alpha == want                     # the config's: the model was built with it
+        assert [m.alpha.item() for m in dyts] == want                                 # 2 per layer and the last
+        assert model.config.dyt_alpha == config                   # the config's: the model was built with it
         assert all(torch.equal(m.weight, torch.ones(16)) and torch.equal(m.bias, torch.zeros(16)) for m in dyts)
     assert _DYT_ALPHA["folder"] == 0.5                                                 # the paper's, for photos
     run, _, _ = _train(capsys, tmp_path, "dyt", "--norm", "dyt", "--dyt-alpha", "3", "--steps", "1", "--d-model",
@@ -367,6 +373,9 @@ def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_p
     code, _, err = _cli(capsys, "train", "image", "--dyt-alpha", "3", "--steps", "1", "--out", tmp_path / "x")
     assert code == 2 and "--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)" in err, err
     assert len(err.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, "train", "image", "--norm", "dyt", "--dyt-alpha", "3,1", "--steps", "1", "--out",
+                        tmp_path / "y")
+    assert code == 2 and "--dyt-alpha: 2 numbers; give one, or 5 (one per layer of --layers" in err, err
 
 
 def test_label_smoothing_reaches_the_loss_and_is_refused_with_a_teacher(teacher, tmp_path, capsys):

@@ -90,8 +90,19 @@ DIGIT_STEPS = 6000
 # DyT's alpha: the DyT paper's 0.5 suits a 224-pixel ViT, whose first norm sees activations of std 0.49 at
 # initialisation (patches of 16x16x3 pixels); the digits' patches of 2x2x3 give 0.058, 8.4 times less, so
 # tanh(0.5 x) passes on a 35th of what LayerNorm does (measured at init: std 0.029 against 1.0) and the
-# stack starts with almost no signal. Scaling alpha by the same 8 puts tanh where the paper has it.
+# stack starts with almost no signal. Scaling alpha by the same 8 puts tanh where the paper has it, in the
+# first layer; but the residual stream grows with depth (a trained LayerNorm ViT's norms see std 0.2 in the
+# first layer, 1.9 before the head), and a DyT run with alpha 4 everywhere grew it to std 5-9 while alpha
+# stayed near 4: tanh saturated after the first layer, and a saturated tanh gives alpha no gradient
+# (92.5 % at 3,000 steps, LayerNorm 98.0 %). Halving alpha with each layer (4, 2, 1, 0.5, the final norm as
+# the last layer) gave 96.0 % (docs/vision.md, "Results").
 _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
+
+
+def _digit_dyt_alphas(layers: int) -> str:
+    """The digits' DyT alphas: 4 in the first layer, halved with each layer after, the final norm's as the last's."""
+    alphas = [_DYT_ALPHA["digits"] * 0.5 ** i for i in range(layers)]
+    return ",".join(f"{a:g}" for a in alphas + alphas[-1:])
 
 
 def _alphas(value) -> float | list[float] | None:
@@ -318,8 +329,9 @@ class ImageClassification(TaskDefinition):
         Option("label_smoothing", float, 0.0, "label smoothing of the training loss (not with --teacher, "
                "whose losses are DeiT's)", check=fraction, group=_D),
         Option("dyt_alpha", str, None, "DyT's initial alpha (--norm dyt), or --layers + 1 of them separated by commas "
-               "(each layer's, then the final norm's) (default: 0.5, the DyT paper's for a ViT; "
-               f"{_DYT_ALPHA['digits']:g} for the digits, whose small patches start about 8 times weaker)",
+               "(each layer's, then the final norm's) (default: 0.5, the DyT paper's for a ViT; for the digits, whose "
+               f"small patches start about 8 times weaker, {_DYT_ALPHA['digits']:g} in the first layer, halved in each "
+               "after it: 4,2,1,0.5,0.5 for 4 layers)",
                check=lambda v: None if _alphas(v) is not None else "give a positive number, or several separated "
                "by commas", metavar="A[,A...]", group=_M),
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
@@ -373,7 +385,8 @@ class ImageClassification(TaskDefinition):
             if s[name] is None:
                 s[name] = value
         if s.get("norm") == "dyt":
-            s["dyt_alpha"] = _DYT_ALPHA[kind] if s["dyt_alpha"] is None else s["dyt_alpha"]
+            if s["dyt_alpha"] is None:
+                s["dyt_alpha"] = _digit_dyt_alphas(s["layers"]) if kind == "digits" else _DYT_ALPHA[kind]
             alphas = _alphas(s["dyt_alpha"])
             if isinstance(alphas, list) and len(alphas) != s["layers"] + 1:
                 raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s['layers'] + 1} (one per layer "
