@@ -351,20 +351,31 @@ def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_p
     from attnlab.nn.norm import DyT
     from attnlab.tasks.image import _DYT_ALPHA
     task = get_task("image")
-    for given, want in ((None, _DYT_ALPHA["digits"]), (2.5, 2.5)):
-        s = task.settings(norm="dyt", d_model=16, heads=2, layers=2, **({} if given is None else {"dyt_alpha": given}))
+    # the digits: 4 in the first layer, halved in each after it, the final norm as the last layer;
+    # a number given: every DyT; a list: one per layer, then the final norm
+    cases = ((None, 3, [4.0, 4.0, 2.0, 2.0, 1.0, 1.0, 1.0], [4.0, 2.0, 1.0, 1.0]), ("2.5", 2, [2.5] * 5, 2.5),
+             ("3,1,0.5", 2, [3.0, 3.0, 1.0, 1.0, 0.5], [3.0, 1.0, 0.5]))
+    assert _DYT_ALPHA["digits"] == 4.0
+    for given, layers, want, config in cases:
+        s = task.settings(norm="dyt", d_model=16, heads=2, layers=layers,
+                          **({} if given is None else {"dyt_alpha": given}))
         model = task.prepare(s, None).task.model
         dyts = [m for m in model.modules() if isinstance(m, DyT)]
-        assert len(dyts) == 5 and all(m.alpha.item() == want for m in dyts)          # 2 per layer and the last
+        assert [m.alpha.item() for m in dyts] == want                                 # 2 per layer and the last
+        assert model.config.dyt_alpha == config                   # the config's: the model was built with it
         assert all(torch.equal(m.weight, torch.ones(16)) and torch.equal(m.bias, torch.zeros(16)) for m in dyts)
     assert _DYT_ALPHA["folder"] == 0.5                                                 # the paper's, for photos
     run, _, _ = _train(capsys, tmp_path, "dyt", "--norm", "dyt", "--dyt-alpha", "3", "--steps", "1", "--d-model",
                        "16", "--heads", "2", "--layers", "1", "--lr", "1e-9", "--warmup", "0")
     reloaded = [m for m in task.load(open_run(run)).model.modules() if isinstance(m, DyT)]
     assert reloaded and all(abs(m.alpha.item() - 3) < 1e-6 for m in reloaded)       # saved with the weights
+    assert open_run(run).config["dyt_alpha"] == 3.0                                   # and in the run's config
     code, _, err = _cli(capsys, "train", "image", "--dyt-alpha", "3", "--steps", "1", "--out", tmp_path / "x")
     assert code == 2 and "--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)" in err, err
     assert len(err.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, "train", "image", "--norm", "dyt", "--dyt-alpha", "3,1", "--steps", "1", "--out",
+                        tmp_path / "y")
+    assert code == 2 and "--dyt-alpha: 2 numbers; give one, or 5 (one per layer of --layers" in err, err
 
 
 def test_label_smoothing_reaches_the_loss_and_is_refused_with_a_teacher(teacher, tmp_path, capsys):
@@ -387,3 +398,23 @@ def test_label_smoothing_reaches_the_loss_and_is_refused_with_a_teacher(teacher,
     code, _, err = _cli(capsys, "train", "image", "--data", data, "--steps", "1", "--out", tmp_path / "s",
                         "--model", "deit", "--teacher", run, "--label-smoothing", "0.1", *_TINY)
     assert code == 2 and "--label-smoothing: not with --teacher" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ema_evaluates_and_saves_the_average_of_the_weights(tmp_path, capsys):
+    """--ema DECAY: the run's checkpoint holds the average (what classify, eval and export read) and
+    the training weights beside it; --ema 0 is off (not the default of some other value)."""
+    from safetensors.torch import load_file
+    from attnlab.train.ema import TRAINING_WEIGHTS_FILE
+    task = get_task("image")
+    tiny = ["--steps", "3", "--d-model", "16", "--heads", "2", "--layers", "1", "--warmup", "0", "--no-progress"]
+    assert task.train_config(s := task.settings(ema=0.9), task.prepare(s, None))["ema_decay"] == 0.9
+    assert task.train_config(s := task.settings(), task.prepare(s, None))["ema_decay"] == 0.999     # the digits' default
+    assert task.train_config(s := task.settings(ema=0.0), task.prepare(s, None))["ema_decay"] is None
+    run, _, _ = _train(capsys, tmp_path, "ema", *tiny, "--ema", "0.5")
+    ckpt = open_run(run).path
+    average, raw = load_file(ckpt / "model.safetensors"), load_file(ckpt / TRAINING_WEIGHTS_FILE)
+    assert average.keys() == raw.keys() and any(not torch.equal(average[k], raw[k]) for k in raw)
+    loaded = task.load(open_run(run)).model.state_dict()
+    assert all(torch.equal(loaded[k], average[k]) for k in average)
+    code, _, err = _cli(capsys, "train", "image", "--ema", "1", "--out", tmp_path / "x")
+    assert code == 2 and "--ema" in err and len(err.strip().splitlines()) == 1, err

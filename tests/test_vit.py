@@ -126,17 +126,41 @@ def test_mean_pooling_reads_the_patches_mean(tmp_path):
         assert back.config.pooling == "mean" and torch.equal(back(x), model(x))
 
 
-def test_dyt_takes_the_place_of_every_layernorm_and_round_trips(tmp_path):
-    model = VisionTransformer(img_size=16, patch_size=4, num_classes=3, embed_dim=32, depth=2, num_heads=4,
-                              norm="dyt").eval()
+@pytest.mark.parametrize("model_type", ["vit", "deit"])
+def test_dyt_takes_the_place_of_every_layernorm_at_the_config_s_alpha_and_round_trips(model_type, tmp_path):
+    import json
+    fam = attnlab.models.family(model_type)
+    config = fam.build_config(image_size=16, patch_size=4, in_channels=3, d_model=32, num_heads=4, num_layers=2,
+                              num_labels=3, norm="dyt", dyt_alpha=2.5)
+    model = fam.for_kind("image-classifier").build(config).eval()
     norms = [m for m in model.modules() if isinstance(m, (DyT, LayerNorm, torch.nn.LayerNorm))]
     assert len(norms) == 2 * 2 + 1 and all(isinstance(m, DyT) for m in norms)
+    assert all(m.alpha.item() == 2.5 for m in norms)          # built at the config's alpha, not set afterwards
     contract.randomize_(model)
     model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dyt_alpha"] == 2.5
     back = attnlab.from_pretrained(tmp_path)
     x = _pixels(2, 3, 16, 16)
     with torch.no_grad():
-        assert back.config.norm == "dyt" and torch.equal(back(x), model(x))
+        assert (back.config.norm, back.config.dyt_alpha) == ("dyt", 2.5) and torch.equal(back(x), model(x))
+    fresh = fam.for_kind("image-classifier").build(back.config)         # the config alone rebuilds the start
+    assert all(m.alpha.item() == 2.5 for m in fresh.modules() if isinstance(m, DyT))
+    # the paper's 0.5 by default, written nowhere; a LayerNorm model's alpha is nobody's business
+    plain = VisionTransformer(img_size=16, patch_size=4, num_classes=3, embed_dim=32, depth=1, num_heads=4, norm="dyt")
+    assert {m.alpha.item() for m in plain.modules() if isinstance(m, DyT)} == {0.5}
+    assert "dyt_alpha" not in fam.config_to_hf(plain.config)
+    assert fam.hf_unsupported(ViTConfig(dyt_alpha=3.0)) is None
+    # one alpha per depth: each layer's two norms, then the final one, saved and read back as a list
+    deep = fam.for_kind("image-classifier").build(fam.build_config(
+        image_size=16, patch_size=4, in_channels=3, d_model=32, num_heads=4, num_layers=2, num_labels=3, norm="dyt",
+        dyt_alpha=[4, 2, 0.5]))
+    assert [m.alpha.item() for m in deep.modules() if isinstance(m, DyT)] == [4, 4, 2, 2, 0.5]
+    deep.save_pretrained(tmp_path / "deep")
+    assert attnlab.from_pretrained(tmp_path / "deep").config.dyt_alpha == [4.0, 2.0, 0.5]
+    with pytest.raises(ValueError, match="ViTConfig: dyt_alpha must be a positive number or 13 of them"):
+        ViTConfig(norm="dyt", dyt_alpha=0)
+    with pytest.raises(ValueError, match="got \\[1.0, 2.0\\]"):
+        ViTConfig(norm="dyt", dyt_alpha=[1.0, 2.0])
 
 
 def test_an_image_of_another_size_is_refused_without_interpolation():

@@ -119,11 +119,12 @@ def deit_config_from_hf(c: dict) -> DeiTConfig:
 
 def build_config(*, image_size: int, patch_size: int, in_channels: int, d_model: int, num_heads: int, num_layers: int,
                  d_ff: int | None = None, dropout: float = 0.0, num_labels: int = 2,
-                 norm: str = "layernorm") -> DeiTConfig:
+                 norm: str = "layernorm", dyt_alpha: float = 0.5) -> DeiTConfig:
     """A DeiT sized for training (see :func:`attnlab.models.vit.sized_fields`)."""
     return DeiTConfig(**sized_fields(image_size=image_size, patch_size=patch_size, in_channels=in_channels,
                                      d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff,
-                                     dropout=dropout, num_labels=num_labels, norm=norm, pooling="cls"))
+                                     dropout=dropout, num_labels=num_labels, norm=norm, pooling="cls",
+                                     dyt_alpha=dyt_alpha))
 
 
 PRESETS = {

@@ -18,7 +18,8 @@ of another size is refused, as there.
 Weights: transformers' ViTModel / ViTForImageClassification names (``vit.encoder.layer.{i}...``,
 what its save_pretrained writes and the Hub holds); our fused Q/K/V projection is split into their
 query, key and value. transformers' own ViT has neither DyT nor mean pooling: such a config writes
-``norm`` / ``pooling`` into config.json for attnlab to read back, and transformers cannot run it.
+``norm`` (with ``dyt_alpha``, DyT's initial alpha) / ``pooling`` into config.json for attnlab to read
+back, and transformers cannot run it.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class ViTConfig:
     activation: str = "gelu"
     qkv_bias: bool = True
     norm: str = "layernorm"               # "layernorm" | "dyt"
+    # DyT's initial alpha (norm "dyt"): the DyT paper's 0.5 for a ViT, or one per depth, num_layers + 1
+    # numbers (each layer's two norms, then the final norm), for a residual stream that grows with depth
+    dyt_alpha: float | list[float] = 0.5
     pooling: str = "cls"                  # the classifier reads the class token, or the patches' mean
     num_labels: int | None = None         # default len(id2label), else 2
     id2label: dict[int, str] | None = None
@@ -82,12 +86,24 @@ class ViTConfig:
         for f in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, f) < 1.0:
                 raise ValueError(f"{who}: {f} must be in [0, 1), got {getattr(self, f)}")
+        per_depth = isinstance(self.dyt_alpha, (list, tuple))
+        alphas = self.dyt_alpha if per_depth else [self.dyt_alpha]
+        if (not all(isinstance(a, (int, float)) and a > 0 for a in alphas)
+                or (per_depth and len(alphas) != self.num_layers + 1)):
+            raise ValueError(f"{who}: dyt_alpha must be a positive number or {self.num_layers + 1} of them (one per "
+                             f"layer, then the final norm's), got {self.dyt_alpha!r}")
+        if isinstance(self.dyt_alpha, (list, tuple)):
+            self.dyt_alpha = [float(a) for a in self.dyt_alpha]
         for f, allowed in (("activation", tuple(ACT_TO_HF)), ("norm", NORMS), ("pooling", POOLINGS)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"{who}: {f} must be one of {allowed}, got {getattr(self, f)!r}")
         if set(self.id2label) != set(range(self.num_labels)):
             raise ValueError(f"{who}: id2label must name classes 0 .. num_labels - 1 ({self.num_labels}), got ids "
                              f"{sorted(self.id2label)}")
+
+    def dyt_alpha_at(self, depth: int) -> float:
+        """DyT's initial alpha in layer ``depth`` (``num_layers``: the final norm)."""
+        return self.dyt_alpha[depth] if isinstance(self.dyt_alpha, list) else float(self.dyt_alpha)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -117,11 +133,12 @@ class ViTEncoder(SavePretrained, nn.Module):
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True, norm=c.norm, eps=c.layer_norm_eps,
+                         dyt_alpha=c.dyt_alpha_at(i),
                          self_attn=MultiHeadAttention(c.d_model, c.num_heads, c.attention_dropout, bias=c.qkv_bias,
                                                       out_bias=True, fused_qkv=True),
                          ff=FeedForward(c.d_model, c.d_ff, 0.0, activation=c.activation))
-            for _ in range(c.num_layers))
-        self.norm = make_norm(c.norm, c.d_model, c.layer_norm_eps)
+            for i in range(c.num_layers))
+        self.norm = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.dyt_alpha_at(c.num_layers))
 
     def reset_parameters(self) -> None:
         """Matrices, convolutions and prefix tokens ~ N(0, 0.02) truncated at 2 std (as transformers'
@@ -251,7 +268,7 @@ VIT_HF_NAMES = {
     "dropout": "hidden_dropout_prob", "attention_dropout": "attention_probs_dropout_prob",
     "layer_norm_eps": "layer_norm_eps", "qkv_bias": "qkv_bias"}
 # what only attnlab reads back: transformers' ViT has neither (see the module docstring)
-_OWN_FIELDS = {"norm": "layernorm", "pooling": "cls"}
+_OWN_FIELDS = {"norm": "layernorm", "dyt_alpha": 0.5, "pooling": "cls"}
 
 
 def vit_config_from_hf(c: dict, cls: type = ViTConfig):
@@ -280,21 +297,23 @@ def vit_config_to_hf(cfg: ViTConfig) -> dict:
 
 # ----------------------------------------------------------------------------- registration
 def sized_fields(*, image_size: int, patch_size: int, in_channels: int, d_model: int, num_heads: int,
-                 num_layers: int, d_ff: int | None, dropout: float, num_labels: int, norm: str, pooling: str) -> dict:
+                 num_layers: int, d_ff: int | None, dropout: float, num_labels: int, norm: str, pooling: str,
+                 dyt_alpha: float = 0.5) -> dict:
     """The config fields a sizing builder sets (DeiT's shares them): d_ff 4 d_model unless given,
     one dropout for the hidden states and the attention."""
     return dict(image_size=image_size, patch_size=patch_size, in_channels=in_channels, d_model=d_model,
                 num_heads=num_heads, num_layers=num_layers, d_ff=d_ff or 4 * d_model, dropout=dropout,
-                attention_dropout=dropout, norm=norm, pooling=pooling, num_labels=num_labels)
+                attention_dropout=dropout, norm=norm, dyt_alpha=dyt_alpha, pooling=pooling, num_labels=num_labels)
 
 
 def build_config(*, image_size: int, patch_size: int, in_channels: int, d_model: int, num_heads: int, num_layers: int,
                  d_ff: int | None = None, dropout: float = 0.0, num_labels: int = 2, norm: str = "layernorm",
-                 pooling: str = "cls") -> ViTConfig:
+                 pooling: str = "cls", dyt_alpha: float = 0.5) -> ViTConfig:
     """A ViT sized for training (see :func:`sized_fields`)."""
     return ViTConfig(**sized_fields(image_size=image_size, patch_size=patch_size, in_channels=in_channels,
                                     d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff,
-                                    dropout=dropout, num_labels=num_labels, norm=norm, pooling=pooling))
+                                    dropout=dropout, num_labels=num_labels, norm=norm, pooling=pooling,
+                                    dyt_alpha=dyt_alpha))
 
 
 OPTIONS = (
@@ -325,7 +344,8 @@ if "image-base" not in KINDS:
 def hf_unsupported(config) -> str | None:
     """Why transformers' ViT/DeiT could not run ``config``: the settings it lacks (it would read
     them as its defaults, silently), else None."""
-    own = [f"{f}={getattr(config, f)!r}" for f, default in _OWN_FIELDS.items() if getattr(config, f) != default]
+    own = [f"{f}={getattr(config, f)!r}" for f, default in _OWN_FIELDS.items() if getattr(config, f) != default
+           and (f != "dyt_alpha" or config.norm == "dyt")]        # alpha means nothing without DyT
     return f"{', '.join(own)} has no transformers counterpart (it would run the defaults)" if own else None
 
 

@@ -54,7 +54,7 @@ class EncoderLayer(_Layer):
         d_model, num_heads, d_ff, dropout: as in the paper (512, 8, 2048, 0.1).
         norm_first: Pre-Norm if True, Post-Norm (the paper) if False.
         activation: feed-forward activation ("relu", "gelu", ...).
-        norm: "layernorm" | "rmsnorm" | "dyt"; eps its epsilon.
+        norm: "layernorm" | "rmsnorm" | "dyt"; eps its epsilon; dyt_alpha DyT's initial alpha.
         self_attn, ff: ready-made modules to plug in instead of the defaults (for example an
             attention with a position module, or a gated MLP).
 
@@ -75,14 +75,14 @@ class EncoderLayer(_Layer):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layernorm",
-                 eps: float = 1e-5, bias: bool = True,
+                 eps: float = 1e-5, bias: bool = True, dyt_alpha: float = 0.5,
                  self_attn: nn.Module | None = None, ff: nn.Module | None = None):
         super().__init__(dropout, norm_first)
         self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias)
         self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
         # registered after the sublayers, so parameter order (optimizer state) is as before the renaming
-        self.self_attn_norm = make_norm(norm, d_model, eps)
-        self.ff_norm = make_norm(norm, d_model, eps)
+        self.self_attn_norm = make_norm(norm, d_model, eps, dyt_alpha)
+        self.ff_norm = make_norm(norm, d_model, eps, dyt_alpha)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, key_padding_mask: Tensor | None = None, *,
                 packing: Packing | None = None, first_only: bool = False) -> Tensor:

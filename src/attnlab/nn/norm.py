@@ -148,11 +148,11 @@ class DyT(nn.Module):
 NORM_KINDS = ("layernorm", "rmsnorm", "dyt")
 
 
-def make_norm(kind: str, d: int, eps: float | None = None) -> nn.Module:
+def make_norm(kind: str, d: int, eps: float | None = None, dyt_alpha: float = 0.5) -> nn.Module:
     """Build a norm by name: "layernorm" | "rmsnorm" | "dyt".
 
     ``eps`` None keeps each layer's default (1e-5 LayerNorm, 1e-6 RMSNorm); DyT has no eps
-    and ignores it.
+    and ignores it. ``dyt_alpha`` is DyT's initial alpha (the others ignore it).
     """
     key = kind.lower() if isinstance(kind, str) else kind
     if key == "layernorm":
@@ -160,5 +160,5 @@ def make_norm(kind: str, d: int, eps: float | None = None) -> nn.Module:
     if key == "rmsnorm":
         return RMSNorm(d) if eps is None else RMSNorm(d, eps=eps)
     if key == "dyt":
-        return DyT(d)
+        return DyT(d, dyt_alpha)
     raise ValueError(f"make_norm: unknown norm kind {kind!r}; valid kinds are {', '.join(NORM_KINDS)}")

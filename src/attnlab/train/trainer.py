@@ -50,6 +50,7 @@ from ..nn.precision import asked_bf16, native_bf16
 from .budget import BudgetPlanner, fit_schedule
 from .checkpoint import (SHARDS_DIR, CheckpointManager, capture_rng_state, load_checkpoint, resolve_resume,
                          restore_rng_state)
+from .ema import ExponentialMovingAverage, applied, resume_average, with_training_weights
 from .distributed import (all_gather_bytes, all_reduce_sum, barrier, init_distributed, shard_plan, shutdown,
                           wrap_model)
 from .interrupt import TrainingInterrupted, catch_stop_signals
@@ -113,6 +114,7 @@ class TrainConfig:
     accum_steps: int = 1                  # micro-batches per optimizer step (per rank)
     precision: str = "auto"               # "auto" | "fp32" | "bf16" | "fp16" (fp16: CUDA only)
     grad_checkpointing: bool = False
+    ema_decay: float | None = None        # evaluate and save an average of the weights (attnlab.train.ema)
     eval_every: int = 0
     save_every: int = 0
     keep_last: int = 3
@@ -165,6 +167,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.best_mode not in ("min", "max"):
             raise ValueError(f"TrainConfig: best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.ema_decay is not None and (not 0.0 < self.ema_decay < 1.0 or self.shard):
+            raise ValueError(f"TrainConfig: ema_decay must be in (0, 1) and without shard, got {self.ema_decay}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"TrainConfig: time_budget_s must be positive or None, got {self.time_budget_s}")
         if self.budget_schedule and (self.time_budget_s is None or self.budget_measure < 1
@@ -247,6 +251,7 @@ class Trainer:
         self.ddp_model = (shard_model(self.model, self.env, self.precision) if config.shard
                           else wrap_model(self.model, self.env, config.find_unused_parameters))
         self.optimizer = build_optimizer(self.model, config)
+        self.ema = ExponentialMovingAverage(self.model, config.ema_decay) if config.ema_decay else None
         d_model = config.d_model or getattr(getattr(self.model, "config", None), "d_model", None)
         if config.schedule == "noam" and d_model is None:
             raise ValueError("TrainConfig: the noam schedule needs d_model (the model has no config.d_model)")
@@ -296,6 +301,9 @@ class Trainer:
         # a sharded checkpoint loads into any number of sharded processes, or whole into one process
         sharded = self.config.shard or ((ckpt / SHARDS_DIR).is_dir() and not self.env.active)
         state = (load_sharded if sharded else load_checkpoint)(ckpt, self.model, self.optimizer)
+        self.ema, why = resume_average(ckpt, self.model, self.config.ema_decay)
+        if why and self.env.is_main:
+            log.warning("%s", why)
         self._check_resumable(ckpt, state)
         if state["step"] > self.config.steps:
             raise ValueError(f"Trainer: {ckpt} is at step {state['step']}, beyond the {self.config.steps} steps asked "
@@ -363,11 +371,15 @@ class Trainer:
         """Checkpoint the current step (collective: every rank calls it; rank 0 writes)."""
         rng = [json.loads(b) for b in all_gather_bytes(json.dumps(capture_rng_state()).encode(), self.env)]
         assets, state = getattr(self.task, "save_assets", None), self._trainer_state(rng, elapsed)
+        if self.ema is not None:   # the average goes in model.safetensors, the training weights beside it
+            assets = with_training_weights(self.ema, assets)
         if self.config.shard:      # every rank writes its shards, rank 0 completes the step
             self.last_checkpoint = save_sharded(self.checkpoints, self.config.out_dir, self.step, self.model,
                                                 self.optimizer, state, assets, is_best, self.env)
         elif self.env.is_main:
-            self.last_checkpoint = self.checkpoints.save(self.step, self.model, self.optimizer, state, assets, is_best)
+            with applied(self.ema, self.model):
+                self.last_checkpoint = self.checkpoints.save(self.step, self.model, self.optimizer, state, assets,
+                                                             is_best)
             log.info("saved %s", self.last_checkpoint)
         barrier(self.env)
 
@@ -418,6 +430,8 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model)
         return lr
 
     # ------------------------------------------------------------------ the loop
@@ -569,7 +583,7 @@ class Trainer:
         improved = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.env.is_main or self.config.shard:   # a sharded forward is collective: every rank evaluates
             self.model.eval()
-            with isolated_rng(), torch.no_grad(), self._autocast():
+            with isolated_rng(), torch.no_grad(), self._autocast(), applied(self.ema, self.model):
                 metrics = evaluate(self.model) or {}
             self.model.train()
         if self.env.is_main:
