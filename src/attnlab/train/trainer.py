@@ -430,8 +430,6 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update(self.model)
         return lr
 
     # ------------------------------------------------------------------ the loop
@@ -469,6 +467,8 @@ class Trainer:
                     micro = plan[self.batch_pos: self.batch_pos + cfg.accum_steps]
                     loss, tokens, stopped, extras = self.accumulate(micro, budget_hit or self.interrupted is not None)
                     lr = self._optimizer_step()
+                    if self.ema is not None:
+                        self.ema.update(self.model)
                     if self.interrupted is not None and not self.env.active:
                         stopped = True              # a signal during this step: it ends here, with a checkpoint
                     self.batch_pos += cfg.accum_steps
