@@ -22,6 +22,7 @@ import attnlab
 import attnlab.nn.attention as attention_module
 from attnlab.models.registry import architectures
 from attnlab.nn import MultiHeadAttention
+from attnlab.nn.window import WindowAttention
 from attnlab.viz import record_attention
 from attnlab.viz.explorer import payload, write_page
 from attnlab.viz.figures import write_figures
@@ -47,6 +48,9 @@ def _explicit(model, x):
     explicit path (``return_weights=True``), which returns the weights it computed the output with."""
     seen = []
     modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    windowed = [m for m in model.modules() if isinstance(m, WindowAttention)]
+    for m in windowed:                  # a Swin's windows in one call through its attention module
+        m.grouped = False
 
     def forced(m):
         def forward(*args, **kwargs):
@@ -62,6 +66,8 @@ def _explicit(model, x):
     finally:
         for m in modules:
             del m.forward
+        for m in windowed:
+            del m.grouped
     return out, seen
 
 

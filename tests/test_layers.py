@@ -18,6 +18,12 @@ def test_causal_layer_takes_its_siblings_arguments():
     assert not issubclass(CausalLayer, EncoderLayer)
 
 
+@pytest.mark.parametrize("layer", [EncoderLayer, CausalLayer])
+def test_dyt_alpha_reaches_both_norms_of_a_layer(layer):
+    block = layer(E, H, F, 0.0, norm="dyt", dyt_alpha=0.25)
+    assert [block.self_attn_norm.alpha.item(), block.ff_norm.alpha.item()] == [0.25, 0.25]
+
+
 def test_state_dict_names():
     assert set(EncoderLayer(E, H, F).state_dict()) == set(CausalLayer(E, H, F).state_dict())
     keys = {k.rsplit(".", 1)[0] for k in DecoderLayer(E, H, F).state_dict() if "norm" in k}

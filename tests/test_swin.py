@@ -119,6 +119,12 @@ def test_grouped_window_attention_equals_one_call_with_a_mask_per_window():
     wanted = torch.autograd.grad(want, (x, wa.attn.position.table), g)
     for a, b in zip(got, wanted):
         assert_close_scaled(a, b, FP32)
+    wa.grouped = False                                  # one call through wa.attn, windows in image order
+    calls = []
+    wa.attn.register_forward_hook(lambda m, args, kwargs, out: calls.append(args[0].shape), with_kwargs=True)
+    assert_close_scaled(wa(x), want, FP32)
+    assert calls == [windows.shape]
+    del wa.grouped
     with torch.no_grad():                               # the layouts of a few batch sizes are kept, not all
         for batch in range(1, 8):
             assert_close_scaled(wa(x.detach()[:1].expand(batch, -1, -1, -1))[-1], out.detach()[0], FP32)

@@ -163,13 +163,13 @@ class CausalLayer(_Layer):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layernorm",
-                 eps: float = 1e-5, bias: bool = True,
+                 eps: float = 1e-5, bias: bool = True, dyt_alpha: float = 0.5,
                  self_attn: nn.Module | None = None, ff: nn.Module | None = None):
         super().__init__(dropout, norm_first)
         self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias, causal=True)
         self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
-        self.self_attn_norm = make_norm(norm, d_model, eps)
-        self.ff_norm = make_norm(norm, d_model, eps)
+        self.self_attn_norm = make_norm(norm, d_model, eps, dyt_alpha)
+        self.ff_norm = make_norm(norm, d_model, eps, dyt_alpha)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *, positions: Tensor | None = None,
                 key_positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:

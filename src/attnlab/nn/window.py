@@ -189,12 +189,13 @@ class WindowAttention(nn.Module):
     one slice of the batch of windows with one (T, T) mask broadcast over it, where a mask per
     window would be (B * nW, h, T, T) scores' worth to build and check each block (the interior
     windows, most of them, need none). While attention is recorded, one call over all the windows
-    in image order keeps the record's layout (transformers').
+    in image order keeps the record's layout (transformers'), as does ``grouped = False``.
 
     forward(x (B, H, W, C)) -> (B, H, W, C), any H and W (see the module docstring for padding
     and for maps no larger than the window)."""
 
     returns_new_tensor = True           # forward's output (attnlab.nn.inplace)
+    grouped = True                      # attend the windows group by group (False: one call through self.attn)
 
     def __init__(self, dim: int, num_heads: int, window: int, shift: int = 0, dropout: float = 0.0,
                  qkv_bias: bool = True):
@@ -247,11 +248,11 @@ class WindowAttention(nn.Module):
         M, s = window_and_shift(H, W, self.window, self.shift)
         x = pad_to_multiple(x, M)
         Hp, Wp = x.shape[1:3]
-        recorded = self.attn.attention_record is not None
-        order, inverse, groups = self._layout(B, Hp, Wp, M, s, not recorded, x.device)
+        one_call = self.attn.attention_record is not None or not self.grouped
+        order, inverse, groups = self._layout(B, Hp, Wp, M, s, not one_call, x.device)
         # roll and partition in one gather (window_order); the inverse gather undoes both
         windows = permute_tokens(x.reshape(1, B * Hp * Wp, C), order, inverse).view(-1, M * M, C)
-        out = self.attn(windows, mask=groups[0][1])[0] if recorded else self._attend(windows, groups)
+        out = self.attn(windows, mask=groups[0][1])[0] if one_call else self._attend(windows, groups)
         out = permute_tokens(out.view(1, -1, C), inverse, order).view(B, Hp, Wp, C)
         return out[:, :H, :W] if (Hp, Wp) != (H, W) else out
 

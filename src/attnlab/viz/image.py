@@ -16,7 +16,8 @@ distillation token). The maps are (rows, cols); :func:`draw_image_attention` pai
 image the model saw (after its processor's resize and crop), one patch per cell.
 
 A Swin has no class token and attends within windows of a map that each stage halves; its PNG
-reads the same per-stage weights as the explorer page (attnlab.viz.image_views): the rollout of
+reads the per-stage weights of :func:`swin_stage_weights` (which the explorer page,
+attnlab.viz.image_views, draws too, and whose docstring there says how): the rollout of
 the pooled output over the first stage's patches, and per stage the attention each patch
 receives in the stage's last block (the block's (H, N, N) weights averaged over the heads and
 the N queries: a (rows, cols) map of that stage, each cell patch * 2^stage pixels a side).
@@ -33,11 +34,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from ..nn.window import WindowAttention, window_and_shift, window_order  # noqa: E402
 from .labels import PatchGrid  # noqa: E402
 from .record import record_attention  # noqa: E402
 
 __all__ = ["attention_rollout", "image_attention", "class_token_maps", "draw_image_attention", "figure_layout",
-           "swin_panels",
+           "is_swin", "swin_panels", "swin_rollout", "swin_stage_weights",
            "PANEL_INCHES", "DPI"]
 
 PANEL_INCHES, DPI, MAX_COLUMNS = 2.4, 100, 4
@@ -137,10 +139,62 @@ def _vit_panels(model, pixels, layer):
         (f"layer {layer}, head {h + 1}", heads[h], None) for h in range(H)]
 
 
+def is_swin(model: nn.Module) -> bool:
+    """Whether ``model`` attends within windows (attnlab.nn.window.WindowAttention): a Swin."""
+    return any(isinstance(m, WindowAttention) for m in model.modules())
+
+
+def swin_stage_weights(model: nn.Module, pixel_values: Tensor) -> list[tuple[Tensor, tuple[int, int]]]:
+    """Per stage: (weights (blocks, H, N, N) of its blocks over the stage's map, its (rows, cols)),
+    N = rows * cols in row-major order; from one recorded forward of one image."""
+    model.eval()
+    with torch.no_grad(), record_attention(model) as record:
+        model(pixel_values)
+    grids = model.config.grids(*pixel_values.shape[-2:])
+    stages: dict[int, list[Tensor]] = {}
+    for call in record:
+        owner = model.get_submodule(call.module.rsplit(".", 1)[0])          # the block's WindowAttention
+        stage = int(call.module.split("stages.")[1].split(".")[0])
+        rows, cols = grids[stage]
+        M, shift = window_and_shift(rows, cols, owner.window, owner.shift)
+        Hp, Wp = -(-rows // M) * M, -(-cols // M) * M
+        order = window_order(Hp, Wp, M, shift, call.weights.device)          # window slot -> padded map index
+        w = call.weights.float()                                             # (windows, H, M², M²)
+        H = w.size(1)
+        full = w.new_zeros(H, Hp * Wp, Hp * Wp)
+        slots = order.view(-1, M * M)                                        # (windows, M²)
+        full[:, slots[:, :, None], slots[:, None, :]] = w.permute(1, 0, 2, 3)
+        real = (torch.arange(Hp)[:, None] < rows) & (torch.arange(Wp)[None, :] < cols)
+        keep = real.flatten().nonzero().squeeze(1).to(w.device)
+        stages.setdefault(stage, []).append(full[:, keep][:, :, keep])
+    return [(torch.stack(stages[s]), grids[s]) for s in sorted(stages)]
+
+
+def _merging(rows: int, cols: int) -> Tensor:
+    """(N', N): each token of the merged map as the mean of the (up to four) tokens it joins."""
+    r2, c2 = (rows + 1) // 2, (cols + 1) // 2
+    P = torch.zeros(r2 * c2, rows * cols, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            P[(r // 2) * c2 + c // 2, r * cols + c] = 1.0
+    return P / P.sum(-1, keepdim=True)
+
+
+def swin_rollout(stages: list[tuple[Tensor, tuple[int, int]]]) -> Tensor:
+    """(N_0,): the pooled output's rollout over the first stage's patches (module docstring)."""
+    total = None
+    for i, (w, (rows, cols)) in enumerate(stages):
+        if i:
+            prev_rows, prev_cols = stages[i - 1][1]
+            total = _merging(prev_rows, prev_cols) @ total
+        r = attention_rollout(w).double()
+        total = r if total is None else r @ total
+    return total.mean(0).float()
+
+
 def swin_panels(model, pixels) -> list[tuple[str, Tensor, int]]:
     """[(title, map (rows, cols), cell pixels)]: a Swin's pooled rollout, then per stage the
     attention each patch receives in its last block (module docstring)."""
-    from .image_views import swin_rollout, swin_stage_weights
     stages = swin_stage_weights(model, pixels)
     patch = model.config.patch_size
     rows, cols = stages[0][1]
@@ -158,7 +212,6 @@ def draw_image_attention(model: nn.Module, processor, image, path: str | Path, *
     Swin, the pooled rollout and each stage's received attention (module docstring).
     Returns the path. Its size in pixels is :func:`figure_layout`'s (heads, or a Swin's stages
     plus one, for ``num_heads``)."""
-    from .image_views import is_swin
     shown = processor.resized(image)                                  # (C, H, W) uint8, what the model reads
     pixels = processor.finish(shown)[None].to(next(model.parameters()).device)
     picture = shown.permute(1, 2, 0).numpy()

@@ -29,10 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..nn.window import WindowAttention, window_and_shift, window_order
-from .image import attention_rollout, image_attention
+from .image import attention_rollout, image_attention, is_swin, swin_rollout, swin_stage_weights
 from .labels import PatchGrid
-from .record import record_attention
 from .views import View
 
 __all__ = ["ImageGrid", "image_views", "is_swin", "png_bytes", "swin_stage_weights", "swin_rollout"]
@@ -62,59 +60,6 @@ def png_bytes(picture: np.ndarray) -> bytes:
 def _picture(processor, image) -> tuple[Tensor, np.ndarray]:
     shown = processor.resized(image)                           # (C, H, W) uint8: what the model reads
     return processor.finish(shown)[None], shown.permute(1, 2, 0).numpy()
-
-
-def is_swin(model: nn.Module) -> bool:
-    """Whether ``model`` attends within windows (attnlab.nn.window.WindowAttention): a Swin."""
-    return any(isinstance(m, WindowAttention) for m in model.modules())
-
-
-def swin_stage_weights(model: nn.Module, pixel_values: Tensor) -> list[tuple[Tensor, tuple[int, int]]]:
-    """Per stage: (weights (blocks, H, N, N) of its blocks over the stage's map, its (rows, cols)),
-    N = rows * cols in row-major order; from one recorded forward of one image."""
-    model.eval()
-    with torch.no_grad(), record_attention(model) as record:
-        model(pixel_values)
-    grids = model.config.grids(*pixel_values.shape[-2:])
-    stages: dict[int, list[Tensor]] = {}
-    for call in record:
-        owner = model.get_submodule(call.module.rsplit(".", 1)[0])          # the block's WindowAttention
-        stage = int(call.module.split("stages.")[1].split(".")[0])
-        rows, cols = grids[stage]
-        M, shift = window_and_shift(rows, cols, owner.window, owner.shift)
-        Hp, Wp = -(-rows // M) * M, -(-cols // M) * M
-        order = window_order(Hp, Wp, M, shift, call.weights.device)          # window slot -> padded map index
-        w = call.weights.float()                                             # (windows, H, M², M²)
-        H = w.size(1)
-        full = w.new_zeros(H, Hp * Wp, Hp * Wp)
-        slots = order.view(-1, M * M)                                        # (windows, M²)
-        full[:, slots[:, :, None], slots[:, None, :]] = w.permute(1, 0, 2, 3)
-        real = (torch.arange(Hp)[:, None] < rows) & (torch.arange(Wp)[None, :] < cols)
-        keep = real.flatten().nonzero().squeeze(1).to(w.device)
-        stages.setdefault(stage, []).append(full[:, keep][:, :, keep])
-    return [(torch.stack(stages[s]), grids[s]) for s in sorted(stages)]
-
-
-def _merging(rows: int, cols: int) -> Tensor:
-    """(N', N): each token of the merged map as the mean of the (up to four) tokens it joins."""
-    r2, c2 = (rows + 1) // 2, (cols + 1) // 2
-    P = torch.zeros(r2 * c2, rows * cols, dtype=torch.float64)
-    for r in range(rows):
-        for c in range(cols):
-            P[(r // 2) * c2 + c // 2, r * cols + c] = 1.0
-    return P / P.sum(-1, keepdim=True)
-
-
-def swin_rollout(stages: list[tuple[Tensor, tuple[int, int]]]) -> Tensor:
-    """(N_0,): the pooled output's rollout over the first stage's patches (module docstring)."""
-    total = None
-    for i, (w, (rows, cols)) in enumerate(stages):
-        if i:
-            prev_rows, prev_cols = stages[i - 1][1]
-            total = _merging(prev_rows, prev_cols) @ total
-        r = attention_rollout(w).double()
-        total = r if total is None else r @ total
-    return total.mean(0).float()
 
 
 def _vit_views(model, pixels, png) -> list[View]:
