@@ -233,6 +233,12 @@ def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
             print(f"attnlab train: interrupted; continue with: attnlab train {task.name} --out {out} --resume",
                   file=sys.stderr)
         return e.exit_code
+    except BaseException:
+        # leave the process group in order before the error is reported and the process ends: left to
+        # the interpreter's exit, the group's teardown may find its peer gone and abort (SIGABRT) a rank
+        # of a run whose every rank stops on the same error (a sharded checkpoint one rank cannot write)
+        trainer.close()
+        raise
     trainer.close()
     if trainer.env.is_main:
         task.report(out, setup, settings)
