@@ -19,7 +19,7 @@ from a translation run (``--run DIR``, else ``runs/translate`` when the main job
 two-core CPU), and the vision page's position similarity, class-token attention and a screenshot
 of the explorer's image view (headless Chromium, /usr/bin/chromium through Selenium) from one
 digits ViT (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
---patch-size 2`` trained here, about three minutes on one idle core). scripts/figures_vision.py
+--patch-size 2 --ema 0`` trained here, about three minutes on one idle core). scripts/figures_vision.py
 holds the vision page's figures, scripts/figures_lessons.py those of the sections that had none,
 scripts/figure_common.py what the modules share.
 """
