@@ -224,7 +224,7 @@ def _calls(models, ids, mode: str):
 def _slow_loop(name: str) -> bool:
     """The contenders that loop over the positions in Python: out of forward+backward above
     --reference-max-length."""
-    return name.startswith("transformers Mamba") or name == "mambapy (sequential)"
+    return name.startswith("transformers MambaForCausalLM") or name == "mambapy (sequential)"
 
 
 def _memory_child(a) -> int:

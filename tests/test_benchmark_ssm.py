@@ -34,3 +34,11 @@ def test_rows_not_run_or_without_memory():
     table, _ = B._table(rows, [OURS, REF, GPT])
     assert table[0][3:] == ["1000", 1, "over the 6 GiB cap", "-", "-", "-"]
     assert table[1][3] == "not run" and table[2][3] == "over the cap"
+
+
+def test_only_the_python_loops_over_positions_skip_long_backward():
+    """--reference-max-length keeps the loops over positions out of forward+backward at long lengths;
+    transformers' Mamba-2 path is a chunked SSD, not a loop, and runs at every length."""
+    assert B._slow_loop(B._REFERENCE["mamba"]) and B._slow_loop("mambapy (sequential)")
+    assert not B._slow_loop(B._REFERENCE["mamba2"]) and not B._slow_loop("mambapy (pscan)")
+    assert not B._slow_loop(OURS)
