@@ -312,8 +312,8 @@ def _in_order_backward(x, delta, A, B, C, starts, q, dy, dh) -> tuple[Tensor, ..
 
 
 def _in_order_adjoint(ins, At, starts, q, G, dA, grads) -> None:
-    """The adjoint, chunk by chunk from the last: the chunk's states
-    recomputed from its start, then G = dL/dh_t backwards through it (G_t = gy_t C_t + a_{t+1}
+    """The adjoint, chunk by chunk from the last: the chunk's states and decays (kept for the walk
+    back) recomputed from its start, then G = dL/dh_t backwards through it (G_t = gy_t C_t + a_{t+1}
     G_{t+1}), each position's input gradients formed as soon as its G is known. ``G`` enters as
     the adjoint of the last state and leaves as that of the first; ``dA`` gathers Δ dL/d(Δ A)
     per row; ``grads`` (l, b, 1, k) receive sum_n B G (= dL/d(Δ x)), sum_n A dL/d(Δ A), dB, dC."""
@@ -321,13 +321,14 @@ def _in_order_adjoint(ins, At, starts, q, G, dA, grads) -> None:
     dxt, l = dt * xt, xt.shape[0]
     Bc, Cc = Bt.transpose(2, 3), Ct.transpose(2, 3)                      # (l, b, n, 1)
     S = At.new_empty(q + 1, *G.shape)                                     # S[j]: the state before position j
-    a, M = torch.empty_like(G), torch.empty_like(G)
+    E = At.new_empty(q, *G.shape)                                         # E[j]: position j's decay exp(Δ A)
+    M = torch.empty_like(G)
     for k in reversed(range(starts.shape[0])):
         ts = range(k * q, min(l, (k + 1) * q))
         S[0] = starts[k]
         for j, t in enumerate(ts):
-            torch.mul(dt[t], At, out=a).exp_()
-            torch.mul(a, S[j], out=S[j + 1]).addcmul_(dxt[t], Bc[t])
+            torch.mul(dt[t], At, out=E[j]).exp_()
+            torch.mul(E[j], S[j], out=S[j + 1]).addcmul_(dxt[t], Bc[t])
         for j, t in reversed(list(enumerate(ts))):
             G.addcmul_(gyt[t], Cc[t])                                         # dL/dh_t
             # sums over d take the state transposed, (b, d, n): bmm does a row times that
@@ -335,8 +336,7 @@ def _in_order_adjoint(ins, At, starts, q, G, dA, grads) -> None:
             torch.bmm(gyt[t], S[j + 1].transpose(1, 2), out=gC[t])            # sum_d gy h_t: (b, 1, n)
             torch.bmm(dxt[t], G.transpose(1, 2), out=gB[t])                   # sum_d Δ x G
             torch.bmm(Bt[t], G, out=gBx[t])                                   # sum_n B G: (b, 1, d)
-            torch.mul(dt[t], At, out=a).exp_()
-            G.mul_(a)                                                          # what reaches h_{t-1}
+            G.mul_(E[j])                                                       # what reaches h_{t-1}
             torch.mul(G, S[j], out=M)                                          # dL/d(Δ_t A)
             dA.addcmul_(M, dt[t])
             torch.sum(M.mul_(At), 1, keepdim=True, out=gMA[t])
