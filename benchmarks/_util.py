@@ -54,6 +54,34 @@ class Timing:
         return len(self.times)
 
 
+def cpu_seconds(fn: Callable[[], object]) -> float:
+    """The CPU time of the process (all its threads) during one call of ``fn``."""
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def lm_call(model: torch.nn.Module, ids: torch.Tensor, mode: str) -> Callable[[], None]:
+    """A call of a language model on ``ids`` for the benchmarks that time or meter one: ``"fwd"``
+    (eval mode, no gradient) or ``"fwd+bwd"`` (train mode, the mean of the squared logits, backward,
+    gradients dropped). The model's mode is set here; its output is logits or has ``.logits``."""
+    model.train(mode == "fwd+bwd")
+
+    def logits():
+        out = model(ids)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    def fwd():
+        with torch.no_grad():
+            logits()
+
+    def fwd_bwd():
+        logits().float().square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+    return fwd if mode == "fwd" else fwd_bwd
+
+
 def _time_once(fn: Callable[[], object], device) -> float:
     sync(device)
     t0 = time.perf_counter()

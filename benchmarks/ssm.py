@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _memory as M  # noqa: E402
-from _util import Timing, environment, fmt_mib, fmt_ms, render_table, time_calls  # noqa: E402
+from _util import Timing, cpu_seconds, environment, fmt_mib, fmt_ms, lm_call, render_table, time_calls  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.models import GPT, GPTConfig  # noqa: E402
@@ -190,35 +190,17 @@ def _time(fns, clock: str, repeats: int, budget: float) -> tuple[dict, set]:
     if clock == "wall":
         return time_calls(fns, warmup=0, repeats=repeats, min_repeats=1, budget_s=budget), over
 
-    def once(fn) -> float:
-        t0 = time.process_time()
-        fn()
-        return time.process_time() - t0
-    times = {name: Timing([once(fn)]) for name, fn in fns.items()}
+    times = {name: Timing([cpu_seconds(fn)]) for name, fn in fns.items()}
     wanted = {name: max(1, min(repeats, int(budget / max(t.times[0], 1e-9)))) for name, t in times.items()}
     while any(times[n].n < wanted[n] for n in fns):
         for name, fn in fns.items():
             if times[name].n < wanted[name]:
-                times[name].times.append(once(fn))
+                times[name].times.append(cpu_seconds(fn))
     return times, over
 
 
 def _calls(models, ids, mode: str):
-    def fwd(m):
-        def run():
-            with torch.no_grad():
-                _logits(m, ids)
-        return run
-
-    def fwd_bwd(m):
-        def run():
-            _logits(m, ids).float().square().mean().backward()
-            for p in m.parameters():
-                p.grad = None
-        return run
-    for m in models.values():
-        m.train(mode == "fwd+bwd")
-    return {name: (fwd if mode == "fwd" else fwd_bwd)(m) for name, m in models.items()}
+    return {name: lm_call(m, ids, mode) for name, m in models.items()}
 
 
 def _slow_loop(name: str) -> bool:

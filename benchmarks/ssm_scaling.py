@@ -43,7 +43,6 @@ import datetime
 import hashlib
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -51,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _memory as M  # noqa: E402
-from _util import fmt_mib, peak_memory, render_table  # noqa: E402
+from _util import cpu_seconds, fmt_mib, lm_call, peak_memory, render_table  # noqa: E402
 
 from attnlab.models import GPT, GPTConfig  # noqa: E402
 from attnlab.models.mamba import Mamba, MambaConfig  # noqa: E402
@@ -86,36 +85,16 @@ def build_models(d_model: int, layers: int, longest: int, quick: bool) -> dict:
     }
 
 
-def _call(model, ids, mode: str):
-    model.train(mode == "fwd+bwd")
-
-    def fwd():
-        with torch.no_grad():
-            model(ids)
-
-    def fwd_bwd():
-        model(ids).float().square().mean().backward()
-        for p in model.parameters():
-            p.grad = None
-    return fwd if mode == "fwd" else fwd_bwd
-
-
-def _cpu_seconds(fn) -> float:
-    t0 = time.process_time()
-    fn()
-    return time.process_time() - t0
-
-
 def measure_cell(model, ids, mode: str, repeats: int, cap: float, allocator: bool) -> dict:
     """One (model, length, mode), in the child: an untimed first call, then the timed calls with
     the resident peak over them, then, with ``allocator``, one call under the profiler. An
     allocation refused under the address-space cap gives ``over_cap`` (or ``allocator_over_cap``)."""
-    fn = _call(model, ids, mode)
+    fn = lm_call(model, ids, mode)
     try:
-        first = _cpu_seconds(fn)
+        first = cpu_seconds(fn)
         times: list[float] = []
         peak = M.peak_rss_during(lambda: times.extend(
-            _cpu_seconds(fn) for _ in range(repeats if first < cap else 1)))
+            cpu_seconds(fn) for _ in range(repeats if first < cap else 1)))
     except (RuntimeError, MemoryError) as e:
         if not M.is_out_of_memory(e):
             raise
