@@ -2,6 +2,7 @@
 resumes exactly, a DeiT student with a frozen teacher, `attnlab eval`'s per-class figures and
 confusion PNG, and an exported run in transformers' image-classification pipeline giving the
 probabilities of `attnlab classify` (fp32, 1e-5)."""
+import json
 from collections import Counter
 
 import numpy as np
@@ -376,6 +377,35 @@ def test_dyt_starts_at_the_tasks_alpha_and_the_flag_is_refused_without_dyt(tmp_p
     code, _, err = _cli(capsys, "train", "image", "--norm", "dyt", "--dyt-alpha", "3,1", "--steps", "1", "--out",
                         tmp_path / "y")
     assert code == 2 and "--dyt-alpha: 2 numbers; give one, or 5 (one per layer of --layers" in err, err
+
+
+def test_dyt_alphas_train_at_the_tasks_multiple_of_the_lr_and_such_a_run_resumes_bit_identically(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from attnlab.nn.norm import DyT
+    from attnlab.tasks.image import _DYT_ALPHA_LR
+    task = get_task("image")
+    assert _DYT_ALPHA_LR == {"digits": 1.0, "folder": 1.0}
+    for given, want in ((None, 1.0), (3.0, 3.0)):
+        s = task.settings(norm="dyt", d_model=16, heads=2, layers=2, **({} if given is None else {"dyt_alpha_lr": given}))
+        setup = task.prepare(s, None)
+        dyts = [m for m in setup.task.model.modules() if isinstance(m, DyT)]
+        assert len(dyts) == 5 and all(m.alpha_lr_scale == want for m in dyts)
+    # the run's optimizer: the alphas in a group of their own at 10x the lr (the schedule scales both alike)
+    flags = ["--norm", "dyt", "--dyt-alpha-lr", "10", "--d-model", "16", "--heads", "2", "--layers", "1", "--schedule", "constant",
+             "--warmup", "0", "--eval-every", "0", "--no-progress"]
+    whole, _, _ = _train(capsys, tmp_path, "whole", "--steps", "6", *flags)
+    part, _, _ = _train(capsys, tmp_path, "part", "--steps", "3", *flags)
+    groups = json.loads((part / "step-0000003" / "trainer_state.json").read_text())["optimizer"]["param_groups"]
+    code, _, err = _cli(capsys, "train", "image", "--out", part, "--resume", "--steps", "6", "--no-progress")
+    assert code == 0, err
+    assert [g.get("lr_scale") for g in groups] == [None, None, 10.0] and len(groups[2]["params"]) == 3
+    assert groups[2]["initial_lr"] == pytest.approx(10 * groups[0]["initial_lr"])
+    for name in ("model.safetensors", "training_weights.safetensors", "optimizer.safetensors"):
+        a, b = (load_file(str(r / "step-0000006" / name)) for r in (whole, part))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    code, _, err = _cli(capsys, "train", "image", "--dyt-alpha-lr", "3", "--steps", "1", "--out", tmp_path / "x")
+    assert code == 2 and "--dyt-alpha-lr: only with --norm dyt (it sets how fast DyT's alpha trains)" in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_label_smoothing_reaches_the_loss_and_is_refused_with_a_teacher(teacher, tmp_path, capsys):

@@ -197,3 +197,68 @@ def test_a_module_declares_what_must_not_decay_and_a_wrong_name_is_refused():
     with pytest.raises(ValueError, match=r"Wrong \(0\): no_weight_decay\(\) names 'A', which is not one of its "
                                          r"parameters"):
         split_decay(nn.Sequential(Wrong()))
+
+
+def _alpha_model(scale: float) -> nn.Module:
+    from attnlab.nn.norm import DyT
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), DyT(4, alpha_init=0.5))
+    model[1].alpha_lr_scale = scale
+    return model
+
+
+def test_a_module_asks_for_a_multiple_of_the_lr_and_adam_moves_that_parameter_that_much_further(tmp_path):
+    """DyT's alpha at 10 times the rate: its own group, lr 10x, and the first AdamW step (which
+    moves every parameter by about its group's lr, whatever its gradient) moves it 10x as far."""
+    cfg = TrainConfig(out_dir=tmp_path, steps=1, lr=1e-3, weight_decay=0.0, optimizer="adamw", device="cpu")
+    plain = build_optimizer(_alpha_model(1.0), cfg)
+    assert [len(g["params"]) for g in plain.param_groups] == [1, 4]     # as before: no group of its own
+    assert all("lr_scale" not in g for g in plain.param_groups)
+    model = _alpha_model(10.0)
+    opt = build_optimizer(model, cfg)
+    groups = opt.param_groups
+    assert [len(g["params"]) for g in groups] == [1, 3, 1]
+    assert groups[2]["params"][0] is model[1].alpha and groups[2]["lr_scale"] == 10.0
+    assert (groups[0]["lr"], groups[1]["lr"], groups[2]["lr"]) == (1e-3, 1e-3, pytest.approx(1e-2))
+    assert groups[2]["weight_decay"] == 0.0                             # still exempt from decay
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.randn(8, 4)).pow(2).sum().backward()
+    opt.step()
+    moved = {n: (p.detach() - before[n]).abs() for n, p in model.named_parameters()}
+    assert moved["1.alpha"].item() == pytest.approx(1e-2, rel=1e-4)
+    for name in ("0.weight", "0.bias", "1.weight"):
+        assert torch.allclose(moved[name], torch.full_like(moved[name], 1e-3), rtol=1e-3), name
+
+
+def test_the_schedule_keeps_the_multiple(tmp_path):
+    from torch.optim.lr_scheduler import LambdaLR
+    cfg = TrainConfig(out_dir=tmp_path, steps=3, lr=2e-3, optimizer="adamw", device="cpu")
+    model = _alpha_model(10.0)
+    opt = build_optimizer(model, cfg)
+    schedule = LambdaLR(opt, lambda k: (k + 1) / 4)
+    for _ in range(3):
+        model(torch.randn(8, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        assert opt.param_groups[2]["lr"] == pytest.approx(10 * opt.param_groups[0]["lr"])
+
+
+def test_a_wrong_lr_multiple_is_refused_naming_the_module():
+    from attnlab.train.optim import lr_scales
+
+    class Wrong(_Scan):
+        def __init__(self, scales):
+            super().__init__()
+            self.scales = scales
+
+        def lr_scale(self):
+            return self.scales
+    with pytest.raises(ValueError, match=r"Wrong \(0\): lr_scale\(\) names 'A', which is not one of its parameters"):
+        lr_scales(nn.Sequential(Wrong({"A": 2.0})))
+    for bad in (0, -1.0, float("nan"), True, "10"):
+        with pytest.raises(ValueError, match=r"Wrong \(0\): lr_scale\(\) gives 'D' the multiple .*; it must be a "
+                                             r"positive number"):
+            lr_scales(nn.Sequential(Wrong({"D": bad})))
+    model = nn.Sequential(Wrong({"D": 3}))
+    assert lr_scales(model) == {id(model[0].D): 3.0}

@@ -102,6 +102,13 @@ DIGIT_STEPS = 8000
 # (92.5 % at 3,000 steps, LayerNorm 98.0 %). Halving alpha with each layer (4, 2, 1, 0.5, the final norm as
 # the last layer) gave 96.0 % (docs/vision.md, "Results").
 _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
+# ... and how fast alpha trains, as a multiple of the learning rate (attnlab.train.optim.lr_scales): 1, the
+# plain rate. AdamW moves a parameter by about the learning rate per step whatever its size, 2e-3 a step at the
+# peak, which looked too slow for alphas that must move by factors; at 10 times the rate they did move (to
+# 4.8/5.6 in the first layer's attention / feed-forward norms, 0.01 in the third layer's attention, the final
+# norm's from 0.5 to 1.3), but the digits scored no better: 99.0, 97.5, 96.5, 98.0 % at seeds 0-3 against
+# 98.5, 98.5 % at seeds 0-1 at the plain rate (Intel Xeon; docs/vision.md, "Results").
+_DYT_ALPHA_LR = {"digits": 1.0, "folder": 1.0}
 
 
 def _digit_dyt_alphas(layers: int) -> str:
@@ -340,6 +347,9 @@ class ImageClassification(TaskDefinition):
                "after it: 4,2,1,0.5,0.5 for 4 layers)",
                check=lambda v: None if _alphas(v) is not None else "give a positive number, or several separated "
                "by commas", metavar="A[,A...]", group=_M),
+        Option("dyt_alpha_lr", float, None, "the multiple of the learning rate at which DyT's alphas train (--norm "
+               "dyt) (default: 1; 10 moved the digits' alphas by factors but scored no better)", check=positive,
+               metavar="X", group=_M),
         Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
         Option("ema", float, None, "evaluate, choose and save an exponential moving average of the weights with "
                "this decay per step (0 = off) (default: 0.999 for the digits, off for a folder)", check=lambda v: None if 0 <= v < 1 else
@@ -397,8 +407,12 @@ class ImageClassification(TaskDefinition):
             if isinstance(alphas, list) and len(alphas) != s["layers"] + 1:
                 raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s['layers'] + 1} (one per layer "
                                  "of --layers, then the final norm's)")
+            if s["dyt_alpha_lr"] is None:
+                s["dyt_alpha_lr"] = _DYT_ALPHA_LR[kind]
         elif s["dyt_alpha"] is not None:
             raise ValueError("--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)")
+        elif s.get("dyt_alpha_lr") is not None:
+            raise ValueError("--dyt-alpha-lr: only with --norm dyt (it sets how fast DyT's alpha trains)")
         if s["image_size"] % s["patch_size"]:
             raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
         self._check_distillation(s)
@@ -517,6 +531,11 @@ class ImageClassification(TaskDefinition):
             keep = label_subset(y, s["label_fraction"], s["seed"])
             data["train"] = (x[keep], y[keep])
         model = model if model is not None else self._model(s, labels)
+        if s.get("norm") == "dyt":       # a fresh, resumed or fine-tuned model alike (the optimizer's groups)
+            from ..nn.norm import DyT
+            for module in model.modules():
+                if isinstance(module, DyT):
+                    module.alpha_lr_scale = s["dyt_alpha_lr"]
         teacher = None if s["teacher"] is None else load_teacher(s["teacher"], labels, processor.channels)
         t = self._schedule(s, len(data["train"][1]))
         s["lr"] = t["lr"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["split_decay", "no_decay_parameters", "param_groups", "build_optimizer", "OPTIMIZERS"]
+__all__ = ["split_decay", "no_decay_parameters", "lr_scales", "param_groups", "build_optimizer", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adamw", "adafactor")
 
@@ -59,11 +59,47 @@ def split_decay(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[
     return decay, no_decay
 
 
+def lr_scales(model: nn.Module) -> dict[int, float]:
+    """The ids of the parameters that train at a multiple of the learning rate, with the multiple.
+
+    A module declares them with an ``lr_scale()`` method returning ``{name: multiple}`` for its
+    own parameters, as :class:`~attnlab.nn.norm.DyT` does for its alpha when asked to
+    (``DyT.alpha_lr_scale``). A multiple that is not a positive number, or a name the module
+    lacks, is an error. Parameters no module names train at the learning rate itself.
+    """
+    scales: dict[int, float] = {}
+    for prefix, module in model.named_modules():
+        declare = getattr(module, "lr_scale", None)
+        if not callable(declare):
+            continue
+        for name, scale in declare().items():
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): lr_scale() gives {name!r} the "
+                                 f"multiple {scale!r}; it must be a positive number")
+            try:
+                scales[id(module.get_parameter(name))] = float(scale)
+            except AttributeError:
+                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): lr_scale() names "
+                                 f"{name!r}, which is not one of its parameters") from None
+    return scales
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW param groups: decayed matrices and undecayed norms/biases/embeddings."""
+    """The AdamW param groups: decayed matrices, then undecayed norms/biases/embeddings, then one
+    group per (decay, learning-rate multiple) that a module asks for (:func:`lr_scales`), each of
+    those with its ``"lr_scale"`` (:func:`build_optimizer` multiplies the lr by it). The first two
+    are always there, so a model without multiples has exactly those two, as it always had."""
     decay, no_decay = split_decay(model)
-    return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
-            {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+    scales = lr_scales(model)
+    groups = [{"params": [p for _, p in decay if id(p) not in scales], "weight_decay": weight_decay},
+              {"params": [p for _, p in no_decay if id(p) not in scales], "weight_decay": 0.0}]
+    extra: dict[tuple[float, float], list] = {}
+    for wd, params in ((weight_decay, decay), (0.0, no_decay)):
+        for _, p in params:
+            if id(p) in scales:
+                extra.setdefault((wd, scales[id(p)]), []).append(p)
+    groups += [{"params": ps, "weight_decay": wd, "lr_scale": scale} for (wd, scale), ps in extra.items()]
+    return groups
 
 
 def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
@@ -86,6 +122,9 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
     to its device, as the Trainer does.
     """
     groups = param_groups(model, config.weight_decay)
+    for group in groups:
+        if "lr_scale" in group:                      # the schedule then scales this lr like the others
+            group["lr"] = config.lr * group["lr_scale"]
     if config.optimizer == "adafactor":
         return torch.optim.Adafactor(groups, lr=config.lr)
     params = [p for g in groups for p in g["params"]]
