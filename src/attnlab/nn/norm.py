@@ -46,19 +46,9 @@ class LayerNorm(nn.Module):
         _check_width("LayerNorm", self.d, x)
         return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps).to(x.dtype)
 
-    # the multiple of the learning rate alpha trains at (attnlab.train.optim.lr_scales); a class
-    # default, so a DyT built or loaded anywhere trains alpha at the plain rate unless a task asks
-    alpha_lr_scale: float = 1.0
-
     def no_weight_decay(self) -> tuple[str, ...]:
         """Every parameter: the gain and shift set the output's scale, which decay would pull to 0."""
         return tuple(name for name, _ in self.named_parameters(recurse=False))
-
-    def lr_scale(self) -> dict[str, float]:
-        """``{"alpha": alpha_lr_scale}`` when it is not 1. Adam moves a parameter by about the
-        learning rate per step whatever its size, which is slow for a scalar that must move by a
-        factor (the digits' alphas go from 4 to 0.01 or from 0.5 to 1.3; docs/vision.md)."""
-        return {} if self.alpha_lr_scale == 1.0 else {"alpha": self.alpha_lr_scale}
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}, bias={self.bias is not None}"
@@ -88,19 +78,9 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    # the multiple of the learning rate alpha trains at (attnlab.train.optim.lr_scales); a class
-    # default, so a DyT built or loaded anywhere trains alpha at the plain rate unless a task asks
-    alpha_lr_scale: float = 1.0
-
     def no_weight_decay(self) -> tuple[str, ...]:
         """Every parameter: the gain and shift set the output's scale, which decay would pull to 0."""
         return tuple(name for name, _ in self.named_parameters(recurse=False))
-
-    def lr_scale(self) -> dict[str, float]:
-        """``{"alpha": alpha_lr_scale}`` when it is not 1. Adam moves a parameter by about the
-        learning rate per step whatever its size, which is slow for a scalar that must move by a
-        factor (the digits' alphas go from 4 to 0.01 or from 0.5 to 1.3; docs/vision.md)."""
-        return {} if self.alpha_lr_scale == 1.0 else {"alpha": self.alpha_lr_scale}
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"

@@ -26,20 +26,28 @@ def no_decay_parameters(model: nn.Module) -> set[int]:
     (decaying them drags the dynamics towards a fixed decay rate). torch's embeddings and norms,
     which cannot declare, are exempt whole. A declared name the module lacks is an error.
     """
-    exempt: set[int] = set()
+    exempt = {id(p) for module in model.modules() if isinstance(module, _TORCH_EXEMPT)
+              for p in module.parameters(recurse=False)}
+    exempt.update(id(p) for _, _, _, p, _ in _declared(model, "no_weight_decay"))
+    return exempt
+
+
+def _declared(model: nn.Module, method: str):
+    """(prefix, module, name, parameter, value) for each parameter that a module names through its
+    ``method()``: a tuple of names, or a ``{name: value}`` dict (value None for a tuple). A name
+    the module lacks is an error that names the module."""
     for prefix, module in model.named_modules():
-        if isinstance(module, _TORCH_EXEMPT):
-            exempt.update(id(p) for p in module.parameters(recurse=False))
-        declare = getattr(module, "no_weight_decay", None)
+        declare = getattr(module, method, None)
         if not callable(declare):
             continue
-        for name in declare():
+        declared = declare()
+        for name, value in (declared.items() if isinstance(declared, dict) else ((n, None) for n in declared)):
             try:
-                exempt.add(id(module.get_parameter(name)))
+                param = module.get_parameter(name)
             except AttributeError:
-                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): no_weight_decay() names "
+                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): {method}() names "
                                  f"{name!r}, which is not one of its parameters") from None
-    return exempt
+            yield prefix, module, name, param, value
 
 
 def split_decay(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
@@ -68,19 +76,11 @@ def lr_scales(model: nn.Module) -> dict[int, float]:
     lacks, is an error. Parameters no module names train at the learning rate itself.
     """
     scales: dict[int, float] = {}
-    for prefix, module in model.named_modules():
-        declare = getattr(module, "lr_scale", None)
-        if not callable(declare):
-            continue
-        for name, scale in declare().items():
-            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): lr_scale() gives {name!r} the "
-                                 f"multiple {scale!r}; it must be a positive number")
-            try:
-                scales[id(module.get_parameter(name))] = float(scale)
-            except AttributeError:
-                raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): lr_scale() names "
-                                 f"{name!r}, which is not one of its parameters") from None
+    for prefix, module, name, param, scale in _declared(model, "lr_scale"):
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+            raise ValueError(f"{type(module).__name__} ({prefix or 'the model'}): lr_scale() gives {name!r} the "
+                             f"multiple {scale!r}; it must be a positive number")
+        scales[id(param)] = float(scale)
     return scales
 
 
