@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-__all__ = ["MIN_ELEMENTS", "may_overwrite", "activate_in_place"]
+__all__ = ["MIN_ELEMENTS", "may_overwrite", "activate_in_place", "hooked"]
 
 MIN_ELEMENTS = 1 << 16          # 256 KiB of fp32: below that, allocations come from reused memory anyway
 
 
-def _hooked(layer: nn.Module) -> bool:
+def hooked(layer: nn.Module) -> bool:
+    """Whether a forward hook is registered on ``layer``, on any of its submodules, or globally."""
     if getattr(_module, "_global_forward_hooks", None):
         return True
     return any(m._forward_hooks for m in layer.modules())
@@ -46,7 +47,7 @@ def may_overwrite(layer: nn.Module, t: Tensor, *sources: nn.Module) -> bool:
         return False
     if not all(isinstance(s, nn.Linear) or getattr(s, "returns_new_tensor", False) for s in sources):
         return False
-    return not _hooked(layer)
+    return not hooked(layer)
 
 
 def activate_in_place(act: nn.Module, h: Tensor) -> Tensor | None:

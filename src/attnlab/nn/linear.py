@@ -8,7 +8,10 @@ under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is lev
 64 rows (batched decoding) -- for weights of a few MB and up; small ones stay on ``F.linear`` (see
 :data:`MIN_WEIGHT_ELEMENTS`), and so do products of many rows (prefill, an encoder's batch), where
 the arithmetic, not the weight's streaming, sets the pace (:data:`MAX_FP32_ONEDNN_ROWS`). On Intel CPUs MKL is as fast, so fp32 stays on
-``F.linear`` there (:func:`fp32_onednn` decides by the CPU's vendor). :class:`InferenceLinear` is an
+``F.linear`` there (:func:`fp32_onednn` decides by the CPU's vendor), except for products of a
+narrow input on AVX-512, whose bias oneDNN adds inside the product (:func:`narrow_onednn`).
+A feed-forward block whose first product takes oneDNN has its activation fused into it
+(:func:`fused_activation`: one pass over the hidden tensor instead of two). :class:`InferenceLinear` is an
 ``nn.Linear`` that takes that path when nothing needs a gradient, and :func:`optimize_for_inference`
 swaps every ``nn.Linear`` of a model for one (same ``Parameter`` objects: tied weights stay tied,
 ``state_dict`` keys do not change).
@@ -41,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .inplace import hooked
+
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
-           "prepare_for_inference", "onednn_available", "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS",
-           "MAX_FP32_ONEDNN_ROWS"]
+           "prepare_for_inference", "onednn_available", "narrow_onednn", "post_op", "fused_activation", "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS",
+           "MAX_FP32_ONEDNN_ROWS", "MAX_NARROW_ONEDNN_FEATURES"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
@@ -61,10 +66,37 @@ MIN_WEIGHT_ELEMENTS = 1 << 19          # 2 MB of fp32: smaller weights stay on F
 # 0.95x transformers with oneDNN for every product). So fp32 calls of more rows stay on F.linear,
 # except on AVX-512 CPUs (compute_bound_onednn).
 MAX_FP32_ONEDNN_ROWS = 64
+# ... except on AVX-512 CPUs (compute_bound_onednn), and, on any AVX-512 CPU, Intel's too, for
+# products of a narrow input: with an inner dimension this small MKL's addmm spends a large share
+# of the call writing the bias into the output before the GEMM adds to it, where oneDNN adds the
+# bias inside the product (Intel Xeon, one thread, ms MKL -> oneDNN, 12,544 rows: 96 -> 288
+# 5.6 -> 4.9, 96 -> 384 10.1 -> 6.5; 3,136 rows: 192 -> 576 4.3 -> 4.3, 192 -> 768 6.5 -> 5.9;
+# 784 rows, 384 -> 1152: 4.2 -> 4.4, so wider inputs stay on MKL).
+MAX_NARROW_ONEDNN_FEATURES = 192
 
 
-def _dnn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def _dnn_linear(x: Tensor, weight: Tensor, bias: Tensor | None, post: tuple[str, str] | None = None) -> Tensor:
+    """oneDNN's matmul; ``post`` (attr, algorithm) fuses an activation into it (:func:`post_op`)."""
+    attr, algorithm = post or ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+
+
+def post_op(act: nn.Module) -> tuple[str, str] | None:
+    """The oneDNN post-op (attr, algorithm) that computes ``act`` inside the product, for the
+    activation modules attnlab builds (ReLU, SiLU, GELU exact or tanh); None for any other module.
+    Fused, the activation runs on each block of the product while it is in cache, where a separate
+    call reads and writes the whole hidden tensor again: Swin-T's first-stage 12,544 x 96 -> 384
+    product with its GELU took 8.1 ms fused against 11.2 ms + 3.5 ms (fp32, one thread, Intel Xeon;
+    bf16: 2.5 against 1.0 ms + 3.3 ms). Values: those of ``act(F.linear(...))`` up to the order
+    of the sums (tests/test_linear_fused.py)."""
+    kind = type(act)
+    if kind is nn.ReLU:
+        return ("relu", "")
+    if kind is nn.SiLU:
+        return ("swish", "")
+    if kind is nn.GELU and act.approximate in ("none", "tanh"):
+        return ("gelu", act.approximate)
+    return None
 
 
 def _pack_bf16(weight: Tensor) -> tuple[Tensor, bool]:
@@ -124,6 +156,22 @@ def _cpu_vendor() -> str:
     return ""
 
 
+def _avx512() -> bool:
+    global _AVX512
+    if _AVX512 is None:
+        _AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return _AVX512
+
+
+def narrow_onednn(in_features: int) -> bool:
+    """Whether a gradient-free compute-bound fp32 product of ``in_features`` inputs runs oneDNN on
+    this CPU: where :func:`compute_bound_onednn` holds, or the CPU has AVX-512 (of any vendor) and
+    the input is at most :data:`MAX_NARROW_ONEDNN_FEATURES` wide (oneDNN fuses the bias there)."""
+    if compute_bound_onednn():
+        return True
+    return in_features <= MAX_NARROW_ONEDNN_FEATURES and _avx512() and onednn_available()
+
+
 def compute_bound_onednn() -> bool:
     """Whether gradient-free fp32 products of many rows (more than :data:`MAX_FP32_ONEDNN_ROWS`:
     an encoder's or a ViT's batch, compute-bound) run oneDNN too, whatever the weight's size: where
@@ -131,10 +179,7 @@ def compute_bound_onednn() -> bool:
     AMD EPYC Zen 4, one thread, ViT-S/16's four products at 1,576 rows: 58.7 ms with oneDNN
     against 67.9 ms with MKL; a whole ViT-S/16 forward 1.08x -> 1.39x transformers' CPU time),
     where on AVX2 it was the faster (the measurement behind :data:`MAX_FP32_ONEDNN_ROWS`)."""
-    global _AVX512
-    if _AVX512 is None:
-        _AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    return _AVX512 and fp32_onednn()
+    return _avx512() and fp32_onednn()
 
 
 def fp32_onednn() -> bool:
@@ -202,7 +247,8 @@ class InferenceLinear(nn.Linear):
     many rows takes :class:`_OneDNNLinear` where :func:`compute_bound_onednn` holds; otherwise forward
     is exactly ``nn.Linear.forward``. Weights under :data:`MIN_WEIGHT_ELEMENTS` elements also stay on
     ``F.linear`` (oneDNN's fixed cost per call outweighs its faster streaming there), and so do
-    products of more than :data:`MAX_FP32_ONEDNN_ROWS` rows (compute-bound: MKL's GEMM is as fast).
+    products of more than :data:`MAX_FP32_ONEDNN_ROWS` rows (compute-bound: MKL's GEMM is as fast),
+    short of :func:`narrow_onednn`. :meth:`forward_activated` fuses an activation into the product.
     """
 
     @classmethod
@@ -230,7 +276,7 @@ class InferenceLinear(nn.Linear):
         if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not w.is_contiguous():
             return False
         if x.numel() > MAX_FP32_ONEDNN_ROWS * x.size(-1):          # compute-bound
-            return self._no_grad(x) and compute_bound_onednn()
+            return self._no_grad(x) and narrow_onednn(self.in_features)
         return w.numel() >= MIN_WEIGHT_ELEMENTS and self._no_grad(x) and fp32_onednn()
 
     def _train_fast(self, x: Tensor) -> bool:
@@ -280,30 +326,60 @@ class InferenceLinear(nn.Linear):
         return cached[1], cached[2], cached[3]
 
     def forward(self, x: Tensor) -> Tensor:
+        return self._forward(x, None)
+
+    def forward_activated(self, x: Tensor, act: nn.Module) -> Tensor | None:
+        """``act(self(x))`` with the activation fused into oneDNN's product (:func:`post_op`), for a
+        call that takes oneDNN (gradient-free: the fp32 route, packed bf16 weights, bf16 autocast)
+        and an activation it can fuse; None otherwise (the caller then calls the two itself).
+        Bypasses forward hooks: callers check that none is registered (:func:`fused_activation`)."""
+        post = post_op(act)
+        return None if post is None else self._forward(x, post)
+
+    def _forward(self, x: Tensor, post: tuple[str, str] | None) -> Tensor | None:
+        """The product, with ``post`` fused where the route is oneDNN's; None where ``post`` is
+        given and the route is another (or the input is empty)."""
         if x.size(-1) != self.in_features:                 # oneDNN's own message would be obscure
             raise ValueError(f"{type(self).__name__}: input last dim {x.size(-1)} != in_features "
                              f"{self.in_features} (shape {tuple(x.shape)})")
+        if post is not None and x.numel() == 0:
+            return None
         if self._autocast_bf16(x):
             if x.numel() == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
             w, b, packed = self._low_precision_weights(torch.bfloat16)
             x = x.to(torch.bfloat16)
-            return _dnn_linear(x.contiguous(), w, b) if packed else F.linear(x, w, b)
+            if packed:
+                return _dnn_linear(x.contiguous(), w, b, post)
+            return None if post is not None else F.linear(x, w, b)
         low = self._low_precision(x)
         if low is not None:
             if x.numel() == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
             w, b, packed = self._low_precision_weights(low)
             x_low = x.to(low)
-            return (_dnn_linear(x_low.contiguous(), w, b) if packed else F.linear(x_low, w, b)).to(x.dtype)
+            if packed:
+                return _dnn_linear(x_low.contiguous(), w, b, post).to(x.dtype)
+            return None if post is not None else F.linear(x_low, w, b).to(x.dtype)
         if self._fast(x) and x.numel() > 0:
-            return _dnn_linear(x.contiguous(), self.weight, self.bias)
+            return _dnn_linear(x.contiguous(), self.weight, self.bias, post)
+        if post is not None:
+            return None
         if self._train_fast(x):
             return _OneDNNLinear.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def __getstate__(self):                             # deepcopy / pickle: the cache is derived, never copied
         return {k: v for k, v in self.__dict__.items() if k != "_low_precision_cache"}
+
+
+def fused_activation(owner: nn.Module, linear: nn.Module, act: nn.Module, x: Tensor) -> Tensor | None:
+    """``act(linear(x))`` in one oneDNN call (:meth:`InferenceLinear.forward_activated`) where
+    ``linear`` is an :class:`InferenceLinear` whose call takes oneDNN and no forward hook could miss
+    the two calls (none on ``owner``, the module calling both, nor a global one); None otherwise."""
+    if type(linear) is not InferenceLinear or hooked(owner):
+        return None
+    return linear.forward_activated(x, act)
 
 
 def optimize_for_inference(model: nn.Module) -> nn.Module:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .checkpoint import recomputing
 from .inplace import activate_in_place, may_overwrite
+from .linear import fused_activation
 
 __all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts", "make_activation",
            "ACTIVATIONS"]
@@ -73,6 +74,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input("FeedForward", x, self.d_model)
+        fused = fused_activation(self, self.linear1, self.act, x)    # the activation inside oneDNN's product
+        if fused is not None:
+            return self.linear2(self.dropout(fused))
         h = self.linear1(x)
         # in inference the activation overwrites the hidden tensor (attnlab.nn.inplace): same values
         act = activate_in_place(self.act, h) if may_overwrite(self, h, self.linear1) else None
@@ -105,6 +109,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input("GatedMLP", x, self.d_model)
+        fused = fused_activation(self, self.gate_proj, self.act, x)
+        if fused is not None:
+            return self.down_proj(self.dropout(fused.mul_(self.up_proj(x))))
         gate, up = self.gate_proj(x), self.up_proj(x)
         act = activate_in_place(self.act, gate) if may_overwrite(self, gate, self.gate_proj) else None
         return self.down_proj(self.dropout(self.act(gate) * up if act is None else act.mul_(up)))
