@@ -121,6 +121,29 @@ def test_feedforward_and_gated_mlp_fuse_their_activation_and_keep_their_values(k
 
 
 @needs_onednn
+@pytest.mark.parametrize("where", ["linear pre-hook", "activation pre-hook", "global pre-hook", "global hook"])
+def test_any_hook_that_fusion_would_skip_keeps_the_two_calls(where, spy):
+    """Fused, neither the first Linear nor the activation module is called: a pre-hook on either,
+    or a global hook of either kind, must see its call, so the feed-forward then runs unfused."""
+    torch.manual_seed(0)
+    ff = optimize_for_inference(FeedForward(48, 96, activation="gelu"))
+    seen = []
+    pre = lambda m, args: seen.append(type(m).__name__)      # noqa: E731
+    post = lambda m, args, out: seen.append(type(m).__name__)  # noqa: E731
+    handle = {"linear pre-hook": lambda: ff.linear1.register_forward_pre_hook(pre),
+              "activation pre-hook": lambda: ff.act.register_forward_pre_hook(pre),
+              "global pre-hook": lambda: nn.modules.module.register_module_forward_pre_hook(pre),
+              "global hook": lambda: nn.modules.module.register_module_forward_hook(post)}[where]()
+    try:
+        with torch.no_grad():
+            ff(torch.randn(2, 3, 48))
+    finally:
+        handle.remove()
+    assert {"linear pre-hook": "InferenceLinear", "activation pre-hook": "GELU"}.get(where, "GELU") in seen
+    assert spy and all(post_op is None for _, post_op in spy), "no fused call"
+
+
+@needs_onednn
 @pytest.mark.parametrize("in_features, avx512, want", [(96, True, True), (192, True, True), (384, True, False),
                                                        (96, False, False)])
 def test_narrow_compute_bound_products_take_onednn_on_any_avx512_cpu(in_features, avx512, want, spy, monkeypatch):

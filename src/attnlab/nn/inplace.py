@@ -32,11 +32,12 @@ __all__ = ["MIN_ELEMENTS", "may_overwrite", "activate_in_place", "hooked"]
 MIN_ELEMENTS = 1 << 16          # 256 KiB of fp32: below that, allocations come from reused memory anyway
 
 
-def hooked(layer: nn.Module) -> bool:
-    """Whether a forward hook is registered on ``layer``, on any of its submodules, or globally."""
-    if getattr(_module, "_global_forward_hooks", None):
+def hooked(layer: nn.Module, pre: bool = False) -> bool:
+    """Whether a forward hook is registered on ``layer``, on any of its submodules, or globally;
+    ``pre``: a forward pre-hook counts too (for a caller that skips calling a submodule)."""
+    if getattr(_module, "_global_forward_hooks", None) or (pre and getattr(_module, "_global_forward_pre_hooks", None)):
         return True
-    return any(m._forward_hooks for m in layer.modules())
+    return any(m._forward_hooks or (pre and m._forward_pre_hooks) for m in layer.modules())
 
 
 def may_overwrite(layer: nn.Module, t: Tensor, *sources: nn.Module) -> bool:

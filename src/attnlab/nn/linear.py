@@ -376,8 +376,9 @@ class InferenceLinear(nn.Linear):
 def fused_activation(owner: nn.Module, linear: nn.Module, act: nn.Module, x: Tensor) -> Tensor | None:
     """``act(linear(x))`` in one oneDNN call (:meth:`InferenceLinear.forward_activated`) where
     ``linear`` is an :class:`InferenceLinear` whose call takes oneDNN and no forward hook could miss
-    the two calls (none on ``owner``, the module calling both, nor a global one); None otherwise."""
-    if type(linear) is not InferenceLinear or hooked(owner):
+    the two calls (no forward hook or pre-hook on ``owner``, the module calling both, on its
+    submodules, nor a global one); None otherwise."""
+    if type(linear) is not InferenceLinear or hooked(owner, pre=True):
         return None
     return linear.forward_activated(x, act)
 
