@@ -72,7 +72,7 @@ def test_bf16_routes_fuse_the_activation_into_the_packed_product(route, spy):
         set_inference_dtype(fast, torch.bfloat16, min_elements=0)
     packed = fast._low_precision_weights(torch.bfloat16)[2]
     spy.clear()                                            # the packing's own probe
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if route == "bf16 autocast" else torch.autocast("cpu", enabled=False)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=route == "bf16 autocast")
     with torch.no_grad(), ctx:
         got, want = fast.forward_activated(x, act), act(fast(x))
     if not packed:

@@ -7,11 +7,12 @@ primitive (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's own CPU infere
 under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is level or ahead up to
 64 rows (batched decoding) -- for weights of a few MB and up; small ones stay on ``F.linear`` (see
 :data:`MIN_WEIGHT_ELEMENTS`), and so do products of many rows (prefill, an encoder's batch), where
-the arithmetic, not the weight's streaming, sets the pace (:data:`MAX_FP32_ONEDNN_ROWS`). On Intel CPUs MKL is as fast, so fp32 stays on
-``F.linear`` there (:func:`fp32_onednn` decides by the CPU's vendor), except for products of a
-narrow input on AVX-512, whose bias oneDNN adds inside the product (:func:`narrow_onednn`).
-A feed-forward block whose first product takes oneDNN has its activation fused into it
-(:func:`fused_activation`: one pass over the hidden tensor instead of two). :class:`InferenceLinear` is an
+the arithmetic, not the weight's streaming, sets the pace (:data:`MAX_FP32_ONEDNN_ROWS`). On
+Intel CPUs MKL is as fast, so fp32 stays on ``F.linear`` there (:func:`fp32_onednn` decides by the
+CPU's vendor), except for products of a narrow input on AVX-512, whose bias oneDNN adds inside the
+product (:func:`narrow_onednn`). A feed-forward block whose first product takes oneDNN has its
+activation fused into it (:func:`fused_activation`: one pass over the hidden tensor instead of
+two). :class:`InferenceLinear` is an
 ``nn.Linear`` that takes that path when nothing needs a gradient, and :func:`optimize_for_inference`
 swaps every ``nn.Linear`` of a model for one (same ``Parameter`` objects: tied weights stay tied,
 ``state_dict`` keys do not change).
@@ -47,8 +48,9 @@ from torch import Tensor, nn
 from .inplace import hooked
 
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
-           "prepare_for_inference", "onednn_available", "narrow_onednn", "post_op", "fused_activation", "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS",
-           "MAX_FP32_ONEDNN_ROWS", "MAX_NARROW_ONEDNN_FEATURES"]
+           "prepare_for_inference", "onednn_available", "narrow_onednn", "post_op", "fused_activation",
+           "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS", "MAX_FP32_ONEDNN_ROWS",
+           "MAX_NARROW_ONEDNN_FEATURES"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
