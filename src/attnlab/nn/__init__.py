@@ -8,6 +8,7 @@ from .mlp import FeedForward, GatedMLP, SparseMoE, expert_counts, load_balancing
 from .position import (ALiBi, LearnedPositionalEmbedding, PositionalEncoding, RotaryEmbedding, T5RelativePositionBias,
                        alibi_slopes, relative_position_bucket, sinusoidal_table)
 from .block import CausalLayer, DecoderLayer, EncoderLayer
+from .latent_attention import MultiHeadLatentAttention
 from .linear import InferenceLinear, optimize_for_inference, prepare_for_inference, set_inference_dtype
 from .pooling import POOLINGS, Pooling, attention_pool, cls_pool, mean_pool
 from .packing import Packing
