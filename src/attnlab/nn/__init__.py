@@ -4,7 +4,8 @@ from .attention import (MultiHeadAttention, causal_mask, combine_masks, generate
 from .cache import KVCache, LayerCaches
 from .position import AttentionPosition
 from .norm import DyT, LayerNorm, RMSNorm, make_norm
-from .mlp import FeedForward, GatedMLP, SparseMoE, expert_counts, load_balancing_loss, make_activation
+from .mlp import (FeedForward, GatedMLP, SigmoidTopK, SoftmaxTopK, SparseMoE, expert_counts, load_balancing_loss,
+                  make_activation)
 from .position import (ALiBi, LearnedPositionalEmbedding, PositionalEncoding, RotaryEmbedding, T5RelativePositionBias,
                        alibi_slopes, relative_position_bucket, sinusoidal_table)
 from .block import CausalLayer, DecoderLayer, EncoderLayer
