@@ -52,6 +52,7 @@ FAMILIES = {
     "mamba3": "--model mamba3 --layers 7 --d-model 128",
     "rwkv": "--model rwkv --layers 4 --d-model 128",
     "rwkv7": "--model rwkv7 --layers 4 --heads 4 --d-model 128 --d-ff 384",
+    "deepseek_v3": "--model deepseek_v3 --layers 4 --heads 4 --d-model 128 --d-ff 176",
 }
 QUICK_COMMON = "--context 16 --batch-size 2 --precision fp32 --eval-windows 4 --sample-tokens 0 --no-progress"
 
