@@ -53,6 +53,7 @@ FAMILIES = {
     "rwkv": "--model rwkv --layers 4 --d-model 128",
     "rwkv7": "--model rwkv7 --layers 4 --heads 4 --d-model 128 --d-ff 384",
     "deepseek_v3": "--model deepseek_v3 --layers 4 --heads 4 --d-model 128 --d-ff 176",
+    "llama4_text": "--model llama4_text --layers 4 --heads 4 --d-model 128 --d-ff 208",
 }
 QUICK_COMMON = "--context 16 --batch-size 2 --precision fp32 --eval-windows 4 --sample-tokens 0 --no-progress"
 
