@@ -30,20 +30,20 @@ def _x(B=3, T=9, seed=2):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_block_equals_transformers_deepseek_v3_attention(q_lora_rank, interleaved):
     transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
     cfg = transformers.DeepseekV3Config(hidden_size=E, num_attention_heads=H, num_key_value_heads=H,
                                         kv_lora_rank=C, q_lora_rank=q_lora_rank, qk_nope_head_dim=DN,
                                         qk_rope_head_dim=DR, v_head_dim=DV, rope_interleave=interleaved,
-                                        max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
+                                        max_position_embeddings=64, num_hidden_layers=1, vocab_size=8)
     ours = _mla(q_lora_rank, interleaved)
-    hf = ds.DeepseekV3Attention(cfg, layer_idx=0).eval()
+    # the attention and rotary modules read through the public model class
+    base = transformers.AutoModel.from_config(cfg, attn_implementation="eager").eval()    # DeepseekV3Model
+    hf = base.layers[0].self_attn
     state = {k.replace("out_proj", "o_proj"): v for k, v in ours.state_dict().items()}
     hf.load_state_dict(state)
     x = _x()
     B, T, _ = x.shape
     pos = torch.arange(T)[None].expand(B, T)
-    cos_sin = ds.DeepseekV3RotaryEmbedding(cfg)(x, pos)
+    cos_sin = base.rotary_emb(x, pos)
     causal = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
     with torch.no_grad():
         want, _ = hf(x, cos_sin, causal)

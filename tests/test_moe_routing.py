@@ -55,16 +55,17 @@ def _experts_into(ref_experts, ours, layout):
 @pytest.mark.parametrize("n_group,topk_group,norm", [(1, 1, True), (4, 2, True), (2, 1, False)])
 def test_sigmoid_routing_with_shared_expert_equals_deepseek_v3_moe(n_group, topk_group, norm):
     transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
     X, k = 8, 2
     cfg = transformers.DeepseekV3Config(hidden_size=E, moe_intermediate_size=FF, n_routed_experts=X,
                                         num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
-                                        norm_topk_prob=norm, routed_scaling_factor=1.7, n_shared_experts=2)
+                                        norm_topk_prob=norm, routed_scaling_factor=1.7, n_shared_experts=2,
+                                        num_hidden_layers=1, first_k_dense_replace=0, vocab_size=8,
+                                        num_attention_heads=2, num_key_value_heads=2)
     rule = SigmoidTopK(X, k, n_group=n_group, topk_group=topk_group, normalize=norm, scale=1.7, correction_bias=True)
     ours = _randomise(SparseMoE(E, FF, X, k, routing=rule, shared_expert=GatedMLP(E, 2 * FF))).eval()
     with torch.no_grad():
         rule.e_score_correction_bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
-    ref = ds.DeepseekV3MoE(cfg).eval()
+    ref = transformers.DeepseekV3Model(cfg).layers[0].mlp.eval()       # DeepseekV3MoE, through the public class
     with torch.no_grad():
         ref.gate.weight.copy_(ours.gate.weight)
         ref.gate.e_score_correction_bias.copy_(rule.e_score_correction_bias)
@@ -79,13 +80,13 @@ def test_sigmoid_routing_with_shared_expert_equals_deepseek_v3_moe(n_group, topk
 
 def test_input_weighted_top1_equals_llama4_moe():
     transformers = pytest.importorskip("transformers")
-    from transformers.models.llama4 import modeling_llama4 as l4
     X = 4
     cfg = transformers.Llama4TextConfig(hidden_size=E, intermediate_size=FF, num_local_experts=X,
-                                        num_experts_per_tok=1, hidden_act="silu")
+                                        num_experts_per_tok=1, hidden_act="silu", num_hidden_layers=1, vocab_size=8,
+                                        num_attention_heads=2, num_key_value_heads=2, head_dim=8)
     ours = _randomise(SparseMoE(E, FF, X, 1, routing=SigmoidTopK(X, 1), shared_expert=GatedMLP(E, FF),
                                 weights_on="inputs")).eval()
-    ref = l4.Llama4TextMoe(cfg).eval()
+    ref = transformers.Llama4TextModel(cfg).layers[0].feed_forward.eval()    # Llama4TextMoe, via the public class
     with torch.no_grad():
         ref.router.weight.copy_(ours.gate.weight)
         _experts_into(ref.experts, ours, "X,E,2F")
