@@ -6,8 +6,10 @@
         -> final RMSNorm -> lm_head (untied unless tie_word_embeddings) -> logits
 
 No biases; H query heads share G key/value heads (H % G == 0). RoPE rotates q and k by
-their absolute positions with base ``rope_theta``; ``rope_scaling`` {"type": "linear",
-"factor": f} stretches the positions by f (position interpolation).
+their absolute positions with base ``rope_theta``; ``rope_scaling`` (transformers'
+``rope_parameters`` without the base: ``{"rope_type": "llama3", "factor": 8.0, ...}``) picks one
+of :data:`attnlab.nn.rope.ROPE_TYPES` (LLaMA 3.1-3.3: llama3; long-context Qwen: yarn;
+Phi-3: longrope), and ``partial_rotary_factor`` the fraction of each head that rotates.
 
 RoPE layout (the wrong one loads without error and gives wrong logits): Hugging Face checkpoints
 use the half-split layout (channel i pairs
@@ -30,6 +32,7 @@ from ..nn.block import CausalLayer
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
 from ..nn.position import RotaryEmbedding
+from ..nn.rope import normalize_rope_scaling
 from .causal_lm import CausalLM
 from .registry import register_family
 
@@ -48,7 +51,8 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None          # {"type": "linear" | "ntk", "factor": f}
+    rope_scaling: dict | None = None          # {"rope_type": "linear" | "llama3" | "yarn" | ..., "factor": f, ...}
+    partial_rotary_factor: float = 1.0        # the first int(head_dim * this) channels of a head rotate
     rope_interleaved: bool = False            # True for Meta-layout weights (see the module docstring)
     activation: str = "silu"
     attention_bias: bool = False
@@ -72,20 +76,27 @@ class LlamaConfig:
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"{name}: num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"{name}: head_dim must be even and positive for RoPE, got {self.head_dim}")
-        s = self.rope_scaling
-        if s is not None and (not isinstance(s, dict) or s.get("type") not in ("linear", "ntk")
-                              or not float(s.get("factor", 0)) > 0):
-            raise ValueError(f"{name}: rope_scaling must be None or {{'type': 'linear' | 'ntk', 'factor': > 0}}, "
-                             f"got {s!r}")
+        if self.head_dim <= 0 or not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 \
+                or self.rotary_dim == 0:
+            raise ValueError(f"{name}: RoPE needs an even, positive rotary dimension, got head_dim {self.head_dim} "
+                             f"with partial_rotary_factor {self.partial_rotary_factor}")
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.rotary_dim, name)
         if self.activation not in GatedMLP.ACTIVATIONS:
             raise ValueError(f"{name}: activation must be one of {GatedMLP.ACTIVATIONS}, got {self.activation!r}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def max_seq_len(self) -> int:
+        """The longest sequence: the trained context, stretched by ``dynamic`` RoPE's factor (the one
+        kind whose max_position_embeddings is the context before the stretch)."""
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "dynamic":
+            return int(self.max_position_embeddings * float(s["factor"]))
         return self.max_position_embeddings
 
 
@@ -96,7 +107,7 @@ class Llama(CausalLM):
         super().__init__(config)
         E, H, c = config.d_model, config.num_heads, config
         # one rotary module shared by every layer (it holds no weights, only the cos/sin cache)
-        rope = RotaryEmbedding(c.head_dim, base=c.rope_theta, interleaved=c.rope_interleaved, scaling=c.rope_scaling)
+        rope = self.rotary(c.rope_theta, c.rope_scaling)
         self.token_embedding = nn.Embedding(c.vocab_size, E)
         self.layers = nn.ModuleList(
             CausalLayer(E, H, c.d_ff, 0.0, norm_first=True, norm="rmsnorm", eps=c.rms_norm_eps,
@@ -110,6 +121,12 @@ class Llama(CausalLM):
         self.reset_parameters()
         if c.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding.weight
+
+    def rotary(self, base: float, scaling: dict | None) -> RotaryEmbedding:
+        """A rotary module of this model's heads with the given base and scaling."""
+        c = self.config
+        return RotaryEmbedding(c.head_dim, base=base, interleaved=c.rope_interleaved, scaling=scaling,
+                               rotary_dim=c.rotary_dim, max_position_embeddings=c.max_position_embeddings)
 
     def feed_forward(self) -> nn.Module:
         """The position-wise block of each layer: SwiGLU (Shazeer 2020)."""
@@ -149,32 +166,57 @@ _ACT_FROM_HF = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"
 _ACT_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
+def rope_from_hf(c: dict, who: str, params: dict | None = None) -> dict:
+    """Our rope_theta, rope_scaling and partial_rotary_factor from a config.json ``c``: from
+    ``params`` (one layer type's entry of a nested ``rope_parameters``) or transformers 5.x's
+    ``rope_parameters``, or 4.x's ``rope_scaling``, with ``rope_theta`` and ``partial_rotary_factor``
+    from the top level where the dict lacks them. For llama3, yarn and longrope a top-level
+    ``original_max_position_embeddings`` (Phi-3 keeps it there) wins over the dict's, as in
+    transformers; without either it is max_position_embeddings."""
+    rope = dict(params if params is not None else c.get("rope_parameters") or c.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{who}: per-layer-type RoPE parameters are not supported by this family")
+    theta = rope.pop("rope_theta", None) or c.get("rope_theta")
+    partial = rope.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    rope.pop("type", None)
+    if kind in ("llama3", "yarn", "longrope"):
+        top = c.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = top if top is not None else \
+            rope.get("original_max_position_embeddings") or c["max_position_embeddings"]
+    out = {"rope_scaling": None if kind == "default" else {**rope, "rope_type": kind}}
+    if theta is not None:
+        out["rope_theta"] = float(theta)
+    if partial is not None:
+        out["partial_rotary_factor"] = float(partial)
+    return out
+
+
+def rope_to_hf(theta: float, scaling: dict | None, partial_rotary_factor: float = 1.0) -> dict:
+    """transformers' ``rope_parameters`` for our base, scaling and partial rotary factor."""
+    rope = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
+    if rope["rope_type"] == "ntk":
+        raise ValueError(f"static NTK RoPE scaling {scaling} has no Hugging Face equivalent")
+    if partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = partial_rotary_factor
+    return rope
+
+
 def config_from_hf(c: dict, cls: type = LlamaConfig, names: dict = LLAMA_HF_NAMES):
     """transformers 5.x keeps RoPE settings in ``rope_parameters`` ({"rope_type", "rope_theta",
-    "factor"}); 4.x in ``rope_theta`` and ``rope_scaling`` ({"type" or "rope_type", "factor"})."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError(f"{cls.__name__}: per-layer-type RoPE parameters are not supported")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise ValueError(f"{cls.__name__}: RoPE type {kind!r} is not supported (supported: default, linear)")
+    "factor", ...}); 4.x in ``rope_theta`` and ``rope_scaling`` ({"type" or "rope_type", ...})."""
     act = c.get("hidden_act", "silu")
     if act not in _ACT_FROM_HF:
         raise ValueError(f"{cls.__name__}: hidden_act {act!r} is not supported ({', '.join(_ACT_FROM_HF)})")
     kwargs = {ours: c[hf] for ours, hf in names.items() if c.get(hf) is not None}
-    theta = rope.get("rope_theta", c.get("rope_theta"))
-    if theta is not None:
-        kwargs["rope_theta"] = float(theta)
-    scaling = {"type": "linear", "factor": float(rope["factor"])} if kind == "linear" else None
-    return cls(**kwargs, rope_scaling=scaling, activation=_ACT_FROM_HF[act])
+    return cls(**kwargs, **rope_from_hf(c, cls.__name__), activation=_ACT_FROM_HF[act])
 
 
 def config_to_hf(cfg: LlamaConfig, names: dict = LLAMA_HF_NAMES) -> dict:
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        if cfg.rope_scaling["type"] != "linear":
-            raise ValueError(f"{type(cfg).__name__}: rope_scaling {cfg.rope_scaling} has no Hugging Face equivalent")
-        rope = dict(rope, rope_type="linear", factor=float(cfg.rope_scaling["factor"]))
+    try:
+        rope = rope_to_hf(cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor)
+    except ValueError as e:
+        raise ValueError(f"{type(cfg).__name__}: {e}") from None
     return {**{hf: getattr(cfg, ours) for ours, hf in names.items()}, "rope_parameters": rope,
             "rope_theta": cfg.rope_theta, "hidden_act": _ACT_TO_HF[cfg.activation]}
 
