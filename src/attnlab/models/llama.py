@@ -58,6 +58,8 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     attention_dropout: float = 0.0
+    sliding_window: int | None = None         # keys within this many positions, on "sliding_attention" layers
+    layer_types: list[str] | None = None      # per layer "full_attention" | "sliding_attention" (None: all full)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -83,6 +85,12 @@ class LlamaConfig:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.rotary_dim, name)
         if self.activation not in GatedMLP.ACTIVATIONS:
             raise ValueError(f"{name}: activation must be one of {GatedMLP.ACTIVATIONS}, got {self.activation!r}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers or not set(
+                self.layer_types) <= {"full_attention", "sliding_attention"}):
+            raise ValueError(f"{name}: layer_types must list 'full_attention' or 'sliding_attention' for each of "
+                             f"the {self.num_layers} layers, got {self.layer_types}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"{name}: sliding_window must be positive or None, got {self.sliding_window}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
@@ -105,22 +113,46 @@ class Llama(CausalLM):
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
-        E, H, c = config.d_model, config.num_heads, config
+        c = config
         # one rotary module shared by every layer (it holds no weights, only the cos/sin cache)
-        rope = self.rotary(c.rope_theta, c.rope_scaling)
-        self.token_embedding = nn.Embedding(c.vocab_size, E)
-        self.layers = nn.ModuleList(
-            CausalLayer(E, H, c.d_ff, 0.0, norm_first=True, norm="rmsnorm", eps=c.rms_norm_eps,
-                        self_attn=MultiHeadAttention(E, H, c.attention_dropout, num_kv_heads=c.num_kv_heads,
-                                                     head_dim=c.head_dim, bias=c.attention_bias, position=rope,
-                                                     causal=True),
-                        ff=self.feed_forward())
-            for _ in range(c.num_layers))
-        self.norm = RMSNorm(E, c.rms_norm_eps)
-        self.lm_head = nn.Linear(E, c.vocab_size, bias=False)
+        self.rotary_emb = self.rotary(c.rope_theta, c.rope_scaling)
+        self.token_embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.layers = nn.ModuleList(self.layer(i) for i in range(c.num_layers))
+        self.norm = self.make_norm(c.d_model)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.reset_parameters()
         if c.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding.weight
+
+    # the places where the families built on LLaMA differ, each overridden by a model file
+    def layer(self, i: int) -> CausalLayer:
+        """Layer ``i``: Pre-Norm with RMSNorm around attention and the feed-forward."""
+        c = self.config
+        return CausalLayer(c.d_model, c.num_heads, c.d_ff, 0.0, norm_first=True, self_attn=self.attention(i),
+                           ff=self.feed_forward(), self_attn_norm=self.make_norm(c.d_model),
+                           ff_norm=self.make_norm(c.d_model))
+
+    def make_norm(self, d: int) -> nn.Module:
+        return RMSNorm(d, self.config.rms_norm_eps)
+
+    def attention(self, i: int, **options) -> MultiHeadAttention:
+        """Layer ``i``'s causal attention; ``options`` (q_norm, scale, softcap, ...) from a subclass."""
+        c = self.config
+        options.setdefault("position", self.position(i))
+        options.setdefault("window", self.window(i))
+        return MultiHeadAttention(c.d_model, c.num_heads, c.attention_dropout, num_kv_heads=c.num_kv_heads,
+                                  head_dim=c.head_dim, bias=c.attention_bias, causal=True, **options)
+
+    def position(self, i: int) -> nn.Module | None:
+        """Layer ``i``'s position module: the shared RoPE (None: a layer without positions)."""
+        return self.rotary_emb
+
+    def window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window: ``sliding_window`` on the layers ``layer_types`` marks sliding."""
+        c = self.config
+        types = c.layer_types
+        sliding = c.sliding_window is not None and (types is None or types[i] == "sliding_attention")
+        return c.sliding_window if sliding else None
 
     def rotary(self, base: float, scaling: dict | None) -> RotaryEmbedding:
         """A rotary module of this model's heads with the given base and scaling."""
@@ -259,3 +291,30 @@ LLAMA = register_family("llama", LlamaConfig, base_rules=_BASE_RULES, config_fro
                         ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
                         token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
 LLAMA.register("LlamaForCausalLM", Llama, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)
+
+
+def register_decoder(model_type: str, config_cls: type, model_cls: type, architecture: str, *,
+                     weight_map: list[Rule], config_from_hf, config_to_hf, presets: dict):
+    """Register a family built on LLaMA's skeleton (its keys under "model.", RoPE buffers ignored,
+    LLaMA's sizing builder with its own config class); returns the family."""
+    def build(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+              d_ff: int | None = None, dropout: float = 0.0, num_kv_heads: int | None = None,
+              bos_token_id: int | None = None, eos_token_id: int | None = None):
+        return config_cls(**sized_fields(vocab_size=vocab_size, context=context, d_model=d_model,
+                                         num_heads=num_heads, num_layers=num_layers, d_ff=d_ff, dropout=dropout,
+                                         num_kv_heads=num_kv_heads, bos_token_id=bos_token_id,
+                                         eos_token_id=eos_token_id))
+    build.__doc__ = f"A {model_type} sized for training: ``context`` positions; num_kv_heads None: no grouping."
+    base, head = split_prefix(weight_map, "model.")
+    fam = register_family(model_type, config_cls, base_rules=base, config_from_hf=config_from_hf,
+                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len},
+                          config_to_hf=config_to_hf, presets=presets, build_config=build,
+                          ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
+                          token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
+    fam.register(architecture, model_cls, kind="causal-lm", prefix="model.", head_rules=head)
+    return fam
+
+
+def hf_names(drop: tuple[str, ...] = (), **add: str) -> dict:
+    """LLaMA's config-name map without the ``drop`` fields, with ``add`` (ours=theirs) added."""
+    return {**{k: v for k, v in LLAMA_HF_NAMES.items() if k not in drop}, **add}
