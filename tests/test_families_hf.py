@@ -26,7 +26,20 @@ CONFIGS = {      # family -> (model_type, config fields beyond BASE)
     "mistral": ("mistral", dict(sliding_window=6, head_dim=16)),
     "qwen3": ("qwen3", dict(head_dim=16, attention_bias=False, use_sliding_window=True, sliding_window=6,
                             max_window_layers=3)),
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=6,
+                                layer_types=["full_attention", "sliding_attention"] * 2)),
+    "phi3": ("phi3", dict(num_attention_heads=4, num_key_value_heads=1, partial_rotary_factor=0.5,
+                          original_max_position_embeddings=12,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                           "short_factor": [1.0, 1.2], "long_factor": [2.0, 5.0],
+                                           "original_max_position_embeddings": 40})),
+    "olmo2": ("olmo2", dict(attention_bias=True)),
 }
+
+
+# LongRoPE's switch to its long factors at 12 tokens: transformers' Phi-3 generate recomputes its
+# cache there (attnlab keeps the keys' rotations), so Phi-3's prompts start past it
+PROMPT = {"phi3": 13}
 
 
 def _randomize(model):
@@ -90,8 +103,9 @@ def test_cached_decoding_equals_full_forward(saved, family):
     with torch.no_grad():
         full = ours(ids, attention_mask=mask)
         cache = ours.new_cache()
-        steps = [ours(ids[:, :10], attention_mask=mask[:, :10], cache=cache)]
-        for t in range(10, T):
+        P = PROMPT.get(family, 10)
+        steps = [ours(ids[:, :P], attention_mask=mask[:, :P], cache=cache)]
+        for t in range(P, T):
             steps.append(ours(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache))
     assert_close_scaled(torch.cat(steps, 1)[mask], full[mask], FP32, f"{family} cached vs full forward")
 
@@ -100,7 +114,7 @@ def test_cached_decoding_equals_full_forward(saved, family):
 def test_greedy_tokens_equal_transformers(saved, family):
     hf, path = saved(family)
     ours = attnlab.from_pretrained(path)
-    prompt = _ids(2, 5, seed=3)
+    prompt = _ids(2, PROMPT.get(family, 5), seed=3)
     with torch.no_grad():
         want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=T, min_new_tokens=T,
                            do_sample=False, eos_token_id=None, pad_token_id=0)
