@@ -34,6 +34,13 @@ CONFIGS = {      # family -> (model_type, config fields beyond BASE)
                                            "short_factor": [1.0, 1.2], "long_factor": [2.0, 5.0],
                                            "original_max_position_embeddings": 40})),
     "olmo2": ("olmo2", dict(attention_bias=True)),
+    "gemma": ("gemma", dict(head_dim=16, hidden_act="gelu_pytorch_tanh")),
+    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=2,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                       "rope_theta": 1e6}})),
 }
 
 
