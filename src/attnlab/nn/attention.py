@@ -218,7 +218,7 @@ def scaled_dot_product_attention(
             explicit path; the default fused path never materialises them.
         scale: defaults to 1 / sqrt(D).
         softcap: None, or c > 0: the scaled scores s become c * tanh(s / c) before the mask
-            (logit soft-capping, Gemma 2), which keeps every score inside (-c, c). It takes the
+            (logit soft-capping), which keeps every score inside (-c, c). It takes the
             explicit path (torch's fused kernels have no such step).
 
     Returns:

@@ -57,7 +57,7 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     r"""RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight.
 
-    No centring and no bias (Zhang & Sennrich 2019); used by LLaMA, Mistral, T5. The
+    No centring and no bias (Zhang & Sennrich 2019); used by LLaMA and T5. The
     statistic and the scaling run in fp32, the result is cast back to the input dtype and
     only *then* multiplied by ``weight``, the order of Hugging Face's ``LlamaRMSNorm``, so
     bf16 outputs are bit-identical to it. As there, the output dtype is the promotion of
@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
 
     ``unit_offset=True``: the gain is ``1 + weight`` (weight initialised to 0, so weight decay
     pulls the gain to 1, not 0), and the product is taken in fp32 before the cast back, so a bf16
-    model rounds once (the order of Gemma's norm).
+    model rounds once.
 
     Shapes: (..., E) -> (..., E). Parameter ``weight`` (E,).
     """

@@ -21,7 +21,7 @@ yarn         interpolated (theta_i / factor) and extrapolated (theta_i)        0
              channels joined by a linear ramp between the dimensions that      (or mscale ratios,
              turn beta_fast and beta_slow times in L0 (Peng et al. 2023)       attention_factor)
 longrope     theta_i / short_factor[i] while L <= L0, theta_i / long_factor[i]  sqrt(1 + ln f /
-             beyond (Ding et al. 2024; Phi-3)                                  ln L0)
+             beyond (Ding et al. 2024)                                         ln L0)
 ===========  ================================================================  ===================
 
 Only ``dynamic`` and ``longrope`` depend on the current length; a KV cache keeps each key as it
