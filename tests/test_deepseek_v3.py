@@ -4,6 +4,7 @@ call (attnlab.from_pretrained / save_pretrained): logits, left and right padding
 the cache's size. Tolerance: FP32 (1e-5 of the logits' scale) for every logits comparison; greedy
 tokens exactly."""
 import json
+import math
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediat
              v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
              first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=CTX, bos_token_id=None,
              eos_token_id=None, pad_token_id=None)
-VARIANTS = {"q-lora": dict(q_lora_rank=24), "q-proj": dict(q_lora_rank=None, rope_interleave=False)}
+# q-proj: YaRN with DeepSeek's mscale / mscale_all_dim (the softmax scale changes too) at a 4x stretch
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+VARIANTS = {"q-lora": dict(q_lora_rank=24), "q-proj": dict(q_lora_rank=None, rope_interleave=False, rope_parameters=YARN)}
 
 
 def _randomize(model, seed=0):
@@ -70,8 +74,11 @@ def test_logits_equal_transformers(saved, variant):
     assert type(ours) is DeepseekV3 and not ours.training
     assert isinstance(ours.layers[0].self_attn, MultiHeadLatentAttention)
     assert not isinstance(ours.layers[0].ff, SparseMoE) and isinstance(ours.layers[1].ff, SparseMoE)
+    if variant == "q-proj":
+        assert ours.config.rope_scaling["rope_type"] == "yarn"
+        assert abs(ours.layers[0].self_attn.scale * 12 ** 0.5 - (0.1 * math.log(4.0) + 1) ** 2) < 1e-12
     with torch.no_grad():
-        _close(ours(_ids()), hf(_ids()).logits, f"{variant} logits")
+        _close(ours(_ids(T=40)), hf(_ids(T=40)).logits, f"{variant} logits")
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -23,7 +23,9 @@ SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=16, intermediate_si
              eos_token_id=None, pad_token_id=None)
 # "tuned": the temperature changes every 2 positions; "long-floor": it stays 1 within these lengths, where
 # transformers' slot-counted temperature and our position-counted one agree under left padding too
-VARIANTS = {"tuned": dict(floor_scale=2, attn_scale=0.5), "long-floor": dict(floor_scale=CTX, use_qk_norm=False,
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+VARIANTS = {"tuned": dict(floor_scale=2, attn_scale=0.5, rope_parameters=LLAMA3), "long-floor": dict(floor_scale=CTX, use_qk_norm=False,
                                                                             rope_parameters={"rope_type": "default",
                                                                                              "rope_theta": 100.0})}
 
@@ -66,6 +68,7 @@ def test_logits_equal_transformers(saved, variant):
     assert type(ours) is Llama4
     assert [isinstance(layer.ff, SparseMoE) for layer in ours.layers] == [False, True, False, True]
     assert ours.config.layer_types == ["chunked_attention", "full_attention"] * 2
+    assert (ours.config.rope_scaling or {}).get("rope_type") == ("llama3" if variant == "tuned" else None)
     with torch.no_grad():
         _close(ours(_ids()), hf(_ids()).logits, f"{variant} logits")
 

@@ -23,7 +23,6 @@ per-expert form that transformers writes. Multi-token-prediction layers are not 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -34,6 +33,7 @@ from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.mlp import GatedMLP, SigmoidTopK, SparseMoE
 from ..nn.norm import RMSNorm
 from ..nn.position import RotaryEmbedding
+from ..nn.rope import yarn_mscale
 from . import llama
 from .causal_lm import CausalLM
 from .llama import LlamaConfig
@@ -84,14 +84,14 @@ class DeepseekV3Config(LlamaConfig):
 
 
 def softmax_scale(c: DeepseekV3Config) -> float:
-    """(Dn + Dr)^-1/2, times mscale^2 when YaRN stretches the context with ``mscale_all_dim``: DeepSeek
-    scales every score, not only the rotary channels, by YaRN's 0.1 ln(factor) + 1 (squared: q and k)."""
+    """(Dn + Dr)^-1/2, times m^2 when the RoPE scaling names ``mscale_all_dim`` (DeepSeek's YaRN):
+    m = 0.1 mscale_all_dim ln(factor) + 1 scales every score, the nope channels too, where YaRN's own
+    attention factor (on cos and sin) reaches only the rotary ones."""
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     s = c.rope_scaling or {}
-    factor, all_dim = float(s.get("factor", 1.0)), s.get("mscale_all_dim")
-    if all_dim and factor > 1.0:
-        mscale = 0.1 * float(all_dim) * math.log(factor) + 1.0
-        scale *= mscale * mscale
+    if s.get("mscale_all_dim"):
+        m = yarn_mscale(float(s["factor"]), float(s["mscale_all_dim"]))
+        scale *= m * m
     return scale
 
 
@@ -103,7 +103,7 @@ class DeepseekV3(CausalLM):
         c, E = config, config.d_model
         # one rotary module shared by every layer, over the rope channels only
         rope = RotaryEmbedding(c.qk_rope_head_dim, base=c.rope_theta, interleaved=c.rope_interleaved,
-                               scaling=c.rope_scaling)
+                               scaling=c.rope_scaling, max_position_embeddings=c.max_position_embeddings)
         self.token_embedding = nn.Embedding(c.vocab_size, E)
         self.layers = nn.ModuleList(
             CausalLayer(E, c.num_heads, c.d_ff, 0.0, norm_first=True, norm="rmsnorm", eps=c.rms_norm_eps,

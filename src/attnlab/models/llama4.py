@@ -64,7 +64,9 @@ class Llama4Config(LlamaConfig):
     layer_types: list[str] | None = None      # "chunked_attention" | "full_attention"; default: RoPE layers chunked
 
     def __post_init__(self):
+        kinds, self.layer_types = self.layer_types, None    # LLaMA's check knows no chunked layers: ours below
         super().__post_init__()
+        self.layer_types = kinds
         name, L = type(self).__name__, self.num_layers
         if self.moe_layers is None:
             self.moe_layers = list(range(self.interleave_moe_layer_step - 1, L, self.interleave_moe_layer_step))
@@ -136,7 +138,8 @@ class Llama4(CausalLM):
     def __init__(self, config: Llama4Config):
         super().__init__(config)
         c, E = config, config.d_model
-        rope = RotaryEmbedding(c.head_dim, base=c.rope_theta, interleaved=c.rope_interleaved, scaling=c.rope_scaling)
+        rope = RotaryEmbedding(c.head_dim, base=c.rope_theta, interleaved=c.rope_interleaved, scaling=c.rope_scaling,
+                               max_position_embeddings=c.max_position_embeddings)
         self.token_embedding = nn.Embedding(c.vocab_size, E)
         self.layers = nn.ModuleList(
             CausalLayer(E, c.num_heads, c.d_ff, 0.0, norm_first=True, norm="rmsnorm", eps=c.rms_norm_eps,

@@ -1,6 +1,6 @@
 r"""Multi-head latent attention (MLA): keys and values decompressed from one small latent per token.
 
-DeepSeek-AI 2024, "DeepSeek-V2", section 2.1. Shape letters as in :mod:`attnlab.nn.attention`,
+Liu et al. 2024, arXiv:2405.04434, section 2.1. Shape letters as in :mod:`attnlab.nn.attention`,
 plus C = kv_lora_rank (the latent), Dn = qk_nope_head_dim, Dr = qk_rope_head_dim, Dv = v_head_dim::
 
     q      = W_UQ RMSNorm(W_DQ x)    (or W_Q x)           -> per head [q_nope (Dn) | q_rope (Dr)]

@@ -145,8 +145,8 @@ class SoftmaxTopK(nn.Module):
 
 
 class SigmoidTopK(nn.Module):
-    r"""Sigmoid routing with group-limited selection and a balancing bias (DeepSeek-V3, Liu et al.
-    2024, section 2.1.2; with its defaults, the top-1 sigmoid router of Llama 4).
+    r"""Sigmoid routing with group-limited selection and a balancing bias (Liu et al. 2024,
+    arXiv:2412.19437, section 2.1.2; with its defaults, a plain top-k of sigmoid scores).
 
     s = sigmoid(logits) in fp32. The experts are chosen on s + b, where b
     (``e_score_correction_bias``, X) is a bias that training nudges to balance the load without an
@@ -154,7 +154,7 @@ class SigmoidTopK(nn.Module):
     form n_group equal groups, each scored by the sum of its two best s + b, and only the
     ``topk_group`` best groups may be chosen from (a token reaches a bounded number of devices).
     The weights are s of the k chosen experts, divided by their sum if ``normalize``, then
-    multiplied by ``scale`` (DeepSeek's routed_scaling_factor).
+    multiplied by ``scale`` (the paper's routed scaling factor).
 
     ``correction_bias``: keep b as a (persistent) buffer; False for a router without one.
     ``forward(router_logits (N, X)) -> (weights (N, k) fp32, experts (N, k))``."""
@@ -213,7 +213,7 @@ class SparseMoE(nn.Module):
     The router ``gate`` (a bias-free Linear, E -> X) scores the X experts; a routing rule turns
     the scores into each token's k experts and their weights g. The default rule is Mixtral's
     (:class:`SoftmaxTopK`: softmax in fp32, top-k renormalised; Jiang et al. 2024, section 2.1;
-    Shazeer et al. 2017); :class:`SigmoidTopK` is DeepSeek-V3's and Llama 4's. Every expert is a
+    Shazeer et al. 2017); :class:`SigmoidTopK` scores with sigmoids instead. Every expert is a
     SwiGLU :class:`GatedMLP`. Tokens are dispatched per expert (gather, run, scatter-add), so the
     cost is k expert passes per token, never X.
 
@@ -224,9 +224,9 @@ class SparseMoE(nn.Module):
         routing: the rule, a module ``(router_logits (N, X)) -> (weights (N, k), experts (N, k))``
             with a ``top_k`` equal to ``top_k``; default ``SoftmaxTopK(top_k)``.
         shared_expert: a module every token goes through besides its routed experts, added to y
-            (DeepSeek's shared experts, Llama 4's shared expert); None: none.
-        weights_on: "outputs": g_e * Expert_e(x) (Mixtral, DeepSeek); "inputs": Expert_e(g_e * x)
-            (Llama 4, which scales the expert's input).
+            (shared experts, Dai et al. 2024, arXiv:2401.06066); None: none.
+        weights_on: "outputs": g_e * Expert_e(x) (Mixtral); "inputs": Expert_e(g_e * x), the
+            expert's input scaled instead (a different function for a non-linear expert).
 
     ``forward(x (B, T, E), padding_mask (B, T) bool, True = real token, optional) -> y (B, T, E)``.
     Padding tokens are not sent to any expert and get y = 0 (the shared expert sees them).
