@@ -339,6 +339,8 @@ def gguf_tokenizer(path, meta: dict | None = None):
     from .tokenizer import HFTokenizer
     meta = meta if meta is not None else read_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise ValueError(f"{path}: this GGUF file holds no tokenizer (no tokenizer.ggml.model)")
     if kind not in TOKENIZER_BUILDERS:
         raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (supported: "
                          f"{', '.join(TOKENIZER_BUILDERS)})")
