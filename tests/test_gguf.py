@@ -7,8 +7,9 @@ download. attnlab reads it with :mod:`attnlab.gguf`; transformers with
 back from llama.cpp's order with its own code). Both hold the same fp32 weights, so:
 
 - the logits agree to 1e-5 of their scale (FP32: a 30-layer network summed in another order);
-- the greedy reply to a chat prompt is the same 20 tokens (PITFALLS: a q/k row order that is only
+- the greedy reply to a chat prompt is the same 20 tokens (a q/k row order that is only
   nearly right can pass a first-logits check and drift during decoding);
+- perplexity (attnlab eval's windows) equals transformers' cross-entropy to 1e-4 relative;
 - the tokenizer rebuilt from ``tokenizer.ggml.*`` gives transformers' ids, special tokens kept
   whole, and the chat template renders transformers' string.
 
@@ -106,3 +107,19 @@ def test_processor_loader_and_bad_files(tmp_path):
         attnlab.from_pretrained(bad)
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         attnlab.from_pretrained(tmp_path / "missing.gguf")
+
+
+def test_perplexity_equals_transformers(ours, theirs):
+    """attnlab eval's perplexity (one window: the text is shorter than the context) against
+    transformers' mean next-token cross-entropy on the same ids, within 1e-4 relative."""
+    import torch.nn.functional as F
+    from attnlab.tasks.lm import LoadedLM, text_perplexity
+    text = TEXTS[0] + " Rome. The capital of Spain is Madrid, and the capital of Germany is Berlin."
+    got = text_perplexity(LoadedLM(ours[0], ours[1], [2], 1, GGUF, "gguf"), text)
+    ids = torch.tensor([ours[1].encode(text)])
+    with torch.no_grad():
+        logits = theirs[0](ids).logits[0, :-1]
+    want = float(F.cross_entropy(logits, ids[0, 1:]).double().exp())
+    assert got["windows"] == 1 and got["tokens"] == ids.shape[1] - 1
+    assert abs(got["ppl"] - want) <= 1e-4 * want, (got["ppl"], want)
+    assert got["ppl"] < 20, "the instruct model knows its capitals"
