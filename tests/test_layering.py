@@ -16,9 +16,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # DESIGN's layers, bottom first; a module may import its own layer or lower ones
 LAYERS = [
-    {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors"},   # processors: tokenizers, images
+    {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors",    # processors: tokenizers, images
+     "attnlab.chat_template"},
     {"attnlab.models"},
-    {"attnlab.hub", "attnlab"},           # the package's lazy top-level loaders are hub's
+    {"attnlab.hub", "attnlab", "attnlab.gguf"},   # the package's lazy top-level loaders are hub's
     {"attnlab.train"},
     {"attnlab.generate"},
     {"attnlab.viz", "attnlab.quantize"},

@@ -281,13 +281,14 @@ class HFTokenizer(Tokenizer):
                      "eos": ("</s>", "<eos>", "[SEP]", "<|endoftext|>", "<|end_of_text|>"),
                      "unk": ("<unk>", "[UNK]", "<|unk|>")}
 
-    def __init__(self, hf_tokenizer, special: dict[str, str | None] | None = None):
+    def __init__(self, hf_tokenizer, special: dict[str, str | None] | None = None, chat_template: str | None = None):
         # A tokenizer.json may keep the padding and truncation its writer used (all-MiniLM-L6-v2's
         # pads every text to 128 ids with [PAD]); ``encode`` gives one text's own ids, as
         # transformers' tokenizer does unless asked to pad or truncate: batching pads, with a mask.
         hf_tokenizer.no_padding()
         hf_tokenizer.no_truncation()
         self.hf = hf_tokenizer
+        self.chat_template = chat_template            # a Jinja template (tokenizer_config.json's, a GGUF file's)
         self.special = {}
         for role in self.ROLES:
             names = [special[role]] if special and special.get(role) else list(self._CONVENTIONAL[role])
@@ -304,7 +305,8 @@ class HFTokenizer(Tokenizer):
             hf = _HF.from_file(str(path))
         except Exception as e:                     # tokenizers raises a bare Exception on a bad file
             raise ValueError(f"{path}: not a readable Hugging Face tokenizer.json: {e}") from None
-        return cls(hf, _special_from_config(path.with_name("tokenizer_config.json")))
+        config = path.with_name("tokenizer_config.json")
+        return cls(hf, _special_from_config(config), _chat_template_from_config(config))
 
     @property
     def vocab_size(self) -> int:
@@ -328,13 +330,24 @@ class HFTokenizer(Tokenizer):
     def vocabulary(self) -> dict[str, int]:
         return self.hf.get_vocab(with_added_tokens=True)
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+        """The conversation as the model's chat template writes it (the string transformers'
+        ``apply_chat_template(..., tokenize=False)`` gives; :mod:`attnlab.chat_template`)."""
+        from .chat_template import render_chat
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        tokens = {f"{role}_token": token for role, token in self.special.items() if token is not None}
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           **{**tokens, **kwargs})
+
     def _state(self) -> dict:
-        return {"tokenizer": json.loads(self.hf.to_str()), "special": self.special}
+        state = {"tokenizer": json.loads(self.hf.to_str()), "special": self.special}
+        return state if self.chat_template is None else dict(state, chat_template=self.chat_template)
 
     @classmethod
     def _from_state(cls, state: dict) -> HFTokenizer:
         from tokenizers import Tokenizer as _HF
-        return cls(_HF.from_str(json.dumps(state["tokenizer"])), state.get("special"))
+        return cls(_HF.from_str(json.dumps(state["tokenizer"])), state.get("special"), state.get("chat_template"))
 
 
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -360,6 +373,21 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int = 8000, lowercase: boo
     hf.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     return HFTokenizer(hf, {"pad": "[PAD]", "bos": "[CLS]", "eos": "[SEP]", "unk": "[UNK]"})
+
+
+def _chat_template_from_config(path: Path) -> str | None:
+    """A ``tokenizer_config.json``'s chat template (a string; the first of a list of named ones),
+    else a ``chat_template.jinja`` beside it; None if neither."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str) and path.with_name("chat_template.jinja").is_file():
+        template = path.with_name("chat_template.jinja").read_text(encoding="utf-8")
+    return template if isinstance(template, str) else None
 
 
 def _special_from_config(path: Path) -> dict[str, str | None] | None:

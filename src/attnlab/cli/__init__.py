@@ -3,6 +3,7 @@
     attnlab train TASK ...      cli/train.py      (one sub-command per registered task)
     attnlab translate RUN ...   cli/translate.py
     attnlab generate RUN ...    cli/generate.py
+    attnlab chat MODEL ...      cli/chat.py       (a chat model's conversation, streamed)
     attnlab classify RUN ...    cli/classify.py
     attnlab embed DIR ...       cli/embed.py
     attnlab eval RUN ...        cli/eval.py       (dispatches on the run's recorded task)
@@ -52,7 +53,7 @@ from .. import __version__
 
 __all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere", "keep_freed_memory"]
 
-COMMANDS = ("train", "translate", "generate", "classify", "embed", "eval", "viz", "export")
+COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "eval", "viz", "export")
 
 
 class UserError(Exception):

@@ -23,7 +23,7 @@ EXAMPLE = ("attnlab eval runs/multi30k --data valid.de-en.tsv\n"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..tasks import registered_tasks
-    p.add_argument("checkpoint", help="a run directory or checkpoint, or a Hugging Face model directory")
+    p.add_argument("checkpoint", help="a run directory or checkpoint, a Hugging Face model directory or a GGUF file")
     p.add_argument("--data", required=True, help="the data to score, in the task's format (translation: a TSV of "
                    "source<TAB>reference; language model: a UTF-8 text file; classifier: a TSV, CSV or JSON-lines file "
                    "with the run's text and label columns; image classifier: an image folder, one sub-folder per "

@@ -14,6 +14,11 @@ The tokenizer_config.json names the tokenizer's pad, unk, bos and eos tokens and
 tokens the model's family states in its registration (``special_tokens``: a [CLS], a [MASK]).
 The chapter's Transformer, its TextClassifier and the pooling head of ``--head pooling`` have no
 transformers class; the error says which to train instead.
+
+An OUT ending in ``.gguf`` gets one GGUF file instead (llama.cpp's format, which transformers also
+reads; :func:`attnlab.gguf.save_gguf`): the weights as ``--qtype`` F32, F16 or Q8_0, the tokenizer
+and its chat template. RUN may itself be a GGUF file: re-written at another ``--qtype``, or
+dequantised into a Hugging Face directory; a Hugging Face directory may be written as a GGUF file.
 """
 from __future__ import annotations
 
@@ -25,15 +30,19 @@ from pathlib import Path
 HELP = "write a run's model (and tokenizer) as a Hugging Face directory that transformers loads"
 EXAMPLE = ("attnlab train classify --init all-MiniLM-L6-v2/ --head native --data train.tsv --out runs/sst2\n"
            "  attnlab export runs/sst2 sst2-minilm/    # transformers.pipeline('text-classification', 'sst2-minilm')\n"
-           "  attnlab export runs/image digits-vit/    # transformers.pipeline('image-classification', 'digits-vit')")
+           "  attnlab export runs/image digits-vit/    # transformers.pipeline('image-classification', 'digits-vit')\n"
+           "  attnlab export runs/lm lm-q8.gguf --qtype Q8_0     # llama.cpp and transformers read it\n"
+           "  attnlab export SmolLM2-135M-Instruct.Q4_1.gguf smollm2/   # a dequantised Hugging Face directory")
 
 # token names transformers' tokenizer classes read from tokenizer_config.json, by attnlab's role
 _ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos": "eos_token"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="an attnlab run directory (its best checkpoint) or a checkpoint directory")
-    p.add_argument("out", help="the directory to write (new, or empty)")
+    p.add_argument("run", help="an attnlab run directory (its best checkpoint), a checkpoint directory or a GGUF file")
+    p.add_argument("out", help="the directory to write (new, or empty), or a FILE.gguf")
+    p.add_argument("--qtype", choices=["F32", "F16", "Q8_0"], default="F32",
+                   help="how a .gguf OUT stores the weight matrices (default F32; vectors stay F32)")
 
 
 def _tokenizer_files(tok, out: Path, context: int | None, family_tokens: dict[str, str]) -> str | None:
@@ -62,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
     from ..processors import save_processor
     from ..tasks.run import inspect_path, load_model, load_processors, model_context
     info = inspect_path(args.run)
-    if info.kind != "run":
+    if info.kind not in ("run", "gguf") and not args.out.lower().endswith(".gguf"):
         raise UserError(f"{args.run}: {info.describe()}; 'attnlab export' writes an attnlab run as a Hugging Face "
                         "directory")
+    if info.kind == "gguf" or args.out.lower().endswith(".gguf"):
+        return _gguf(args, info)
     model = load_model(info.run)
     arch = architecture_of(model)
     if arch.family.base_rules is None:
@@ -94,4 +105,37 @@ def run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     if why:
         print(f"{out}: no tokenizer files: {why}; tokenize as the run does (attnlab.tokenizer)", file=sys.stderr)
+    return 0
+
+
+def _gguf(args: argparse.Namespace, info) -> int:
+    """A run, GGUF file or Hugging Face directory written as a GGUF file, or a GGUF file as a Hugging
+    Face directory."""
+    from . import UserError
+    from ..hub import from_pretrained, load_tokenizer, save_gguf, save_pretrained
+    from ..tasks.run import load_model, load_tokenizers, model_context
+    from ..gguf import read_metadata
+    if info.kind != "run":                               # a GGUF file or a Hugging Face directory
+        has_tokenizer = ("tokenizer.ggml.model" in read_metadata(info.path) if info.kind == "gguf"
+                         else (info.path / "tokenizer.json").is_file())
+        model, tok = from_pretrained(info.path), load_tokenizer(info.path) if has_tokenizer else None
+    else:
+        model, tok = load_model(info.run).eval(), load_tokenizers(info.run).get("text")
+    out = Path(args.out)
+    if out.suffix.lower() == ".gguf":
+        if out.exists():
+            raise UserError(f"{out}: exists; give a new file name")
+        save_gguf(model, out, tok if getattr(tok, "hf", None) is not None else None, qtype=args.qtype)
+        print(f"{out}: {type(model).__name__} as GGUF ({args.qtype}), {out.stat().st_size / 2**20:.1f} MiB",
+              file=sys.stderr)
+        return 0
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: exists and is not an empty directory; give a new one")
+    save_pretrained(model, out)
+    if tok is not None:
+        _tokenizer_files(tok, out, model_context(model), {})
+    if getattr(tok, "chat_template", None):           # where transformers' tokenizers look for it
+        (out / "chat_template.jinja").write_text(tok.chat_template, encoding="utf-8")
+    print(f"{out}: {type(model).__name__} from {info.path}: {', '.join(sorted(p.name for p in out.iterdir()))}",
+          file=sys.stderr)
     return 0

@@ -11,7 +11,7 @@ EXAMPLE = 'attnlab generate runs/lm --prompt "def fibonacci(n):" --max-new-token
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="an LM run directory (its best/, else latest checkpoint), an LM checkpoint "
-                   "directory, or a Hugging Face causal-LM directory (config.json, weights, tokenizer.json)")
+                   "directory, a Hugging Face causal-LM directory (config.json, weights, tokenizer.json) or a GGUF file")
     p.add_argument("--prompt", default="", help="the text to continue (default: empty, i.e. a new document)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens, fewer if the "
                    "context fills up (default 200)")

@@ -384,11 +384,10 @@ LM = register_task(LanguageModeling())
 
 
 def load_hf_lm(path: Path, device: str | None = None, dtype: str = "auto") -> LoadedLM:
-    """A Hugging Face causal-LM directory (config.json + weights + tokenizer.json); ``dtype`` as
-    :meth:`LanguageModeling.load`."""
-    from ..hub import from_pretrained
+    """A Hugging Face causal-LM directory (config.json + weights + tokenizer.json) or GGUF file;
+    ``dtype`` as :meth:`LanguageModeling.load`."""
+    from ..hub import from_pretrained, load_tokenizer
     from ..nn.linear import prepare_for_inference
-    from ..tokenizer import load_tokenizer
     model = from_pretrained(path)
     tok = load_tokenizer(path)
     V = model.config.vocab_size

@@ -220,6 +220,10 @@ def find_checkpoint(path: str | Path) -> Path | None:
 def open_run(path: str | Path) -> RunInfo:
     """The run a path stands for (see :func:`find_checkpoint`); FileNotFoundError if none."""
     path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":      # a model, its tokenizer and chat template in one file
+        from ..gguf import gguf_architecture
+        model_type, architecture = gguf_architecture(path)
+        return PathInfo("gguf", path, model_type=model_type, architectures=(architecture,))
     ckpt = find_checkpoint(path) if path.is_dir() else None
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -243,8 +247,9 @@ def resume_point(run_dir: str | Path, task: str) -> RunInfo | None:
 
 @dataclass
 class PathInfo:
-    """What a path holds: an attnlab run ("run", with ``run``) or a Hugging Face model directory
-    ("huggingface", with its config.json's model_type and architectures)."""
+    """What a path holds: an attnlab run ("run", with ``run``), a Hugging Face model directory
+    ("huggingface", with its config.json's model_type and architectures) or a GGUF file ("gguf",
+    the same two read off its metadata)."""
     kind: str
     path: Path
     run: RunInfo | None = None
@@ -254,6 +259,8 @@ class PathInfo:
     def describe(self) -> str:
         if self.kind == "run":
             return f"an attnlab '{self.run.task}' run ({self.run.model_type})"
+        if self.kind == "gguf":
+            return f"a GGUF {'/'.join(self.architectures) or self.model_type} file"
         return f"a Hugging Face {'/'.join(self.architectures) or self.model_type} directory"
 
 
@@ -262,6 +269,10 @@ def inspect_path(path: str | Path) -> PathInfo:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.is_file() and path.suffix.lower() == ".gguf":      # a model, its tokenizer and chat template in one file
+        from ..gguf import gguf_architecture
+        model_type, architecture = gguf_architecture(path)
+        return PathInfo("gguf", path, model_type=model_type, architectures=(architecture,))
     ckpt = find_checkpoint(path) if path.is_dir() else None
     if ckpt is not None:
         return PathInfo("run", path, run=read_run(ckpt))
