@@ -65,8 +65,7 @@ def _text_model(info, path: str):
         tokenizers = load_tokenizers(info.run)
         tok = tokenizers.get("text") or next(iter(tokenizers.values()))
         return load_model(info.run), tok
-    from ..hub import from_pretrained
-    from ..processors import load_processor
+    from ..hub import from_pretrained, load_processor          # hub's: a GGUF file too
     return from_pretrained(path), load_processor(path, "text")
 
 

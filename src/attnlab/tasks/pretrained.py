@@ -38,11 +38,10 @@ def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
     (:func:`attnlab.processors.load_processor`). A checkpoint with a head (BertForMaskedLM,
     GPT2LMHeadModel) gives its family's base architecture with the weights under the head
     architecture's prefix; a fine-tuned EncoderClassifier gives its encoder. ``flag``: the option that named ``path``, for messages."""
-    from ..hub import from_pretrained
+    from ..hub import from_pretrained, load_processor
     from ..models.classifier import EncoderClassifier
     from ..models.pretrained import read_config, read_weights, to_hf_state_dict
     from ..models.registry import architecture_of
-    from ..processors import load_processor
     info = inspect_path(path)
     where = f"{flag} {path}: {info.describe()}".lstrip()
     if info.kind == "run":
