@@ -35,10 +35,11 @@ from typing import Any, Callable
 from torch import nn
 
 from .convert import Rule, with_prefix
+from .objective import Objective, classification, masked_lm, replaced_token
 
 __all__ = ["KINDS", "Kind", "register_kind", "MODALITIES", "Modality", "MODEL_SIZES", "UNIFORM_SIZES", "input_limits",
            "Architecture", "Family", "FamilyOption", "TOKEN_ROLES", "register_family", "family", "families",
-           "architecture_of", "architectures"]
+           "architecture_of", "architectures", "training_loss", "Objective"]
 
 # Input modalities: the main input a model of the modality takes (transformers' keyword name), the
 # sizes a family's sizing builder takes for it (besides MODEL_SIZES) and the input limits a family
@@ -73,7 +74,10 @@ class Kind:
     family's :meth:`Family.input_limits`); ``shapes(config, inputs)`` the output shape, or a tuple of
     shapes for a tuple of outputs. ``outputs``: the fields of a transformers output that equal ours,
     in order (an entry that is a tuple of names: whichever of them the output has, as families name
-    the same output differently). ``command``: the attnlab command that uses such a model."""
+    the same output differently). ``command``: the attnlab command that uses such a model.
+    ``objective(model, batch, forward) -> Objective``: its training loss (:mod:`.objective`),
+    which a model class refines with a ``loss`` method of its own; None: the kind trains by no
+    task's objective."""
     name: str
     modality: str
     does: str
@@ -81,6 +85,7 @@ class Kind:
     shapes: Callable[..., tuple]
     outputs: tuple = ("logits",)
     command: str | None = None
+    objective: Callable[..., Objective] | None = None
 
     @property
     def main_input(self) -> str:
@@ -91,14 +96,15 @@ KINDS: dict[str, Kind] = {}
 
 
 def register_kind(name: str, *, modality: str, does: str, example: Callable[..., dict], shapes: Callable[..., tuple],
-                  outputs: tuple = ("logits",), command: str | None = None) -> Kind:
+                  outputs: tuple = ("logits",), command: str | None = None,
+                  objective: Callable[..., Objective] | None = None) -> Kind:
     """Declare a kind of model (see :class:`Kind`): a family of a new modality or with a new head
     adds its kinds here, from its own file, before registering architectures of them."""
     if modality not in MODALITIES:
         raise ValueError(f"register_kind({name!r}): unknown modality {modality!r}; modalities: {', '.join(MODALITIES)}")
     if name in KINDS:
         raise ValueError(f"register_kind: kind {name!r} is already registered")
-    KINDS[name] = kind = Kind(name, modality, does, example, shapes, tuple(outputs), command)
+    KINDS[name] = kind = Kind(name, modality, does, example, shapes, tuple(outputs), command, objective)
     return kind
 
 
@@ -136,20 +142,22 @@ register_kind("seq2seq", modality="text", command="attnlab translate",
 register_kind("base", modality="text", command="attnlab embed", example=_tokens, outputs=("last_hidden_state",),
               does="forward(input_ids (B, T)) -> the last hidden state (B, T, E) (a bare model, no head)",
               shapes=lambda c, x: (_batch(x), _length(x), c.d_model))
-register_kind("masked-lm", modality="text", example=_tokens,
+register_kind("masked-lm", modality="text", example=_tokens, objective=masked_lm,
               does="forward(input_ids (B, T)) -> logits (B, T, V) for every position",
               shapes=lambda c, x: (_batch(x), _length(x), c.vocab_size))
 register_kind("classifier", modality="text", command="attnlab classify", example=_tokens,
+              objective=classification,
               does="forward(input_ids (B, T)) -> class logits (B, C)", shapes=lambda c, x: (_batch(x), c.num_labels))
-register_kind("pretraining", modality="text", example=_tokens,
+register_kind("pretraining", modality="text", example=_tokens, objective=masked_lm,
               does="forward(input_ids (B, T)) -> (token logits (B, T, V), sentence logits (B, 2)): masked-LM "
                    "plus next-sentence (BERT) or sentence-order (ALBERT) prediction",
               outputs=("prediction_logits", ("seq_relationship_logits", "sop_logits")),
               shapes=lambda c, x: ((_batch(x), _length(x), c.vocab_size), (_batch(x), 2)))
-register_kind("replaced-token", modality="text", example=_tokens,
+register_kind("replaced-token", modality="text", example=_tokens, objective=replaced_token,
               does="forward(input_ids (B, T)) -> (B, T) logits that each token was replaced (ELECTRA's discriminator)",
               shapes=lambda c, x: (_batch(x), _length(x)))
 register_kind("image-classifier", modality="image", command="attnlab classify", example=_pixels,
+              objective=classification,
               does="forward(pixel_values (B, C, H, W)) -> class logits (B, num_labels)",
               shapes=lambda c, x: (_batch(x), c.num_labels))
 
@@ -555,3 +563,16 @@ def architecture_of(model: nn.Module) -> Architecture:
 def input_limits(model: nn.Module) -> dict:
     """The input limits ``model``'s family states for its config (:meth:`Family.input_limits`)."""
     return architecture_of(model).family.input_limits(model.config)
+
+
+def training_loss(model: nn.Module, batch: dict, forward: Callable | None = None) -> Objective:
+    """``model``'s training loss on ``batch`` (:mod:`attnlab.models.objective`): its class's own
+    ``loss(batch, forward)`` where it has one, else its kind's objective. ``forward`` runs the model
+    (a DDP or compiled wrapper of it; default the model)."""
+    own = getattr(model, "loss", None)
+    if callable(own):
+        return own(batch, forward=forward)
+    kind = KINDS[architecture_of(model).kind]
+    if kind.objective is None:
+        raise ValueError(f"{type(model).__name__}: a {kind.name} model states no training objective")
+    return kind.objective(model, batch, forward)

@@ -96,11 +96,10 @@ class MAETask:
         return list(order.split(self.batch_size))
 
     def _loss_sum(self, model: nn.Module, pixels: Tensor, seed: int | None = None) -> tuple[Tensor, int]:
-        from ..models.mae import patchify, reconstruction_loss
-        c = self.model.config
-        out = model(pixels) if seed is None else model(pixels, seed=seed)
-        total = reconstruction_loss(out.logits, patchify(pixels, c.patch_size), out.mask, c.norm_pix_loss, "sum")
-        return total, int(out.mask.sum())
+        from ..models.registry import training_loss
+        out = training_loss(self.model, {"pixel_values": pixels} if seed is None else
+                            {"pixel_values": pixels, "seed": seed}, forward=model)
+        return out.loss, out.count
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, int, dict]:
         device = batch.device
