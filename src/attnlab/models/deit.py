@@ -37,6 +37,7 @@ __all__ = ["DeiTConfig", "DeiTModel", "DeiTForImageClassificationWithTeacher", "
 @dataclass
 class DeiTConfig(ViTConfig):
     prefix_tokens = 2                     # the class and the distillation token
+    prefix_names = ("[CLS]", "[DIST]")
 
     def __post_init__(self):
         super().__post_init__()

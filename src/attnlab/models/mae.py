@@ -463,5 +463,5 @@ VIT_MAE = register_family("vit_mae", ViTMAEConfig, base_rules=vit_rules(), confi
                           limits=lambda c: {"image_size": c.image_size, "patch_size": c.patch_size,
                                             "in_channels": c.in_channels}, options=OPTIONS)
 VIT_MAE.register("ViTMAEForPreTraining", ViTMAEForPreTraining, kind="masked-image-model", prefix="vit.",
-                 head_rules=_decoder_rules())
+                 head_rules=_decoder_rules(), default=True)
 VIT_MAE.register("ViTMAEModel", ViTMAEModel, kind="masked-image-base")

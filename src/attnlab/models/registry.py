@@ -39,7 +39,7 @@ from .objective import Objective, classification, masked_lm, replaced_token
 
 __all__ = ["KINDS", "Kind", "register_kind", "MODALITIES", "Modality", "MODEL_SIZES", "UNIFORM_SIZES", "input_limits",
            "Architecture", "Family", "FamilyOption", "TOKEN_ROLES", "register_family", "family", "families",
-           "architecture_of", "architectures", "training_loss", "Objective"]
+           "architecture_of", "architectures", "training_loss", "Objective", "default_family"]
 
 # Input modalities: the main input a model of the modality takes (transformers' keyword name), the
 # sizes a family's sizing builder takes for it (besides MODEL_SIZES) and the input limits a family
@@ -270,9 +270,10 @@ class Family:
     # ------------------------------------------------------------------ architectures
     def register(self, name: str, model_cls: type, *, kind: str, prefix: str = "", head_rules=(),
                  ignore_on_load: tuple[str, ...] = (), factory: Callable | None = None,
-                 aliases: tuple[tuple[str, str], ...] = ()) -> Architecture:
+                 aliases: tuple[tuple[str, str], ...] = (), default: bool = False) -> Architecture:
         """Add an architecture; the first one registered is the family's default (what a
-        config.json without "architectures" loads as)."""
+        config.json without "architectures" loads as). ``default``: the family is the one a task
+        trains for ``kind`` when none is named (:func:`default_family`); one family per kind."""
         where = f"{self.model_type}/{name}"
         if kind not in KINDS:
             raise ValueError(f"{where}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
@@ -288,8 +289,12 @@ class Family:
                              "attnlab.models.pretrained.SavePretrained)")
         if name in self.architectures or model_cls in _BY_CLASS:
             raise ValueError(f"{where}: {name} or {model_cls.__name__} is already registered")
+        if default and _DEFAULT_FOR.get(kind, self.model_type) != self.model_type:
+            raise ValueError(f"{where}: {_DEFAULT_FOR[kind]!r} is already the default {kind} family")
         arch = Architecture(self, name, model_cls, kind, prefix, tuple(head_rules), tuple(ignore_on_load), factory,
                             tuple(aliases))
+        if default:
+            _DEFAULT_FOR[kind] = self.model_type
         self.architectures[name] = arch
         _BY_CLASS[model_cls] = arch
         return arch
@@ -409,6 +414,7 @@ class Family:
 
 _DIRECTORY_KEYS = {"model_type", "architectures", "dtype", "torch_dtype"}   # written beside the config fields
 _FAMILIES: dict[str, Family] = {}
+_DEFAULT_FOR: dict[str, str] = {}             # kind -> the family a task trains when none is named
 _BY_CLASS: dict[type, Architecture] = {}
 
 
@@ -543,6 +549,16 @@ def families(kind: str | None = None) -> list[Family]:
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
     return [f for _, f in sorted(_FAMILIES.items()) if kind is None or kind in f.kinds()]
+
+
+def default_family(kind: str) -> str | None:
+    """The model_type a task trains for ``kind`` when no ``--model`` is given: the family that
+    registered an architecture of that kind with ``default=True``, else the only family with one,
+    else None."""
+    if kind in _DEFAULT_FOR:
+        return _DEFAULT_FOR[kind]
+    found = families(kind)
+    return found[0].model_type if len(found) == 1 else None
 
 
 def architectures() -> list[Architecture]:

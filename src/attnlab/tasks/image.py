@@ -382,9 +382,10 @@ class ImageClassification(TaskDefinition):
             from .finetune import init_family
             s["model"] = init_family(s["init"])
         if s["model"] is None:
+            from ..models.registry import default_family
             if not known:
                 raise ValueError("attnlab train image: no image-classifier family is registered")
-            s["model"] = "vit" if "vit" in known else known[0] if len(known) == 1 else None
+            s["model"] = default_family(KIND)
             if s["model"] is None:
                 raise ValueError(f"--model: give one of the image-classifier families ({', '.join(known)})")
         elif s["model"] not in known:

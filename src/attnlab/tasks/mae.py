@@ -170,7 +170,8 @@ class MAEPretraining(TaskDefinition):
     def check(self, s: dict) -> None:
         known = _mae_families()
         if s["model"] is None:
-            s["model"] = "vit_mae" if "vit_mae" in known else known[0] if known else None
+            from ..models.registry import default_family
+            s["model"] = default_family(KIND) if known else None
             if s["model"] is None:
                 raise ValueError("attnlab train mae: no masked-image-model family is registered")
         elif s["model"] not in known:

@@ -36,6 +36,8 @@ from torch import Tensor, nn
 from ..data.files import DataFormatError
 from ..data.masking import IGNORE_INDEX, SentencePair, collate_pairs, mask_tokens, pack_pair, sentence_pairs
 from ..tokenizer import BERT_SPECIAL_TOKENS, train_wordpiece
+from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
+from ..models.registry import default_family
 from .base import (Option, Setup, TaskDefinition, describe_training, family_recipe, fraction, positive, register_task,
                    training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, resume_point, write_run
@@ -191,7 +193,8 @@ class MaskedLanguageModeling(TaskDefinition):
     example = ('attnlab train mlm --out runs/mlm\n'
                '  attnlab train mlm --model albert --data documents.txt --time-budget 30')
     options = [
-        Option("model", str, "bert", "architecture: a registered encoder family with a pre-training head", group=_M),
+        Option("model", str, default_family("pretraining"), "architecture: a registered encoder family with a "
+               "pre-training head", group=_M),
         Option("objective", str, None, "the sentence-pair task beside masked LM (default: the model family's, else "
                "nsp; none: masked LM alone on single sentences)", choices=("nsp", "sop", "none"), group=_M),
         Option("vocab_size", int, None, "WordPiece vocabulary (default 1000 embedded; files: 8000, 30522 over 2M "

@@ -39,8 +39,9 @@ from torch import Tensor, nn
 
 from ..models.encoder import Encoder
 from ..nn.attention import MultiHeadAttention
+from ..nn.record import MixerCall, ReportsMixing
 
-__all__ = ["AttentionCall", "AttentionRecord", "record_attention"]
+__all__ = ["AttentionCall", "AttentionRecord", "record_attention", "MixerEntry", "record_mixers"]
 
 ROLES = ("self", "cross")
 
@@ -248,3 +249,38 @@ def record_attention(model: nn.Module) -> Iterator[AttentionRecord]:
     finally:
         for _, m in modules:
             m.attention_record = None
+
+
+@dataclass(frozen=True, eq=False)
+class MixerEntry:
+    """One call of one reporting mixer (attnlab.nn.record): its qualified ``module`` name, the
+    ``part`` (layer stack) and ``layer`` index its name places it in, and what it reported."""
+    module: str
+    part: str
+    layer: int
+    call: MixerCall
+
+
+@contextmanager
+def record_mixers(model: nn.Module) -> Iterator[list[MixerEntry]]:
+    """Collect a :class:`MixerEntry` per call of every mixer of ``model`` that reports through
+    attnlab.nn.record (windowed attention, the scans, a new mixer of a family of its own), in call
+    order; a mixer inside another reporting one is left to its owner. Outputs are unchanged."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, ReportsMixing)]
+    outer = [(name, m) for name, m in found
+             if not any(name.startswith(other + ".") for other, _ in found if other != name)]
+    if not outer:
+        raise ValueError(f"record_mixers: {type(model).__name__} has no mixer that reports what it computed")
+    if any(m.mixing_record is not None for _, m in outer):
+        raise RuntimeError("record_mixers: this model is already being recorded")
+    entries: list[MixerEntry] = []
+    layout = _layout(model, outer)
+    try:
+        for name, m in outer:
+            part, slots = layout[name]
+            m.mixing_record = (lambda call, name=name, part=part, layer=slots[0]:
+                               entries.append(MixerEntry(name, part, layer, call)))
+        yield entries
+    finally:
+        for _, m in outer:
+            m.mixing_record = None
