@@ -153,3 +153,25 @@ def test_a_mixer_without_a_map_says_why_in_one_line():
     with pytest.raises(ValueError, match=r"has no mixer that reports a \(T, T\) map per head \(the blind toy keeps "
                                          r"its map to itself\)$"):
         implicit_matrices(model, IDS)
+
+
+def test_record_mixers_sees_every_mixer_through_one_interface():
+    """Attention reports through the same record as the toy mixer: a model with both."""
+    from attnlab.nn import MultiHeadAttention
+    from attnlab.viz.record import record_attention, record_mixers
+    model = _model()
+    model.attn = MultiHeadAttention(16, 2)
+    forward = model.forward
+
+    def with_attention(ids):
+        x = model.embed(ids)
+        return forward(ids) + model.head(model.attn(x, is_causal=True)[0])
+    model.forward = with_attention
+    with torch.no_grad(), record_mixers(model) as entries:
+        model(IDS)
+    assert [(e.module, e.part, e.layer, e.call.family, e.call.kind) for e in entries] == [
+        ("mixers.0", "mixers", 0, "toy decay", "matrix"), ("mixers.1", "mixers", 1, "toy decay", "matrix"),
+        ("attn", "", 0, "attention", "attention")]
+    with torch.no_grad(), record_attention(model) as record:
+        model(IDS)
+    assert torch.equal(entries[2].call.matrix(), record[0].weights)

@@ -76,7 +76,9 @@ def fine_tuning_start(s: dict, labels: list[str], build=None, flag: str = "--ini
             raise RunError(f"{flag} {path}: the encoder uses {theirs}, not {option.flag} {given}")
     limits = family(architecture_of(source).model_type).input_limits(config)
     s.update(image_size=limits["image_size"], patch_size=limits["patch_size"], channels=limits["in_channels"])
-    s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items() if hasattr(config, theirs)})
+    # the widths where the config has them as one number (a Swin's heads are one per stage)
+    s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items()
+              if isinstance(getattr(config, theirs, None), int) and not isinstance(getattr(config, theirs), bool)})
     overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "dropout": s["dropout"],
                  "attention_dropout": s["dropout"]}
     try:

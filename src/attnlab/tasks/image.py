@@ -401,7 +401,7 @@ class ImageClassification(TaskDefinition):
                 s[name] = value
         if s.get("norm") == "dyt":
             if s["dyt_alpha"] is None:
-                s["dyt_alpha"] = _digit_dyt_alphas(s["layers"]) if kind == "digits" else _DYT_ALPHA[kind]
+                s["dyt_alpha"] = _digit_dyt_alphas(s["layers"]) if kind == "digits" else f"{_DYT_ALPHA[kind]:g}"
             alphas = _alphas(s["dyt_alpha"])
             if isinstance(alphas, list) and len(alphas) != s["layers"] + 1:
                 raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s['layers'] + 1} (one per layer "
