@@ -14,26 +14,21 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# DESIGN's layers, bottom first; a module may import its own layer or lower ones
+# DESIGN's layers, bottom first; a module may import its own layer or lower ones. generate and
+# train sit below the models and know none (a model may use generate's loop: CausalLM.generate).
 LAYERS = [
     {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors",    # processors: tokenizers, images
      "attnlab.chat_template"},
-    {"attnlab.models"},
-    {"attnlab.hub", "attnlab", "attnlab.gguf"},   # the package's lazy top-level loaders are hub's
-    {"attnlab.train"},
-    {"attnlab.generate"},
+    {"attnlab.generate", "attnlab.train"},
+    {"attnlab.models", "attnlab.hub", "attnlab", "attnlab.gguf"},   # the package's lazy top-level loaders are hub's
     {"attnlab.viz", "attnlab.quantize"},
     {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
     {"attnlab.cli", "attnlab.__main__"},   # python -m attnlab: the command
 ]
 
 # Upward edges the design accepts; each is asserted to still exist, so that an entry goes as soon
-# as its edge does.
-KNOWN_UPWARD_EDGES = {
-    # CausalLM.generate calls attnlab.generate (DESIGN promises both model.generate and decoding
-    # outside the model)
-    ("attnlab.models.causal_lm", "attnlab.generate"),
-}
+# as its edge does. None today.
+KNOWN_UPWARD_EDGES: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -138,3 +133,86 @@ def test_importing_a_lower_layer_loads_nothing_above(lower):
             f"print('\\n'.join(m for m in sys.modules if m.startswith({ABOVE!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [], f"import {lower} also loaded: {', '.join(out)}"
+
+
+# ----------------------------------------------------------------------------- no family above models
+# The shared rooms (tasks, viz, generate, train, cli) name no model family in code: a family's
+# knowledge lives in its model file and its registration. Prose may name one (docstrings, comments,
+# help text and messages: "attnlab train image --model deit"), so the check reads the code's tokens:
+# an identifier that is a family's name, a string that is exactly one ("vit"), an import of a
+# family's module (one that registers one of them). A task's own name is its, not a family's:
+# `attnlab train mae` pre-trains whatever family has a masked-image-model architecture.
+import io  # noqa: E402
+import re  # noqa: E402
+import tokenize  # noqa: E402
+
+FAMILY_WORDS = {"vit", "deit", "swin", "mae", "vit_mae", "mamba", "mamba2", "mamba3", "rwkv", "rwkv7", "bert", "t5",
+                "gpt2", "llama", "mixtral"}
+SHARED_ROOMS = ("tasks", "viz", "generate", "train", "cli")
+
+
+def _family_modules() -> set[str]:
+    models = SRC / "attnlab" / "models"
+    found = set()
+    for f in (f for f in models.glob("*.py") if f.stem != "registry"):    # its docstring shows a call
+        registered = re.findall(r"register_family\(\s*[\"']([\w-]+)[\"']", f.read_text(encoding="utf-8"))
+        if FAMILY_WORDS & set(registered):
+            found.add(f"attnlab.models.{f.stem}")
+    return found
+
+
+def _task_names() -> set[str]:
+    from attnlab.tasks import registered_tasks
+    return set(registered_tasks())
+
+
+def _docstring_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def family_names_in_code(module: str, file: Path, family_modules: set[str], modules,
+                         allowed: frozenset = frozenset()) -> list[str]:
+    """Where ``file``'s code (not its prose) names a model family: "line N: what" (``allowed``: the
+    words that are also a task's name)."""
+    words = FAMILY_WORDS - allowed
+    source = file.read_text(encoding="utf-8")
+    tree = ast.parse(source, str(file))
+    found = [f"imports {t}" for t in sorted(_imports(module, file, modules) & family_modules)]
+    imports = {n for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+               for n in range(node.lineno, node.end_lineno + 1)}
+    prose = _docstring_lines(tree)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        line = tok.start[0]
+        if tok.type == tokenize.NAME and tok.string.lower() in words and line not in imports:
+            found.append(f"line {line}: identifier {tok.string}")
+        elif tok.type == tokenize.STRING and line not in prose:
+            text = re.sub(r"^[a-zA-Z]*['\"]+|['\"]+$", "", tok.string)
+            if text.lower() in words:
+                found.append(f"line {line}: string {tok.string}")
+    return found
+
+
+def test_the_scanner_finds_family_names_in_code_and_not_in_prose(tmp_path):
+    file = tmp_path / "m.py"
+    file.write_text('"""attnlab train image --model deit"""\n# swin too\n'
+                    'def f(s):\n    """--model vit."""\n    if s == "vit":\n        return swin\n'
+                    '    raise ValueError("a Swin has no class token")\n')
+    found = family_names_in_code("attnlab.tasks.m", file, set(), {})
+    assert found == ["line 5: string \"vit\"", "line 6: identifier swin"]
+
+
+def test_the_shared_rooms_name_no_family_in_code():
+    modules, family_modules = _modules(), _family_modules()
+    assert {"attnlab.models.vit", "attnlab.models.mamba2", "attnlab.models.deit"} <= family_modules
+    allowed = frozenset(_task_names())
+    assert "mae" in allowed
+    found = [f"{module}: {what}" for module, file in modules.items()
+             if module.split(".")[1:2] and module.split(".")[1] in SHARED_ROOMS
+             for what in family_names_in_code(module, file, family_modules, modules, allowed)]
+    assert not found, "family names in the shared rooms' code:\n" + "\n".join(found)

@@ -302,18 +302,20 @@ def test_init_also_takes_a_vit_directory_its_head_and_pooler_left_behind(name, t
     assert model.head.weight.shape == (2, 32)
 
 
-def test_init_refuses_what_is_not_a_vit_encoder(tmp_path):
+def test_init_refuses_an_encoder_that_starts_another_family(tmp_path):
+    """--init's encoder chooses the family (attnlab.models.transfer): a DeiT directory starts a DeiT
+    classifier (tests/test_transfer.py), so --model vit with it is refused, as --model deit with an
+    MAE (whose encoder is a ViT) and a family option the encoder does not have."""
     from attnlab.tasks.mae import fine_tuning_start
     from attnlab.tasks.run import RunError
     deit = attnlab.models.family("deit")
     deit.default.build(deit.preset("tiny")).save_pretrained(tmp_path / "deit")
-    image, s = _image_settings(init=str(tmp_path / "deit"))
-    with pytest.raises(RunError, match=r"deit: a Hugging Face DeiTForImageClassificationWithTeacher directory, not a "
-                                       r"ViT encoder \(an attnlab mae or image run, a ViTMAE or ViT directory\)$"):
+    image, s = _image_settings(init=str(tmp_path / "deit"), model="vit")
+    with pytest.raises(RunError, match=r"deit: its encoder starts a deit classifier, not --model vit$"):
         fine_tuning_start(s, ["a", "b"], image._model)
     ViTMAEForPreTraining(VIT_MAE.preset("tiny")).save_pretrained(tmp_path / "mae")
     image, s = _image_settings(init=str(tmp_path / "mae"), model="deit")
-    with pytest.raises(RunError, match=r"^--init fine-tunes a ViT classifier \(--model vit\), not --model deit$"):
+    with pytest.raises(RunError, match=r"mae: its encoder starts a vit classifier, not --model deit$"):
         fine_tuning_start(s, ["a", "b"], image._model)
     image, s = _image_settings(init=str(tmp_path / "mae"), norm="dyt")
     with pytest.raises(RunError, match=r"mae: the encoder uses layernorm, not --norm dyt$"):

@@ -179,7 +179,7 @@ def _read_saved(file: Path, task) -> tuple[dict, dict]:
 def _write_saved(out: Path, task, settings: dict) -> None:
     from ..train.checkpoint import write_text_atomic
     out.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump({"task": task.name, "settings": settings, "data_files": _data_files(settings)},
+    text = yaml.safe_dump({"task": task.name, "settings": dict(settings), "data_files": _data_files(settings)},
                           sort_keys=True)
     write_text_atomic(out / CONFIG_FILE, f"# the resolved settings of this run (attnlab train {task.name})\n{text}")
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from .sampling import _check_sampling, seen_tokens
 from .search import GenerationStats, Rows, Sampling, check_beam_options, run_beam_search, run_sampling
 from .speculative import run_speculative
-from .state import CausalState
+from .state import CausalState, context_of
 
 
 def _ids_list(name: str, value, V: int) -> list[int]:
@@ -43,7 +43,7 @@ def _check_causal(model, draft_model, input_ids, attention_mask, max_new_tokens:
         raise ValueError("generate: every prompt must end with a real token: pad batched prompts on the LEFT")
     longest = int(mask.sum(-1).max())
     for who, m in (("the model", model), ("the draft model", draft_model)):
-        context = None if m is None else getattr(m.config, "max_seq_len", None)   # None: no positions, no limit
+        context = None if m is None else context_of(m)          # None: no positions, no limit
         if context is not None and longest + max_new_tokens > context:
             raise ValueError(f"generate: {longest} prompt + {max_new_tokens} new tokens exceed {who}'s context of "
                              f"{context} tokens")
@@ -92,8 +92,9 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
 
     ``model`` is a :class:`~attnlab.models.CausalLM`, or any model with ``forward(ids,
     attention_mask=, cache=) -> (B, T, V)``, ``new_cache()`` (a KV cache or a recurrent state, see
-    :class:`attnlab.nn.cache.DecodingState`) and ``config.vocab_size``; ``config.max_seq_len``,
-    where the model has one, caps prompt + new tokens (a model without positions has none).
+    :class:`attnlab.nn.cache.DecodingState`) and ``config.vocab_size``; its context
+    (:func:`attnlab.generate.state.context_of`: as its family states it), where it has one, caps
+    prompt + new tokens (a model without positions has none).
     One prefill of the prompts, then one cached step per token. Prompts of different lengths are
     LEFT-padded with ``attention_mask`` (B, T) (1 = real token); the mask grows by one column per
     token and the model takes positions from its cumulative sum, so a row generates what its

@@ -10,7 +10,7 @@ from torch import Tensor
 from .sampling import _check_sampling
 from .search import GenerationStats, Hypothesis, Rows, Sampling, check_beam_options, run_beam_search, run_sampling
 from .speculative import run_speculative
-from .state import Seq2SeqState
+from .state import Seq2SeqState, context_of
 
 
 MaxLen = int | Sequence[int] | Tensor
@@ -46,7 +46,7 @@ def _prepare(model, src: Tensor, src_padding_mask: Tensor | None, max_len: MaxLe
     limits = [limits] * B if isinstance(limits, int) and not isinstance(limits, bool) else list(limits)
     if len(limits) != B or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
         raise ValueError(f"{who}: max_len must be an int >= 1 or one such int per source ({B}), got {max_len!r}")
-    longest = getattr(config, "max_seq_len", None)
+    longest = context_of(model)
     if longest is not None and max(limits) > longest:
         raise ValueError(f"{who}: max_len {max(limits)} exceeds the model's max_seq_len {longest}")
     return src.long(), src_padding_mask, limits
@@ -166,7 +166,7 @@ def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int =
     eval``) passes ``src_eos=False``. An empty text translates to "" without
     running the model (there is nothing to translate; a model would invent a sentence). Right-padded with ``src_tok.pad_id`` in batches of similar
     length. ``max_len`` defaults per text to 2 * len(source) + 10, capped by the model's
-    ``config.max_seq_len``, so a greedy or beam translation does not depend on its batch.
+    context (:func:`attnlab.generate.state.context_of`), so a greedy or beam translation does not depend on its batch.
     beam_size 1 decodes with :func:`sample_decode`: greedy at ``temperature`` 0 (the default),
     sampled otherwise (``top_k``, ``top_p``, ``generator``); beam search does not sample. The
     model runs in eval mode and gets its previous mode back. ``device`` defaults to the model's.
@@ -183,7 +183,7 @@ def translate(model, src_tok, tgt_tok, texts: Sequence[str], *, beam_size: int =
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu")) \
             if hasattr(model, "parameters") else torch.device("cpu")
-    longest = getattr(getattr(model, "config", None), "max_seq_len", None)
+    longest = context_of(model)
     sources = [list(src_tok.encode(t)) + ([src_tok.eos_id] if src_eos else []) for t in texts]
     for i, ids in enumerate(sources):
         if longest is not None and len(ids) > longest:

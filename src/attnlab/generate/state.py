@@ -28,6 +28,21 @@ import torch
 from torch import Tensor
 
 
+def context_of(model) -> int | None:
+    """The longest sequence ``model`` takes (None: no limit, as with relative positions or a
+    recurrence), as its family states it once, ``register_family(limits=)``: every registered model
+    answers ``model.input_limits()`` (attnlab.models.pretrained.SavePretrained). A model outside the
+    registry (a test's toy) may state ``config.max_seq_len`` instead. Every check of a length in
+    generation reads this, so a family's context is said in one place."""
+    limits = getattr(model, "input_limits", None)
+    if callable(limits):
+        try:
+            return limits()["context"]
+        except ValueError:             # a class that inherits the method but is not registered
+            pass
+    return getattr(getattr(model, "config", None), "max_seq_len", None)
+
+
 def _check_rewind(who: str, start, keep: Tensor, length: int) -> int:
     """Validate ``rewind(start, keep)`` on ``length`` slots; return ``max(keep)``."""
     if isinstance(start, bool) or not isinstance(start, int) or not 0 < start <= length:

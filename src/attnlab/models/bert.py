@@ -216,6 +216,6 @@ BERT.register("BertModel", BertModel, kind="base", head_rules=[Rule("pooler.{p}"
 BERT.register("BertForMaskedLM", BertForMaskedLM, kind="masked-lm", prefix="bert.", head_rules=_MLM,
               ignore_on_load=(r"^bert\.pooler\.", r"^cls\.seq_relationship\."))
 BERT.register("BertForPreTraining", BertForPreTraining, kind="pretraining", prefix="bert.",
-              head_rules=_POOLER + _MLM + [Rule("nsp_head.{p}", "cls.seq_relationship.{p}")])
+              head_rules=_POOLER + _MLM + [Rule("nsp_head.{p}", "cls.seq_relationship.{p}")], default=True)
 BERT.register("BertForSequenceClassification", BertForSequenceClassification, kind="classifier", prefix="bert.",
               head_rules=_POOLER + [Rule("classifier.{p}", "classifier.{p}")])

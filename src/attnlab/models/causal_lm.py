@@ -29,7 +29,7 @@ from ..nn.cache import LayerCaches
 from ..nn.checkpoint import checkpoint
 from .pretrained import SavePretrained
 
-__all__ = ["CausalLM", "GenerationMixin"]
+__all__ = ["CausalLM", "GenerationMixin", "Headless"]
 
 
 def check_token_ids(who: str, input_ids: Tensor, vocab_size: int) -> None:
@@ -65,6 +65,24 @@ class GenerationMixin:
         from ..generate import generate
         return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, draft_model,
                         **options)
+
+
+class Headless:
+    """A language model's bare base (transformers' GPT2Model, MambaModel, ...): list it before the
+    language model's class, ``class GPTModel(Headless, GPT)``, and name the class with the head in
+    ``with_head``. It drops the head (the tied head holds no weight of its own, so no checkpoint
+    key goes with it): forward returns the last hidden state (B, T, E), after the final norm; and
+    ``generate`` refuses, naming the checkpoint that generates."""
+
+    with_head = "the language model with its head"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lm_head = nn.Identity()
+
+    def generate(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} has no language-model head, so it does not generate; load a "
+                        f"{self.with_head} checkpoint to generate")
 
 
 class CausalLM(GenerationMixin, SavePretrained, nn.Module):

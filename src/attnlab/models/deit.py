@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .convert import Rule
+from .objective import Objective, classification
 from .registry import FamilyOption, register_family
 from .vit import (NORMS, BareImageEncoder, ViTConfig, ViTEncoder, hf_unsupported, sized_fields, vit_config_from_hf,
                   vit_config_to_hf, vit_rules)
@@ -36,6 +37,7 @@ __all__ = ["DeiTConfig", "DeiTModel", "DeiTForImageClassificationWithTeacher", "
 @dataclass
 class DeiTConfig(ViTConfig):
     prefix_tokens = 2                     # the class and the distillation token
+    prefix_names = ("[CLS]", "[DIST]")
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,8 +65,11 @@ class DeiTModel(BareImageEncoder, _DeiTEncoder):
 class DeiTForImageClassificationWithTeacher(_DeiTEncoder):
     """DeiT with its two heads (kind "image-classifier"): ``forward(pixel_values,
     interpolate_pos_encoding=False) -> logits (B, num_labels)``, the mean of the two heads' logits,
-    as at inference; ``heads(...) -> (cls_logits, dist_logits)``, each (B, num_labels), for the
-    distillation losses."""
+    as at inference; ``heads(...)`` (or ``forward(..., return_heads=True)``) -> (cls_logits,
+    dist_logits), each (B, num_labels), for the distillation losses; :meth:`loss` the training
+    objective, from the labels alone or with a teacher's logits."""
+
+    learns_from_teacher = True            # what `attnlab train image --teacher` looks for
 
     def __init__(self, config: DeiTConfig):
         super().__init__(config)
@@ -76,9 +81,32 @@ class DeiTForImageClassificationWithTeacher(_DeiTEncoder):
         hidden = self.encode(pixel_values, interpolate_pos_encoding)
         return self.head(hidden[:, 0]), self.head_dist(hidden[:, 1])
 
-    def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> Tensor:
+    def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False,
+                return_heads: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         cls_logits, dist_logits = self.heads(pixel_values, interpolate_pos_encoding)
-        return (cls_logits + dist_logits) / 2
+        return (cls_logits, dist_logits) if return_heads else (cls_logits + dist_logits) / 2
+
+    def loss(self, batch: dict, forward=None) -> Objective:
+        """The training loss (:mod:`attnlab.models.objective`) summed over the batch's images:
+        without ``batch["teacher_logits"]`` the cross-entropy of the averaged heads against
+        ``labels`` (as any image classifier); with them, section 4's hard distillation or, with
+        ``batch["distillation"] == "soft"``, the soft one (``alpha``, ``tau``). Metric ``correct``
+        (of the averaged heads, as at inference)."""
+        if "teacher_logits" not in batch:
+            return classification(self, batch, forward)
+        cls_logits, dist_logits = (forward or self)(batch["pixel_values"], return_heads=True)
+        y, teacher = batch["labels"], batch["teacher_logits"]
+        mode = batch.get("distillation", "hard")
+        if mode == "hard":
+            total = hard_distillation_loss(cls_logits, dist_logits, teacher, y, reduction="sum")
+        elif mode == "soft":
+            total = soft_distillation_loss(cls_logits, dist_logits, teacher, y, batch.get("alpha", 0.1),
+                                           batch.get("tau", 3.0), "sum")
+        else:
+            raise ValueError(f"DeiT loss: distillation is 'hard' or 'soft', got {mode!r}")
+        with torch.no_grad():
+            correct = (((cls_logits + dist_logits) / 2).argmax(-1) == y).sum()
+        return Objective(total, int(y.numel()), {"correct": correct})
 
 
 # ----------------------------------------------------------------------------- distillation losses

@@ -23,7 +23,7 @@ from ..nn.block import CausalLayer
 from ..nn.mlp import FeedForward
 from ..nn.norm import LayerNorm
 from ..nn.position import LearnedPositionalEmbedding
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, Headless
 from .registry import register_family
 
 __all__ = ["GPTConfig", "GPT", "GPTModel", "GPT2_WEIGHT_MAP", "GPT2", "build_config"]
@@ -136,17 +136,11 @@ def config_to_hf(cfg: GPTConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- registration
-class GPTModel(GPT):
+class GPTModel(Headless, GPT):
     """GPT-2 without its language-model head (transformers' GPT2Model): forward returns the last
     hidden state (B, T, E), after the final LayerNorm, as GPT2Model's ``last_hidden_state`` does."""
 
-    def __init__(self, config: GPTConfig):
-        super().__init__(config)
-        self.lm_head = nn.Identity()       # the head was tied to the embedding: no weight goes with it
-
-    def generate(self, *args, **kwargs):
-        raise TypeError("GPTModel (GPT2Model) has no language-model head, so it does not generate; "
-                        "load a GPT2LMHeadModel checkpoint to generate")
+    with_head = "GPT2LMHeadModel"
 
 
 def build_config(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
@@ -174,5 +168,6 @@ GPT2 = register_family("gpt2", GPTConfig, base_rules=_BASE_RULES, config_from_hf
                        config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                        ignore_on_load=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),   # causal-mask buffers
                        token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
-GPT2.register("GPT2LMHeadModel", GPT, kind="causal-lm", prefix="transformer.", head_rules=_HEAD_RULES)
+GPT2.register("GPT2LMHeadModel", GPT, kind="causal-lm", prefix="transformer.", head_rules=_HEAD_RULES,
+              default=True)
 GPT2.register("GPT2Model", GPTModel, kind="base")

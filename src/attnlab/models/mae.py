@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ..nn.patch import interpolate_grid_table, patch_grid
 from .convert import Rule
+from .objective import Objective
 from .registry import KINDS, FamilyOption, register_family, register_kind
 from .vit import ViTConfig, ViTEncoder, vit_config_from_hf, vit_config_to_hf, vit_rules
 
@@ -192,6 +193,8 @@ def reconstruction_loss(logits: Tensor, target: Tensor, mask: Tensor, norm_pix_l
 class _MAEEncoder(ViTEncoder):
     """The ViT encoder with MAE's fixed positions, run on the visible patches only."""
 
+    transfers_to = "vit"                  # its encoder starts a ViT classifier (attnlab.models.transfer)
+
     def __init__(self, config: ViTMAEConfig):
         super().__init__(config)
         self.position = SinCosPositions(self.patch_embed.grid, config.d_model)
@@ -329,6 +332,16 @@ class ViTMAEForPreTraining(_MAEEncoder):
         loss = reconstruction_loss(logits, target, mask, self.config.norm_pix_loss)
         return MAEOutput(loss, logits, mask, ids_restore)
 
+    def loss(self, batch: dict, forward=None) -> Objective:
+        """MAE's objective (:mod:`attnlab.models.objective`): :func:`reconstruction_loss` summed over
+        the masked patches of ``batch["pixel_values"]``, count the masked patches (the mask drawn
+        by ``batch["seed"]``, or by ``batch["noise"]`` as transformers', where given)."""
+        pixels, seed = batch["pixel_values"], batch.get("seed")
+        out = (forward or self)(pixels, batch.get("noise"), **({} if seed is None else {"seed": seed}))
+        target = patchify(pixels, self.config.patch_size)
+        total = reconstruction_loss(out.logits, target, out.mask, self.config.norm_pix_loss, "sum")
+        return Objective(total, int(out.mask.sum()))
+
     @torch.no_grad()
     def reconstruction(self, pixel_values: Tensor, out: MAEOutput) -> Tensor:
         """(B, C, H, W): the visible patches as given, the masked ones as predicted. With
@@ -450,5 +463,5 @@ VIT_MAE = register_family("vit_mae", ViTMAEConfig, base_rules=vit_rules(), confi
                           limits=lambda c: {"image_size": c.image_size, "patch_size": c.patch_size,
                                             "in_channels": c.in_channels}, options=OPTIONS)
 VIT_MAE.register("ViTMAEForPreTraining", ViTMAEForPreTraining, kind="masked-image-model", prefix="vit.",
-                 head_rules=_decoder_rules())
+                 head_rules=_decoder_rules(), default=True)
 VIT_MAE.register("ViTMAEModel", ViTMAEModel, kind="masked-image-base")

@@ -31,8 +31,10 @@ from torch import Tensor, nn
 
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import RMSNorm
+from ..nn.record import MixerCall, ReportsMixing
 from ..nn.ssm import selective_scan, selective_step
 from .convert import Rule, split_prefix
+from .causal_lm import Headless
 from .recurrent import RecurrentLM, causal_conv
 from .registry import FamilyOption, register_family
 
@@ -70,13 +72,17 @@ class MambaConfig:
         return self.expand * self.d_model
 
 
-class MambaMixer(nn.Module):
+class MambaMixer(ReportsMixing, nn.Module):
     """One selective state-space layer (the module docstring's Mixer): (b, l, E) -> (b, l, E).
 
     ``forward(x, real=None, state=None) -> (out, (conv_state (b, d_inner, d_conv - 1), h (b,
     d_inner, d_state) fp32))``. ``real`` (b, l) marks real tokens: the convolution sees zeros
     and the step Δ is 0 at the others, which leaves the state as it was when they all precede a
-    row's real tokens from an empty state, or when l == 1 (one decoding step)."""
+    row's real tokens from an empty state, or when l == 1 (one decoding step). A scan reports its
+    inputs (u, Δ, A, B, C, D) and y to a recorder (attnlab.nn.record), without a map per head."""
+
+    map_per_head = False
+    no_map_reason = "Mamba-1's decay differs per channel, so it has no (T, T) matrix per head"
 
     def __init__(self, c: MambaConfig):
         super().__init__()
@@ -126,6 +132,7 @@ class MambaMixer(nn.Module):
                 conv_state = torch.where(real[:, :, None], conv_state, prev)
         else:
             y, h = selective_scan(u, delta, A, B, C, self.D, None if state is None else state[1])
+            self.report(lambda: MixerCall("mamba", (u, delta, A, B, C, self.D), y))
         return self.out_proj(y * F.silu(z)), (conv_state, h)
 
 
@@ -187,16 +194,11 @@ class Mamba(RecurrentLM):
         return x, new
 
 
-class MambaModel(Mamba):
+class MambaModel(Headless, Mamba):
     """Mamba without its head (transformers' MambaModel): forward returns the last hidden state
     (b, l, E) after the final RMSNorm."""
 
-    def __init__(self, config: MambaConfig):
-        super().__init__(config)
-        self.lm_head = nn.Identity()
-
-    def generate(self, *args, **kwargs):
-        raise TypeError("MambaModel has no language-model head, so it does not generate; load a MambaForCausalLM")
+    with_head = "MambaForCausalLM"
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.norm import GatedRMSNorm
-from ..nn.ssd import ssd_scan, ssd_step
+from ..nn.record import MixerCall, ReportsMixing
+from ..nn.ssd import ssd_matrix, ssd_scan, ssd_step
 from .convert import split_prefix
 from .mamba import Mamba, backbone_weight_map
+from .causal_lm import Headless
 from .recurrent import causal_conv
 from .registry import FamilyOption, register_family
 
@@ -85,7 +87,7 @@ class Mamba2Config:
         return self.d_inner + 2 * self.n_groups * self.d_state
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(ReportsMixing, nn.Module):
     """One SSD layer (the module docstring's Mixer): (b, l, E) -> (b, l, E).
 
     ``forward(x, real=None, state=None) -> (out, (conv_state (b, conv_dim, d_conv - 1), h (b, h,
@@ -150,7 +152,19 @@ class Mamba2Mixer(nn.Module):
                 conv_state = torch.where(real[:, :, None], conv_state, prev)
         else:
             y, h = ssd_scan(u, dt, A, B, C, self.D, None if state is None else state[1])
+            self.report(lambda: _scan_call((u, dt, A, B, C, self.D), y, state is not None))
         return self.out_proj(self.norm(y.flatten(-2), z)), (conv_state, h)
+
+
+def _scan_call(inputs: tuple, y: Tensor, carried: bool) -> MixerCall:
+    """What a recorder sees of one scan (attnlab.nn.record): its inputs (x, Δ, A, B, C, D), its y
+    (the D skip included) and its implicit attention, ``ssd_matrix`` (y = M x + D x per head)."""
+    def matrix() -> Tensor:
+        if carried:
+            raise ValueError("implicit attention: the mamba2 scan ran from a carried state; record a whole "
+                             "sequence from the start (no cache)")
+        return ssd_matrix(*inputs[:5])
+    return MixerCall("mamba2", inputs, y, matrix=matrix, title="implicit attention |C·B × decay × step|")
 
 
 class Mamba2(Mamba):
@@ -161,16 +175,11 @@ class Mamba2(Mamba):
     mixer_cls = Mamba2Mixer
 
 
-class Mamba2Model(Mamba2):
+class Mamba2Model(Headless, Mamba2):
     """Mamba-2 without its head (transformers' Mamba2Model): forward returns the last hidden
     state (b, l, E) after the final RMSNorm."""
 
-    def __init__(self, config: Mamba2Config):
-        super().__init__(config)
-        self.lm_head = nn.Identity()
-
-    def generate(self, *args, **kwargs):
-        raise TypeError("Mamba2Model has no language-model head, so it does not generate; load a Mamba2ForCausalLM")
+    with_head = "Mamba2ForCausalLM"
 
 
 # ----------------------------------------------------------------------------- Hugging Face

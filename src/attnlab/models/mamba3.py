@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.checkpoint import checkpoint
-from ..nn.mamba3_scan import empty_state, mamba3_scan, mamba3_step, rotate_pairs
+from ..nn.mamba3_scan import empty_state, mamba3_blocks, mamba3_scan, mamba3_step, rotate_pairs
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
+from ..nn.record import MixerCall, ReportsMixing
 from .recurrent import RecurrentLM
 from .registry import FamilyOption, register_family
 
@@ -112,7 +113,7 @@ class Mamba3Config:
         return int(self.d_state * self.rope_fraction) // 2
 
 
-class Mamba3Mixer(nn.Module):
+class Mamba3Mixer(ReportsMixing, nn.Module):
     """One Mamba-3 layer (the module docstring's Mixer): (b, l, E) -> (b, l, E).
 
     ``forward(x, real=None, state=None) -> (out, (θ (b, h, angles), s (b, h, p, n), B_prev (b, r,
@@ -198,6 +199,7 @@ class Mamba3Mixer(nn.Module):
             inner = None if state is None else state[1:]
             Y, inner = mamba3_scan(C, B, X, a, gamma, beta, inner, chunk=c.chunk_size)
             new = (theta[:, -1], *inner)
+            self.report(lambda: _scan_call((C, B, X, a, gamma, beta), Y, state is not None))
         Y = Y + self.D[:, None] * X
         if c.is_mimo:
             y = (Y * F.silu(z * self.mimo_z.transpose(0, 1)) * self.mimo_o.transpose(0, 1)).sum(2)
@@ -209,6 +211,31 @@ class Mamba3Mixer(nn.Module):
         c = self.c
         theta = torch.zeros(b, c.nheads, c.num_rope_angles, device=like.device)
         return (theta, *empty_state(b, c.rank, c.nheads, c.headdim, c.d_state, like))
+
+
+def _scan_call(inputs: tuple, Y: Tensor, carried: bool) -> MixerCall:
+    """What a recorder sees of one scan (attnlab.nn.record): its inputs (C, B, X, a, γ, β), its Y
+    (before the D skip) and its map, ``mamba3_blocks`` (b, H, T, R, T, R): one R x R block per
+    (t, s), so a MIMO scan (R > 1) has no single signed number per entry and draws the blocks'
+    Frobenius norms, which bound how far an input of unit norm at s moves the outputs at t."""
+    R = inputs[1].size(2)
+
+    def blocks() -> Tensor:
+        if carried:
+            raise ValueError("implicit attention: the mamba3 scan ran from a carried state; record a whole "
+                             "sequence from the start (no cache)")
+        return mamba3_blocks(*inputs)
+
+    def matrix() -> Tensor:
+        if R != 1:
+            raise ValueError(f"implicit attention: a MIMO Mamba-3 (rank {R}) maps its inputs to its outputs by an "
+                             f"{R}x{R} block per (t, s), not one number; use call_blocks, or call_magnitude "
+                             f"for the blocks' Frobenius norms")
+        return blocks()[:, :, :, 0, :, 0]
+
+    what = f"‖rank {R}×{R} block‖_F" if R > 1 else "|C·B × decay × step|"
+    return MixerCall("mamba3", inputs, Y, matrix=matrix, blocks=blocks, title=f"implicit attention {what}",
+                     magnitude=lambda: torch.linalg.matrix_norm(blocks().transpose(3, 4)))
 
 
 class Mamba3Layer(nn.Module):

@@ -227,3 +227,8 @@ class SavePretrained:
         """Write ``path``/config.json and ``path``/model.safetensors (see :func:`save_pretrained`);
         returns ``path``."""
         return save_pretrained(self, path)
+
+    def input_limits(self) -> dict:
+        """What inputs this model takes, as its family states them, once (``register_family(limits=)``,
+        :meth:`attnlab.models.registry.Family.input_limits`): what generation and the commands check."""
+        return architecture_of(self).family.input_limits(self.config)

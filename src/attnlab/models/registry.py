@@ -35,10 +35,11 @@ from typing import Any, Callable
 from torch import nn
 
 from .convert import Rule, with_prefix
+from .objective import Objective, classification, masked_lm, replaced_token
 
 __all__ = ["KINDS", "Kind", "register_kind", "MODALITIES", "Modality", "MODEL_SIZES", "UNIFORM_SIZES", "input_limits",
            "Architecture", "Family", "FamilyOption", "TOKEN_ROLES", "register_family", "family", "families",
-           "architecture_of", "architectures"]
+           "architecture_of", "architectures", "training_loss", "Objective", "default_family"]
 
 # Input modalities: the main input a model of the modality takes (transformers' keyword name), the
 # sizes a family's sizing builder takes for it (besides MODEL_SIZES) and the input limits a family
@@ -73,7 +74,10 @@ class Kind:
     family's :meth:`Family.input_limits`); ``shapes(config, inputs)`` the output shape, or a tuple of
     shapes for a tuple of outputs. ``outputs``: the fields of a transformers output that equal ours,
     in order (an entry that is a tuple of names: whichever of them the output has, as families name
-    the same output differently). ``command``: the attnlab command that uses such a model."""
+    the same output differently). ``command``: the attnlab command that uses such a model.
+    ``objective(model, batch, forward) -> Objective``: its training loss (:mod:`.objective`),
+    which a model class refines with a ``loss`` method of its own; None: the kind trains by no
+    task's objective."""
     name: str
     modality: str
     does: str
@@ -81,6 +85,7 @@ class Kind:
     shapes: Callable[..., tuple]
     outputs: tuple = ("logits",)
     command: str | None = None
+    objective: Callable[..., Objective] | None = None
 
     @property
     def main_input(self) -> str:
@@ -91,14 +96,15 @@ KINDS: dict[str, Kind] = {}
 
 
 def register_kind(name: str, *, modality: str, does: str, example: Callable[..., dict], shapes: Callable[..., tuple],
-                  outputs: tuple = ("logits",), command: str | None = None) -> Kind:
+                  outputs: tuple = ("logits",), command: str | None = None,
+                  objective: Callable[..., Objective] | None = None) -> Kind:
     """Declare a kind of model (see :class:`Kind`): a family of a new modality or with a new head
     adds its kinds here, from its own file, before registering architectures of them."""
     if modality not in MODALITIES:
         raise ValueError(f"register_kind({name!r}): unknown modality {modality!r}; modalities: {', '.join(MODALITIES)}")
     if name in KINDS:
         raise ValueError(f"register_kind: kind {name!r} is already registered")
-    KINDS[name] = kind = Kind(name, modality, does, example, shapes, tuple(outputs), command)
+    KINDS[name] = kind = Kind(name, modality, does, example, shapes, tuple(outputs), command, objective)
     return kind
 
 
@@ -136,20 +142,22 @@ register_kind("seq2seq", modality="text", command="attnlab translate",
 register_kind("base", modality="text", command="attnlab embed", example=_tokens, outputs=("last_hidden_state",),
               does="forward(input_ids (B, T)) -> the last hidden state (B, T, E) (a bare model, no head)",
               shapes=lambda c, x: (_batch(x), _length(x), c.d_model))
-register_kind("masked-lm", modality="text", example=_tokens,
+register_kind("masked-lm", modality="text", example=_tokens, objective=masked_lm,
               does="forward(input_ids (B, T)) -> logits (B, T, V) for every position",
               shapes=lambda c, x: (_batch(x), _length(x), c.vocab_size))
 register_kind("classifier", modality="text", command="attnlab classify", example=_tokens,
+              objective=classification,
               does="forward(input_ids (B, T)) -> class logits (B, C)", shapes=lambda c, x: (_batch(x), c.num_labels))
-register_kind("pretraining", modality="text", example=_tokens,
+register_kind("pretraining", modality="text", example=_tokens, objective=masked_lm,
               does="forward(input_ids (B, T)) -> (token logits (B, T, V), sentence logits (B, 2)): masked-LM "
                    "plus next-sentence (BERT) or sentence-order (ALBERT) prediction",
               outputs=("prediction_logits", ("seq_relationship_logits", "sop_logits")),
               shapes=lambda c, x: ((_batch(x), _length(x), c.vocab_size), (_batch(x), 2)))
-register_kind("replaced-token", modality="text", example=_tokens,
+register_kind("replaced-token", modality="text", example=_tokens, objective=replaced_token,
               does="forward(input_ids (B, T)) -> (B, T) logits that each token was replaced (ELECTRA's discriminator)",
               shapes=lambda c, x: (_batch(x), _length(x)))
 register_kind("image-classifier", modality="image", command="attnlab classify", example=_pixels,
+              objective=classification,
               does="forward(pixel_values (B, C, H, W)) -> class logits (B, num_labels)",
               shapes=lambda c, x: (_batch(x), c.num_labels))
 
@@ -262,9 +270,10 @@ class Family:
     # ------------------------------------------------------------------ architectures
     def register(self, name: str, model_cls: type, *, kind: str, prefix: str = "", head_rules=(),
                  ignore_on_load: tuple[str, ...] = (), factory: Callable | None = None,
-                 aliases: tuple[tuple[str, str], ...] = ()) -> Architecture:
+                 aliases: tuple[tuple[str, str], ...] = (), default: bool = False) -> Architecture:
         """Add an architecture; the first one registered is the family's default (what a
-        config.json without "architectures" loads as)."""
+        config.json without "architectures" loads as). ``default``: the family is the one a task
+        trains for ``kind`` when none is named (:func:`default_family`); one family per kind."""
         where = f"{self.model_type}/{name}"
         if kind not in KINDS:
             raise ValueError(f"{where}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
@@ -280,8 +289,12 @@ class Family:
                              "attnlab.models.pretrained.SavePretrained)")
         if name in self.architectures or model_cls in _BY_CLASS:
             raise ValueError(f"{where}: {name} or {model_cls.__name__} is already registered")
+        if default and _DEFAULT_FOR.get(kind, self.model_type) != self.model_type:
+            raise ValueError(f"{where}: {_DEFAULT_FOR[kind]!r} is already the default {kind} family")
         arch = Architecture(self, name, model_cls, kind, prefix, tuple(head_rules), tuple(ignore_on_load), factory,
                             tuple(aliases))
+        if default:
+            _DEFAULT_FOR[kind] = self.model_type
         self.architectures[name] = arch
         _BY_CLASS[model_cls] = arch
         return arch
@@ -401,6 +414,7 @@ class Family:
 
 _DIRECTORY_KEYS = {"model_type", "architectures", "dtype", "torch_dtype"}   # written beside the config fields
 _FAMILIES: dict[str, Family] = {}
+_DEFAULT_FOR: dict[str, str] = {}             # kind -> the family a task trains when none is named
 _BY_CLASS: dict[type, Architecture] = {}
 
 
@@ -537,6 +551,16 @@ def families(kind: str | None = None) -> list[Family]:
     return [f for _, f in sorted(_FAMILIES.items()) if kind is None or kind in f.kinds()]
 
 
+def default_family(kind: str) -> str | None:
+    """The model_type a task trains for ``kind`` when no ``--model`` is given: the family that
+    registered an architecture of that kind with ``default=True``, else the only family with one,
+    else None."""
+    if kind in _DEFAULT_FOR:
+        return _DEFAULT_FOR[kind]
+    found = families(kind)
+    return found[0].model_type if len(found) == 1 else None
+
+
 def architectures() -> list[Architecture]:
     """Every registered (model type, architecture), family by family."""
     return [a for f in families() for a in f.architectures.values()]
@@ -555,3 +579,16 @@ def architecture_of(model: nn.Module) -> Architecture:
 def input_limits(model: nn.Module) -> dict:
     """The input limits ``model``'s family states for its config (:meth:`Family.input_limits`)."""
     return architecture_of(model).family.input_limits(model.config)
+
+
+def training_loss(model: nn.Module, batch: dict, forward: Callable | None = None) -> Objective:
+    """``model``'s training loss on ``batch`` (:mod:`attnlab.models.objective`): its class's own
+    ``loss(batch, forward)`` where it has one, else its kind's objective. ``forward`` runs the model
+    (a DDP or compiled wrapper of it; default the model)."""
+    own = getattr(model, "loss", None)
+    if callable(own):
+        return own(batch, forward=forward)
+    kind = KINDS[architecture_of(model).kind]
+    if kind.objective is None:
+        raise ValueError(f"{type(model).__name__}: a {kind.name} model states no training objective")
+    return kind.objective(model, batch, forward)

@@ -32,8 +32,10 @@ from torch import Tensor, nn
 
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import LayerNorm
+from ..nn.record import MixerCall, ReportsMixing
 from ..nn.wkv import token_shift, wkv4, wkv4_empty, wkv4_step
 from .convert import Op, Rule, split_prefix
+from .causal_lm import Headless
 from .recurrent import RecurrentLM, zero_padding
 from .registry import register_family
 
@@ -65,9 +67,13 @@ class RwkvConfig:
                 raise ValueError(f"RwkvConfig: {field} must be positive, got {getattr(self, field)}")
 
 
-class RwkvTimeMix(nn.Module):
+class RwkvTimeMix(ReportsMixing, nn.Module):
     """Token shift, k/v/r projections, the WKV recurrence, the receptance gate and W_o (the module
-    docstring's TimeMix). ``forward(x (b, l, C), real, state, scale) -> (out, (shift, num, den, p))``."""
+    docstring's TimeMix). ``forward(x (b, l, C), real, state, scale) -> (out, (shift, num, den, p))``.
+    A recurrence reports its inputs (k, v, w, u) and output to a recorder (attnlab.nn.record)."""
+
+    map_per_head = False
+    no_map_reason = "RWKV-4's WKV weighs the tokens per channel, so it has no (T, T) matrix per head"
 
     def __init__(self, c: RwkvConfig):
         super().__init__()
@@ -96,6 +102,7 @@ class RwkvTimeMix(nn.Module):
             out = out[:, None]
         else:
             out, new = wkv4(k, v, w, self.time_first, triplet)
+            self.report(lambda: MixerCall("rwkv", (k, v, w, self.time_first), out))
         out = self.output(r * out.to(x.dtype))
         return (out if scale == 1.0 else out / scale), (x[:, -1], *new)
 
@@ -205,16 +212,11 @@ class Rwkv(RecurrentLM):
         return x, out
 
 
-class RwkvModel(Rwkv):
+class RwkvModel(Headless, Rwkv):
     """RWKV-4 without its head (transformers' RwkvModel): forward returns the last hidden state
     (b, l, E) after the final LayerNorm."""
 
-    def __init__(self, config: RwkvConfig):
-        super().__init__(config)
-        self.lm_head = nn.Identity()
-
-    def generate(self, *args, **kwargs):
-        raise TypeError("RwkvModel has no language-model head, so it does not generate; load a RwkvForCausalLM")
+    with_head = "RwkvForCausalLM"
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ..nn.checkpoint import checkpoint
 from ..nn.norm import LayerNorm
+from ..nn.record import MixerCall, ReportsMixing
 from ..nn.wkv import token_shift, wkv7, wkv7_step
 from .recurrent import RecurrentLM, zero_padding
 from .registry import FamilyOption, register_family
@@ -82,9 +83,13 @@ class Rwkv7Config:
         return self.d_model // self.head_size
 
 
-class Rwkv7TimeMix(nn.Module):
+class Rwkv7TimeMix(ReportsMixing, nn.Module):
     """The module docstring's TimeMix. ``forward(x (b, l, C), v_first, real, state) -> (out,
-    v_first, (shift (b, C), S (b, h, n, n)))``; layer 0 makes ``v_first``, the others mix it in."""
+    v_first, (shift (b, C), S (b, h, n, n)))``; layer 0 makes ``v_first``, the others mix it in.
+    The delta rule reports its inputs (r, w, k, v, κ, a) and y to a recorder (attnlab.nn.record)."""
+
+    map_per_head = False
+    no_map_reason = "RWKV-7's delta rule reports its inputs and outputs; no viewer reads its map yet"
 
     def __init__(self, c: Rwkv7Config, layer: int):
         super().__init__()
@@ -134,6 +139,7 @@ class Rwkv7TimeMix(nn.Module):
             y = y[:, None]
         else:
             y, S = wkv7(*heads, None if state is None else state[1])
+            self.report(lambda: MixerCall("rwkv7", tuple(heads), y))
         y = self.ln_x(y.to(x.dtype).reshape(b * l, C)).view(b, l, C)
         bonus = (heads[0] * heads[2] * self.r_k.view(H, N)).sum(-1, keepdim=True) * heads[3]   # (b, l, H, N)
         return self.output((y + bonus.reshape(b, l, C)) * g), v_first, (x[:, -1], S)

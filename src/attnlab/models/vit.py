@@ -67,6 +67,7 @@ class ViTConfig:
     id2label: dict[int, str] | None = None
 
     prefix_tokens = 1                     # the class token before the patches (DeiT: 2)
+    prefix_names = ("[CLS]",)             # how a viewer labels them (attnlab.viz)
 
     def __post_init__(self):
         who = type(self).__name__
@@ -354,5 +355,5 @@ VIT = register_family("vit", ViTConfig, base_rules=vit_rules(), config_from_hf=v
                       limits=lambda c: {"image_size": c.image_size, "patch_size": c.patch_size,
                                         "in_channels": c.in_channels}, options=OPTIONS, hf_unsupported=hf_unsupported)
 VIT.register("ViTForImageClassification", VisionTransformer, kind="image-classifier", prefix="vit.",
-             head_rules=[Rule("head.{p}", "classifier.{p}")], factory=VisionTransformer.from_config)
+             head_rules=[Rule("head.{p}", "classifier.{p}")], factory=VisionTransformer.from_config, default=True)
 VIT.register("ViTModel", ViTModel, kind="image-base", head_rules=[Rule("pooler.{p}", "pooler.dense.{p}")])

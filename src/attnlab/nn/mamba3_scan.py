@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["mamba3_step", "mamba3_scan_reference", "mamba3_scan", "empty_state", "rotate_pairs"]
+__all__ = ["mamba3_step", "mamba3_scan_reference", "mamba3_scan", "empty_state", "rotate_pairs", "mamba3_blocks"]
 
 
 def rotate_pairs(t: Tensor, theta: Tensor) -> Tensor:
@@ -162,3 +162,21 @@ def _chunked_scan(C, B, X, a, gamma, beta, state, q):
     Y = Y + torch.einsum("bhcirn,bhcpn->bhcirp", Cc, starts) * torch.exp(cs)[..., None, None]
     Y = Y.permute(0, 2, 3, 4, 1, 5).reshape(b, -1, r, h, p)[:, :l]
     return Y, (S, B[:, -1].float(), X[:, -1].float())
+
+
+def mamba3_blocks(C: Tensor, B: Tensor, X: Tensor, a: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
+    """(b, h, T, R, T, R) fp32: the map of mamba3_scan(C, B, X, a, gamma, beta) from a zero state,
+    Y[:, t, i] = Σ_{s, j} M[:, :, t, i, s, j] X[:, s, j] per channel of a head. The trapezoid's two
+    weights fold into one per entry: an input written at s reaches t > s with w_s = γ_s + β_{s+1}
+    and itself with γ_t alone, so
+
+        M[t, i, s, j] = (C_{t,i} · B_{s,j}) exp(Σ_{s<r<=t} a_r) (w_s if s < t else γ_t)."""
+    from .ssd import _segment_sums
+    gamma, beta = gamma.float().transpose(1, 2), beta.float().transpose(1, 2)   # (b, h, T)
+    w = gamma + torch.cat([beta[..., 1:], torch.zeros_like(beta[..., :1])], dim=-1)
+    T = w.size(-1)
+    below = torch.ones(T, T, dtype=torch.bool, device=w.device).tril(-1)
+    weight = torch.where(below, w[..., None, :], torch.diag_embed(gamma))
+    mix = torch.exp(_segment_sums(a.float().transpose(1, 2))) * weight                # (b, h, T, T)
+    scores = torch.einsum("btihn,bsjhn->bhtisj", C.float(), B.float())
+    return scores * mix[:, :, :, None, :, None]

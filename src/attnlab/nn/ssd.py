@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ssd_reference", "ssd_scan", "ssd_step"]
+__all__ = ["ssd_reference", "ssd_scan", "ssd_step", "ssd_matrix"]
 
 
 def _heads(t: Tensor, h: int) -> Tensor:
@@ -158,3 +158,16 @@ def _ssd_chunked(x, dt, A, B, C, D, h0, chunk):
     y = y + read.view(b, c, g, q, hg, p).transpose(3, 4) * torch.exp(cum)[..., None]
     y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * q, nh, p)[:, :l].to(x.dtype)
     return (y if D is None else y + x * D[:, None]), state.view(b, nh, p, n)
+
+
+def ssd_matrix(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
+    """The (b, h, T, T) fp32 matrix of the scan ssd_scan(x, dt, A, B, C, D) from a zero state, per head
+    (Mamba-2's duality, Dao & Gu 2024, section 3): y = M x + D x, with
+
+        M[t, s] = (C_t · B_s) exp(Σ_{s<r<=t} Δ_r A) Δ_s     for s <= t, 0 above the diagonal."""
+    nh = x.size(2)
+    dt = dt.float()
+    Bh, Ch = _heads(B.float(), nh), _heads(C.float(), nh)                  # (b, T, h, n)
+    scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)
+    decay = torch.exp(_segment_sums((dt * A.float()).transpose(1, 2)))     # (b, h, T, T), 0 above the diagonal
+    return scores * decay * dt.transpose(1, 2)[:, :, None, :]

@@ -35,10 +35,11 @@ from torch import Tensor, nn
 from .attention import MultiHeadAttention, combine_masks, scaled_dot_product_attention
 from .norm import LayerNorm
 from .position import AttentionPosition
+from .record import MixerCall, ReportsMixing
 
 __all__ = ["window_partition", "window_reverse", "window_and_shift", "shifted_window_mask", "relative_position_index",
            "WindowPositionBias", "WindowAttention", "PatchMerging", "DropPath", "pad_to_multiple", "window_order",
-           "permute_tokens", "window_groups"]
+           "permute_tokens", "window_groups", "on_the_map"]
 
 
 def pad_to_multiple(x: Tensor, multiple: int) -> Tensor:
@@ -176,7 +177,7 @@ class WindowPositionBias(AttentionPosition):
         return f"num_heads={self.num_heads}, window={self.window}"
 
 
-class WindowAttention(nn.Module):
+class WindowAttention(ReportsMixing, nn.Module):
     """(Shifted-)window multi-head self-attention over a feature map.
 
     ``WindowAttention(dim, num_heads, window, shift=0, dropout=0.0, qkv_bias=True)``: ``attn`` is a
@@ -192,9 +193,15 @@ class WindowAttention(nn.Module):
     in image order keeps the record's layout (transformers'), as does ``grouped = False``.
 
     forward(x (B, H, W, C)) -> (B, H, W, C), any H and W (see the module docstring for padding
-    and for maps no larger than the window)."""
+    and for maps no larger than the window).
+
+    To a mixer recorder (attnlab.nn.record) it reports its weights put back on the map: (B, h, N, N)
+    over the N = H * W tokens in row-major order, ``grid`` (H, W); a query has weights on the
+    tokens of its own (shifted) window and zero elsewhere, and keys of the padding are left out (so
+    the rows of a padded window sum to less than 1)."""
 
     returns_new_tensor = True           # forward's output (attnlab.nn.inplace)
+    tiles_map = True                    # its reports say the map (attnlab.nn.record)
     grouped = True                      # attend the windows group by group (False: one call through self.attn)
 
     def __init__(self, dim: int, num_heads: int, window: int, shift: int = 0, dropout: float = 0.0,
@@ -248,16 +255,53 @@ class WindowAttention(nn.Module):
         M, s = window_and_shift(H, W, self.window, self.shift)
         x = pad_to_multiple(x, M)
         Hp, Wp = x.shape[1:3]
+        captured, outer = self._listen() if self.recording else (None, None)
         one_call = self.attn.attention_record is not None or not self.grouped
         order, inverse, groups = self._layout(B, Hp, Wp, M, s, not one_call, x.device)
         # roll and partition in one gather (window_order); the inverse gather undoes both
         windows = permute_tokens(x.reshape(1, B * Hp * Wp, C), order, inverse).view(-1, M * M, C)
-        out = self.attn(windows, mask=groups[0][1])[0] if one_call else self._attend(windows, groups)
+        try:
+            out = self.attn(windows, mask=groups[0][1])[0] if one_call else self._attend(windows, groups)
+        finally:
+            if captured is not None:
+                self.attn.attention_record = outer
         out = permute_tokens(out.view(1, -1, C), inverse, order).view(B, Hp, Wp, C)
-        return out[:, :H, :W] if (Hp, Wp) != (H, W) else out
+        out = out[:, :H, :W] if (Hp, Wp) != (H, W) else out
+        if captured:
+            w = captured[0]
+            self.report(lambda: MixerCall("window attention", (x[:, :H, :W],), out, kind="attention", grid=(H, W),
+                                          title="window attention",
+                                          matrix=lambda: on_the_map(w, B, H, W, M, s)))
+        return out
+
+    def _listen(self) -> tuple[list, object]:
+        """([], the attention's listener before): while reported, the inner attention's weights are
+        kept (as the attention records them, beside the usual kernel: the output is unchanged)."""
+        captured, outer = [], self.attn.attention_record
+
+        def listener(weights, query_start, mask):
+            captured.append(weights)
+            if outer is not None:
+                outer(weights, query_start, mask)
+        self.attn.attention_record = listener
+        return captured, outer
 
     def extra_repr(self) -> str:
         return f"window={self.window}, shift={self.shift}"
+
+
+def on_the_map(weights: Tensor, batch: int, height: int, width: int, window: int, shift: int) -> Tensor:
+    """(B, h, N, N) fp32, N = height * width: the windows' (B * nW, h, M², M²) weights (image by image,
+    in :func:`window_order`'s order) put back at each token's place on the map; the padding's keys
+    and queries (a map padded to multiples of M) are left out."""
+    Hp, Wp = -(-height // window) * window, -(-width // window) * window
+    slots = window_order(Hp, Wp, window, shift, weights.device).view(-1, window * window)     # (nW, M²)
+    w = weights.float().view(batch, slots.size(0), *weights.shape[1:])                      # (B, nW, h, M², M²)
+    full = w.new_zeros(batch, w.size(2), Hp * Wp, Hp * Wp)
+    full[:, :, slots[:, :, None], slots[:, None, :]] = w.permute(0, 2, 1, 3, 4)
+    real = (torch.arange(Hp)[:, None] < height) & (torch.arange(Wp)[None, :] < width)
+    keep = real.flatten().nonzero().squeeze(1).to(w.device)
+    return full[:, :, keep][:, :, :, keep]
 
 
 class PatchMerging(nn.Module):

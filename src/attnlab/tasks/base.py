@@ -295,14 +295,19 @@ class TaskDefinition:
             sizes[o.keyword] = value
         return sizes
 
-    def defaults(self) -> dict:
-        return {o.name: o.default for o in self.all_options()}
+    def settings_class(self) -> type:
+        """The task's typed settings (attnlab.tasks.settings): a dataclass of its options."""
+        from .settings import settings_class
+        return settings_class(self)
 
-    def settings(self, **overrides) -> dict:
-        """The task's defaults with ``overrides``, validated: what ``prepare`` takes from Python."""
-        out = dict(self.defaults(), **overrides)
-        self.validate(out)
-        return out
+    def defaults(self):
+        """Every option at its default, as the task's typed settings."""
+        return self.settings_class()()
+
+    def settings(self, **overrides):
+        """The task's defaults with ``overrides``, each validated as it is set (an unknown name is a
+        ValueError naming it): what ``prepare`` takes from Python."""
+        return self.settings_class().from_dict(overrides)
 
     def validate(self, settings: dict) -> None:
         known = {o.name: o for o in self.all_options()}

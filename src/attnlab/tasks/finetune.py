@@ -1,83 +1,91 @@
-"""Fine-tuning an image classifier from a pre-trained ViT encoder: what ``attnlab train image
---init RUN_OR_HF_DIR`` calls (an ``attnlab train mae`` run, an image run, or a Hugging Face ViTMAE
-or ViT directory). A module of its own, below both tasks: the image task calls it and the MAE task
-reads the image task's data, so neither imports the other both ways."""
+"""Fine-tuning an image classifier from a pre-trained encoder: what ``attnlab train image --init
+RUN_OR_HF_DIR`` calls, for any checkpoint whose encoder fits an image classifier (an ``attnlab train
+mae`` or image run, a Hugging Face ViTMAE, ViT, DeiT or Swin directory) through one interface,
+:mod:`attnlab.models.transfer`. A module of its own, below both tasks: the image task calls it and
+the MAE task reads the image task's data, so neither imports the other both ways."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..processors import IMAGE_CONFIG, ImageProcessor
 from .run import RunError, inspect_path, load_model, load_processors
 
-__all__ = ["fine_tuning_start"]
+__all__ = ["fine_tuning_start", "init_family"]
+
+KIND = "image-classifier"
+_SIZES = {"d_model": "d_model", "heads": "num_heads", "layers": "num_layers", "d_ff": "d_ff"}
 
 
-def _pretrained_vit(path: str, flag: str) -> tuple[object, dict[str, Tensor], ImageProcessor | None]:
-    """(the checkpoint's encoder configuration, the encoder's tensors under ViT's checkpoint names
-    without a prefix, the checkpoint's image processor or None) of a run or a Hugging Face directory."""
+def init_family(path: str, flag: str = "--init") -> str:
+    """The family whose image classifier the encoder at ``path`` starts (read from its config
+    alone), for ``--model``'s default; RunError in one line where it starts none."""
+    from ..models.registry import family
+    from ..models.transfer import TransferError, transfer_family
+    try:
+        info = inspect_path(path)
+    except FileNotFoundError:
+        raise RunError(f"{flag} {path}: no such run or directory") from None
+    if info.kind == "run":
+        model_type, name = info.run.model_type, info.run.architecture
+    else:
+        model_type, name = info.model_type, (info.architectures or (None,))[0]
+    try:
+        return transfer_family(family(model_type).architecture(name), KIND).model_type
+    except (TransferError, ValueError) as e:
+        raise RunError(f"{flag} {path}: {info.describe()}: {e}") from None
+
+
+def _source(path: str) -> tuple[nn.Module, ImageProcessor | None]:
+    """(the checkpoint's model, its image processor or None) of a run or a Hugging Face directory."""
     from ..hub import from_pretrained
-    from ..models.pretrained import to_hf_state_dict
-    from ..models.registry import architecture_of
-    from ..models.vit import ViTConfig
     info = inspect_path(path)
     if info.kind == "run":
-        model, processor = load_model(info.run), load_processors(info.run).get("image")
-    else:
-        model = from_pretrained(path)
-        processor = ImageProcessor.load(path) if (Path(path) / IMAGE_CONFIG).is_file() else None
-    arch = architecture_of(model)
-    if not isinstance(model.config, ViTConfig) or model.config.prefix_tokens != 1:
-        raise RunError(f"{flag} {path}: {info.describe()}, not a ViT encoder (an attnlab mae or image run, a "
-                       f"ViTMAE or ViT directory)")
-    tensors = to_hf_state_dict(model)
-    if arch.prefix:
-        tensors = {k[len(arch.prefix):]: v for k, v in tensors.items() if k.startswith(arch.prefix)}
-    # a bare ViT checkpoint's pooler belongs to no classifier of transformers' layout
-    return model.config, {k: v for k, v in tensors.items() if not k.startswith("pooler.")}, processor
+        return load_model(info.run), load_processors(info.run).get("image")
+    processor = ImageProcessor.load(path) if (Path(path) / IMAGE_CONFIG).is_file() else None
+    return from_pretrained(path), processor
 
 
-_SIZES = {"image_size": "image_size", "patch_size": "patch_size", "channels": "in_channels", "d_model": "d_model",
-          "heads": "num_heads", "layers": "num_layers", "d_ff": "d_ff"}
-
-
-def fine_tuning_start(s: dict, labels: list[str], build, flag: str = "--init") -> tuple[nn.Module, ImageProcessor]:
+def fine_tuning_start(s: dict, labels: list[str], build=None, flag: str = "--init") -> tuple[nn.Module, ImageProcessor]:
     """(an image classifier whose encoder holds the weights of the checkpoint ``s[flag]`` names and
     whose head is new, the image processor to train it with) for ``attnlab train image``.
 
-    The encoder's sizes are the checkpoint's: they are written into ``s`` (so that the run's
-    config.yaml records what was built) and ``build(s, labels)`` makes the classifier. The weights
-    move by their checkpoint names (the encoder's keys under the classifier's prefix), so every
-    encoder weight must find its place and every one the classifier's encoder has must be given.
+    The classifier is of the family the encoder starts (:func:`attnlab.models.transfer.transfer_family`;
+    ``--model`` must name it where given), its config the checkpoint's (the run's dropout, new labels);
+    a family option given (``--norm``) must be the encoder's. The encoder's image sizes, and its
+    widths where its config has the task's names for them, are written into ``s`` so that the run's
+    config.yaml records what was built. ``build`` is unused (the family's own config is copied).
     The processor is the checkpoint's where it has one, else the image task's own default."""
-    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
-    from ..models.registry import architecture_of
+    from ..models.registry import architecture_of, family
+    from ..models.transfer import TransferError, transfer_encoder, transfer_family
     path = s[flag.removeprefix("--").replace("-", "_")]
-    config, tensors, processor = _pretrained_vit(path, flag)
-    if s.get("model") != "vit":
-        raise RunError(f"{flag} fine-tunes a ViT classifier (--model vit), not --model {s.get('model')}")
-    s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items()})
-    model = build(s, labels)
-    same = replace(model.config, layer_norm_eps=config.layer_norm_eps, activation=config.activation,
-                   qkv_bias=config.qkv_bias)
-    if same.norm != config.norm:
-        raise RunError(f"{flag} {path}: the encoder uses {config.norm}, not --norm {same.norm}")
-    arch = architecture_of(model)
-    if same != model.config:             # the checkpoint's own epsilon, activation and biases
-        torch.manual_seed(s["seed"])
-        model = arch.build(same)
-    fresh = to_hf_state_dict(model)
-    given = {arch.prefix + k: v for k, v in tensors.items()}
-    unplaced = sorted(set(given) - set(fresh))
-    lacking = sorted(k for k in fresh if k.startswith(arch.prefix) and k not in given)
-    if unplaced or lacking:
-        raise RunError(f"{flag} {path}: its encoder does not fit a {arch.name} (no place for {unplaced[:3]}, not "
-                       f"supplied {lacking[:3]})")
-    model.load_state_dict(from_hf_state_dict(model, {**fresh, **given}))
-    if processor is None or processor.channels != config.in_channels:
-        grey = [0.5] * config.in_channels
-        processor = ImageProcessor(size=config.image_size, image_mean=grey, image_std=grey)
+    info = inspect_path(path)
+    source, processor = _source(path)
+    try:
+        target = transfer_family(architecture_of(source), KIND)
+    except TransferError as e:
+        raise RunError(f"{flag} {path}: {info.describe()}: {e}") from None
+    if s.get("model") not in (None, target.model_type):
+        raise RunError(f"{flag} {path}: its encoder starts a {target.model_type} classifier, not --model {s['model']}")
+    s["model"] = target.model_type
+    config = source.config
+    for option in target.options_for("image"):
+        given, theirs = s.get(option.name), getattr(config, option.keyword, None)
+        if given is not None and theirs is not None and given != theirs:
+            raise RunError(f"{flag} {path}: the encoder uses {theirs}, not {option.flag} {given}")
+    limits = family(architecture_of(source).model_type).input_limits(config)
+    s.update(image_size=limits["image_size"], patch_size=limits["patch_size"], channels=limits["in_channels"])
+    # the widths where the config has them as one number (a Swin's heads are one per stage)
+    s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items()
+              if isinstance(getattr(config, theirs, None), int) and not isinstance(getattr(config, theirs), bool)})
+    overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "dropout": s["dropout"],
+                 "attention_dropout": s["dropout"]}
+    try:
+        model = transfer_encoder(source, target, kind=KIND, overrides=overrides, seed=s["seed"])
+    except TransferError as e:
+        raise RunError(f"{flag} {path}: {e}") from None
+    if processor is None or processor.channels != limits["in_channels"]:
+        grey = [0.5] * limits["in_channels"]
+        processor = ImageProcessor(size=limits["image_size"], image_mean=grey, image_std=grey)
     return model, processor

@@ -249,23 +249,16 @@ class ImageClassificationTask:
         return augment(self.train_x[index], self.augmentation, int(seed)), self.train_y[index]
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, int]) -> tuple[Tensor, int, dict]:
+        from ..models.registry import training_loss
         device = batch[0].device
         images, y = self.batch_bytes(batch)
-        pixels, y = self.processor.finish(images).to(device), y.to(device)
-        if self.teacher is None:
-            logits = model(pixels)
-            loss = F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=self.label_smoothing)
-        else:
-            from ..models.deit import hard_distillation_loss, soft_distillation_loss
-            cls_logits, dist_logits = model.heads(pixels)
-            teacher_logits = self.teacher.logits(images, device)
-            loss = (hard_distillation_loss(cls_logits, dist_logits, teacher_logits, y, reduction="sum")
-                    if self.distillation == "hard" else
-                    soft_distillation_loss(cls_logits, dist_logits, teacher_logits, y, self.alpha, self.tau, "sum"))
-            logits = (cls_logits + dist_logits) / 2
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == y).sum()
-        return loss, int(y.numel()), {"accuracy": correct}
+        inputs = {"pixel_values": self.processor.finish(images).to(device), "labels": y.to(device),
+                  "label_smoothing": self.label_smoothing}
+        if self.teacher is not None:     # the student's own objective takes the teacher's logits
+            inputs.update(teacher_logits=self.teacher.logits(images, device), distillation=self.distillation,
+                          alpha=self.alpha, tau=self.tau)
+        out = training_loss(self.model, inputs, forward=model)
+        return out.loss, out.count, {"accuracy": out.metrics["correct"]}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict:
@@ -308,10 +301,11 @@ def _image_families() -> list[str]:
 
 
 def _students() -> list[str]:
-    """The image-classifier families whose classifier has a distillation head (``heads(pixels) ->
-    (class logits, distillation logits)``): those ``--teacher`` can train."""
+    """The image-classifier families whose classifier learns from a teacher (``learns_from_teacher``:
+    its ``loss`` takes the teacher's logits): those ``--teacher`` can train."""
     from ..models.registry import families
-    return [f.model_type for f in families(kind=KIND) if hasattr(f.for_kind(KIND).model_cls, "heads")]
+    return [f.model_type for f in families(kind=KIND)
+            if getattr(f.for_kind(KIND).model_cls, "learns_from_teacher", False)]
 
 
 class ImageClassification(TaskDefinition):
@@ -354,8 +348,9 @@ class ImageClassification(TaskDefinition):
         Option("ema", float, None, "evaluate, choose and save an exponential moving average of the weights with "
                "this decay per step (0 = off) (default: 0.999 for the digits, off for a folder)", check=lambda v: None if 0 <= v < 1 else
                "must be in [0, 1)", group=_D),
-        Option("init", str, None, "start the encoder from an attnlab mae or image run or a Hugging Face ViTMAE or "
-               "ViT directory (a new head; the model sizes and processor are the checkpoint's)",
+        Option("init", str, None, "start the encoder from a checkpoint whose encoder fits an image classifier: an "
+               "attnlab mae or image run, a Hugging Face ViTMAE, ViT, DeiT or Swin directory (a new head; the family "
+               "(--model's default), model sizes and processor are the checkpoint's)",
                metavar="RUN_OR_HF_DIR", group=_M),
         Option("label_fraction", float, 1.0, "train on this fraction of the training images, drawn by --seed "
                "within each class (the validation images unchanged): a few labels, as after pre-training",
@@ -383,10 +378,14 @@ class ImageClassification(TaskDefinition):
 
     def check(self, s: dict) -> None:
         known = _image_families()
+        if s["model"] is None and s["init"] is not None:     # the family whose classifier the encoder starts
+            from .finetune import init_family
+            s["model"] = init_family(s["init"])
         if s["model"] is None:
+            from ..models.registry import default_family
             if not known:
                 raise ValueError("attnlab train image: no image-classifier family is registered")
-            s["model"] = "vit" if "vit" in known else known[0] if len(known) == 1 else None
+            s["model"] = default_family(KIND)
             if s["model"] is None:
                 raise ValueError(f"--model: give one of the image-classifier families ({', '.join(known)})")
         elif s["model"] not in known:
@@ -402,7 +401,7 @@ class ImageClassification(TaskDefinition):
                 s[name] = value
         if s.get("norm") == "dyt":
             if s["dyt_alpha"] is None:
-                s["dyt_alpha"] = _digit_dyt_alphas(s["layers"]) if kind == "digits" else _DYT_ALPHA[kind]
+                s["dyt_alpha"] = _digit_dyt_alphas(s["layers"]) if kind == "digits" else f"{_DYT_ALPHA[kind]:g}"
             alphas = _alphas(s["dyt_alpha"])
             if isinstance(alphas, list) and len(alphas) != s["layers"] + 1:
                 raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s['layers'] + 1} (one per layer "

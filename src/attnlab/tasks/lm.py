@@ -38,6 +38,8 @@ from torch import Tensor, nn
 
 from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import Tokenizer
+from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
+from ..models.registry import default_family
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
 from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context, resume_point,
@@ -215,7 +217,7 @@ class LanguageModeling(TaskDefinition):
     example = ('attnlab train lm --steps 2000 --out runs/lm\n'
                '  attnlab train lm --config shakespeare-char --data input.txt --out runs/shakespeare')
     options = [
-        Option("model", str, "gpt2", "architecture: a registered causal-LM family", group=_M),
+        Option("model", str, default_family("causal-lm"), "architecture: a registered causal-LM family", group=_M),
         Option("tokenizer", str, None, "default: bpe (embedded corpus), char (files)", choices=("char", "bpe"),
                group=_M),
         Option("vocab_size", int, None, "BPE vocabulary size (default 2000; 8000 over 3M characters, 16000 over "

@@ -43,6 +43,7 @@ from .finetune import fine_tuning_start
 from .image import _SIZES as _IMAGE_SIZES
 from .image import IMAGE
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .settings import Settings
 
 __all__ = ["MAEPretraining", "MAETask", "LoadedMAE", "mae_images", "fine_tuning_start"]
 
@@ -51,24 +52,24 @@ KIND = "masked-image-model"
 _VALID_SEED = 1234            # the masking of the held-out images, the same at every evaluation
 
 
-def mae_images(s: dict, processor: ImageProcessor) -> tuple[Tensor, Tensor, str]:
+def mae_images(s: Settings, processor: ImageProcessor) -> tuple[Tensor, Tensor, str]:
     """(training images, validation images, what they are): the images as bytes (N, C, H, W) uint8,
     resized by ``processor``. Without ``--data``, the embedded digits of ``attnlab train image``: its
     1,497 training images and its 100 validation digits (never its 200 test digits), read by that
     task's own data function so that the two tasks see the very same bytes."""
-    if s["data"] is None:
+    if s.data is None:
         data = IMAGE._data(s, processor, None)
         return data["train"][0], data["valid"][0], data["root"]
-    splits = image_splits(s["data"]) if s["valid"] is None else None
+    splits = image_splits(s.data) if s.valid is None else None
     if splits is not None:
         train = read_image_folder(splits["train"])
         valid = read_image_folder(splits["valid"]) if "valid" in splits else None
     else:
-        train = read_image_folder(s["data"])
-        valid = read_image_folder(s["valid"]) if s["valid"] is not None else None
+        train = read_image_folder(s.data)
+        valid = read_image_folder(s.valid) if s.valid is not None else None
     if valid is None:
         order = list(range(len(train)))
-        random.Random(s["seed"]).shuffle(order)
+        random.Random(s.seed).shuffle(order)
         held = set(order[:min(2000, max(1, len(train) // 10))])
         if len(held) == len(train):
             raise ValueError(f"{train.root}: one image; pre-training needs some to train on and one to hold out")
@@ -96,11 +97,10 @@ class MAETask:
         return list(order.split(self.batch_size))
 
     def _loss_sum(self, model: nn.Module, pixels: Tensor, seed: int | None = None) -> tuple[Tensor, int]:
-        from ..models.mae import patchify, reconstruction_loss
-        c = self.model.config
-        out = model(pixels) if seed is None else model(pixels, seed=seed)
-        total = reconstruction_loss(out.logits, patchify(pixels, c.patch_size), out.mask, c.norm_pix_loss, "sum")
-        return total, int(out.mask.sum())
+        from ..models.registry import training_loss
+        out = training_loss(self.model, {"pixel_values": pixels} if seed is None else
+                            {"pixel_values": pixels, "seed": seed}, forward=model)
+        return out.loss, out.count
 
     def loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, int, dict]:
         device = batch.device
@@ -168,42 +168,43 @@ class MAEPretraining(TaskDefinition):
     data_help = ("an image folder (one sub-folder of images per class; the classes are not read); default: the "
                  "embedded 8x8 digits")
 
-    def check(self, s: dict) -> None:
+    def check(self, s: Settings) -> None:
         known = _mae_families()
-        if s["model"] is None:
-            s["model"] = "vit_mae" if "vit_mae" in known else known[0] if known else None
-            if s["model"] is None:
+        if s.model is None:
+            from ..models.registry import default_family
+            s.model = default_family(KIND) if known else None
+            if s.model is None:
                 raise ValueError("attnlab train mae: no masked-image-model family is registered")
-        elif s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered masked-image-model family "
+        elif s.model not in known:
+            raise ValueError(f"--model: {s.model!r} is not a registered masked-image-model family "
                              f"({', '.join(known) or 'none registered'})")
         super().check(s)
-        if s["data"] is None and s["valid"] is not None:
+        if s.data is None and s.valid is not None:
             raise ValueError("--valid: give the training images too (--data DIR); the embedded digits have their "
                              "own held-out split")
         # the image task's sizes for the same data, so that train image --init fits the encoder as it was trained
         for name in ("image_size", "patch_size", "channels"):
             if s[name] is None:
-                s[name] = _IMAGE_SIZES["digits" if s["data"] is None else "folder"][name]
-        if s["image_size"] % s["patch_size"]:
-            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
+                s[name] = _IMAGE_SIZES["digits" if s.data is None else "folder"][name]
+        if s.image_size % s.patch_size:
+            raise ValueError(f"--image-size {s.image_size} is not a multiple of --patch-size {s.patch_size}")
 
-    def _model(self, s: dict) -> nn.Module:
+    def _model(self, s: Settings) -> nn.Module:
         from ..models.registry import family
-        fam = family(s["model"])
-        config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=s["channels"],
-                                  d_model=s["d_model"], num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], **self.family_sizes(s))
-        torch.manual_seed(s["seed"])
+        fam = family(s.model)
+        config = fam.build_config(image_size=s.image_size, patch_size=s.patch_size, in_channels=s.channels,
+                                  d_model=s.d_model, num_heads=s.heads, num_layers=s.layers, d_ff=s.d_ff,
+                                  dropout=s.dropout, **self.family_sizes(s))
+        torch.manual_seed(s.seed)
         return fam.for_kind(self.kind).build(config)
 
-    def _schedule(self, s: dict, n_images: int) -> dict:
-        steps = max(100, min(5000, 10 * -(-n_images // s["batch_size"])))      # about ten epochs
+    def _schedule(self, s: Settings, n_images: int) -> dict:
+        steps = max(100, min(5000, 10 * -(-n_images // s.batch_size)))      # about ten epochs
         return training_schedule(s, dict(steps=steps, lr=1e-3, weight_decay=0.05),
                                  lambda steps, budget: 50 if budget else max(1, steps // 10),
                                  lambda steps, budget: max(steps // 5, 20), 4)
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
         self.check(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:            # the run's own processor and model (the Trainer loads the weights)
@@ -214,14 +215,14 @@ class MAEPretraining(TaskDefinition):
             model = self._model(s)
         train, valid, root = mae_images(s, processor)
         t = self._schedule(s, len(train))
-        s["lr"] = t["lr"]
+        s.lr = t["lr"]
         if not t["budget_schedule"]:
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
-        task = MAETask(model, processor, train, valid, batch_size=s["batch_size"])
+        task = MAETask(model, processor, train, valid, batch_size=s.batch_size)
         c = model.config
         n = sum(p.numel() for p in model.parameters()) / 1e6
         lines = [f"data: {root}: {len(train):,} training images, {len(valid):,} validation (labels not read)",
-                 f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters"
+                 f"model: {type(model).__name__} ({s.model}), {n:.2f}M parameters"
                  + (", from the checkpoint" if saved is not None else "")
                  + f"; images {c.image_size}x{c.image_size}, {c.in_channels} channel(s), {c.num_patches} patches "
                    f"of {c.patch_size}, {c.num_patches - c.visible} masked (ratio {c.mask_ratio:g}), "
@@ -229,8 +230,8 @@ class MAEPretraining(TaskDefinition):
                  describe_training(s, t)]
         return Setup(task, lines)
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        beta2 = s["beta2"] if s["beta2"] is not None else 0.95          # MAE's AdamW (section A.1)
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        beta2 = s.beta2 if s.beta2 is not None else 0.95          # MAE's AdamW (section A.1)
         return dict(self._schedule(s, len(setup.task.train_x)), betas=(0.9, beta2), best_metric="val_loss",
                     best_mode="min")
 

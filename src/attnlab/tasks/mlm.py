@@ -31,12 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.files import DataFormatError
 from ..data.masking import IGNORE_INDEX, SentencePair, collate_pairs, mask_tokens, pack_pair, sentence_pairs
 from ..tokenizer import BERT_SPECIAL_TOKENS, train_wordpiece
+from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
+from ..models.registry import default_family
 from .base import (Option, Setup, TaskDefinition, describe_training, family_recipe, fraction, positive, register_task,
                    training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, resume_point, write_run
@@ -132,34 +133,26 @@ class MaskedLMTask:
         g = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
         return self._batches(self.train_docs, random.Random(int(state[0])), g)
 
-    def _forward(self, model, batch, masked_positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """(token logits: (B, T, V), or (M, V) at ``masked_positions`` alone; sentence logits or None)."""
-        extra = {} if masked_positions is None else {"masked_positions": masked_positions}
-        out = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                    token_type_ids=batch["token_type_ids"], **extra)
+    @staticmethod
+    def _forward(model, batch) -> tuple[Tensor, Tensor | None]:
+        """(token logits (B, T, V), sentence logits or None): what the report shows."""
+        out = model(batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"])
         return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
     def _scores(self, model, batch) -> tuple[Tensor, Tensor | None, int, dict]:
         """(masked-LM cross-entropy SUM, sentence-pair cross-entropy MEAN or None, masked tokens,
-        {"mlm_correct", "pair_correct"} counts) of one batch, from one forward pass; the head
-        scores the masked positions alone (the vocabulary-wide product skips the other ~85 %)."""
-        labels = batch["labels"]
-        picked = labels != IGNORE_INDEX
-        token_logits, sentence_logits = self._forward(model, batch, picked)
-        n = int(picked.sum())
-        logits = token_logits.float()
-        mlm = F.cross_entropy(logits, labels[picked], reduction="sum")
-        extra = {"mlm_correct": (logits.argmax(-1) == labels[picked]).sum().float()}
-        if sentence_logits is None:
-            return mlm, None, n, extra
-        pair = F.cross_entropy(sentence_logits.float(), batch["sentence_label"])
-        extra["pair_correct"] = (sentence_logits.argmax(-1) == batch["sentence_label"]).sum().float()
-        return mlm, pair, n, extra
+        {"mlm_correct", "pair_correct"} counts) of one batch, from one forward pass: the model's
+        own objective (:func:`attnlab.models.registry.training_loss`)."""
+        from ..models.registry import training_loss
+        out = training_loss(self.model, batch, forward=model)
+        m = out.metrics
+        extra = {k: m[k] for k in ("mlm_correct", "pair_correct") if k in m}
+        return m["mlm_loss"], m.get("pair_loss"), out.count, extra
 
     def loss(self, model: nn.Module, batch: dict) -> tuple[Tensor, int, dict]:
-        mlm, pair, n, extra = self._scores(model, batch)
-        loss = mlm if pair is None else mlm + pair * max(n, 1)
-        return loss, n, {"mlm_correct": extra["mlm_correct"]}
+        from ..models.registry import training_loss
+        out = training_loss(self.model, batch, forward=model)
+        return out.loss, out.count, {"mlm_correct": out.metrics["mlm_correct"]}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict:
@@ -200,7 +193,8 @@ class MaskedLanguageModeling(TaskDefinition):
     example = ('attnlab train mlm --out runs/mlm\n'
                '  attnlab train mlm --model albert --data documents.txt --time-budget 30')
     options = [
-        Option("model", str, "bert", "architecture: a registered encoder family with a pre-training head", group=_M),
+        Option("model", str, default_family("pretraining"), "architecture: a registered encoder family with a "
+               "pre-training head", group=_M),
         Option("objective", str, None, "the sentence-pair task beside masked LM (default: the model family's, else "
                "nsp; none: masked LM alone on single sentences)", choices=("nsp", "sop", "none"), group=_M),
         Option("vocab_size", int, None, "WordPiece vocabulary (default 1000 embedded; files: 8000, 30522 over 2M "

@@ -11,16 +11,19 @@ Two maps of the class token's attention over the patches, both from the per-call
 - **per-head attention** of one layer: row 0 of W_l for each head, over the patch columns (what
   the class token read in that layer, before any mixing by later layers).
 
-Shapes: L layers, H heads, T = prefix + rows * cols tokens (prefix: the class token, DeiT's
-distillation token). The maps are (rows, cols); :func:`draw_image_attention` paints them over the
-image the model saw (after its processor's resize and crop), one patch per cell.
+Shapes: L layers, H heads, T = prefix + rows * cols tokens (prefix: the tokens the model's config
+names before the patches, ``config.prefix_names``: a class token, a distillation token). The maps
+are (rows, cols); :func:`draw_image_attention` paints them over the image the model saw (after its
+processor's resize and crop), one patch per cell.
 
-A Swin has no class token and attends within windows of a map that each stage halves; its PNG
-reads the per-stage weights of :func:`swin_stage_weights` (which the explorer page,
-attnlab.viz.image_views, draws too, and whose docstring there says how): the rollout of
-the pooled output over the first stage's patches, and per stage the attention each patch
-receives in the stage's last block (the block's (H, N, N) weights averaged over the heads and
-the N queries: a (rows, cols) map of that stage, each cell patch * 2^stage pixels a side).
+A model whose mixers report their tokens as a map (attnlab.nn.record, ``tiles_map``: attention
+within windows of a map that each stage halves, as a Swin's) has no class token; its PNG reads the
+per-stage weights of :func:`map_stage_weights` (which the explorer page, attnlab.viz.image_views,
+draws too, and whose docstring there says how): the rollout of the pooled output over the first
+stage's patches, and per stage the attention each patch receives in the stage's last block (the
+block's (H, N, N) weights averaged over the heads and the N queries: a (rows, cols) map of that
+stage, each cell a patch times the stage's reduction a side). Nothing here names a family: the
+mixers say what their weights are and where their tokens sit.
 """
 from __future__ import annotations
 
@@ -34,11 +37,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from ..nn.window import WindowAttention, window_and_shift, window_order  # noqa: E402
+from ..nn.record import ReportsMixing  # noqa: E402
 from .labels import PatchGrid  # noqa: E402
-from .record import record_attention  # noqa: E402
+from .record import record_attention, record_mixers  # noqa: E402
 
 __all__ = ["attention_rollout", "image_attention", "class_token_maps", "draw_image_attention", "figure_layout",
+           "tiles_maps", "map_panels", "map_rollout", "map_stage_weights",
            "is_swin", "swin_panels", "swin_rollout", "swin_stage_weights",
            "PANEL_INCHES", "DPI"]
 
@@ -82,10 +86,12 @@ def image_attention(model: nn.Module, pixel_values: Tensor) -> tuple[Tensor, Pat
     weights = record.stack("self")[:, 0]                              # (L, H, T, T)
     rows, cols = pixel_values.size(2) // patch, pixel_values.size(3) // patch
     T, prefix = weights.size(-1), weights.size(-1) - rows * cols
-    if weights.size(-2) != T or not 0 <= prefix <= len(PREFIX_NAMES):
+    # the config names the tokens before the patches; a model that does not is read by counting
+    names = tuple(getattr(model.config, "prefix_names", PREFIX_NAMES[:max(prefix, 0)]))
+    if weights.size(-2) != T or prefix != len(names):
         raise ValueError(f"image_attention: {type(model).__name__} attends over {tuple(weights.shape[-2:])} tokens, "
-                         f"not the {rows}x{cols} patch grid (and a class token) of its input")
-    return weights, PatchGrid((rows * patch, cols * patch), patch, PREFIX_NAMES[:prefix])
+                         f"not the {rows}x{cols} patch grid (and {len(names) or 'no'} token(s) before it) of its input")
+    return weights, PatchGrid((rows * patch, cols * patch), patch, names)
 
 
 def class_token_maps(weights: Tensor, grid: PatchGrid, layer: int = -1) -> tuple[Tensor, Tensor]:
@@ -126,8 +132,9 @@ def _overlay(ax, image, heat: Tensor, title: str, cell: int | None = None) -> No
     ax.set_axis_off()
 
 
-def _vit_panels(model, pixels, layer):
-    """(the rows x cols the picture is cut to, [(title, map, cell)]) of a ViT or DeiT."""
+def _token_panels(model, pixels, layer):
+    """(the rows x cols the picture is cut to, [(title, map, cell)]) of a model whose attention runs
+    over a class token (and any other the config names) and the patches."""
     weights, grid = image_attention(model, pixels)
     L, H = weights.shape[:2]
     if layer is not None and not 1 <= layer <= L:
@@ -139,35 +146,30 @@ def _vit_panels(model, pixels, layer):
         (f"layer {layer}, head {h + 1}", heads[h], None) for h in range(H)]
 
 
-def is_swin(model: nn.Module) -> bool:
-    """Whether ``model`` attends within windows (attnlab.nn.window.WindowAttention): a Swin."""
-    return any(isinstance(m, WindowAttention) for m in model.modules())
+def tiles_maps(model: nn.Module) -> bool:
+    """Whether a mixer of ``model`` reports its tokens as a map (attnlab.nn.record ``tiles_map``:
+    attention within windows, as a Swin's)."""
+    return any(isinstance(m, ReportsMixing) and m.tiles_map for m in model.modules())
 
 
-def swin_stage_weights(model: nn.Module, pixel_values: Tensor) -> list[tuple[Tensor, tuple[int, int]]]:
-    """Per stage: (weights (blocks, H, N, N) of its blocks over the stage's map, its (rows, cols)),
-    N = rows * cols in row-major order; from one recorded forward of one image."""
+def map_stage_weights(model: nn.Module, pixel_values: Tensor) -> list[tuple[Tensor, tuple[int, int]]]:
+    """Per stage (the calls that ran on one map, in order): (weights (blocks, H, N, N) of its blocks
+    over the stage's map, its (rows, cols)), N = rows * cols in row-major order; from one recorded
+    forward of one image, as the mixers report them (attnlab.nn.record)."""
     model.eval()
-    with torch.no_grad(), record_attention(model) as record:
+    with torch.no_grad(), record_mixers(model) as entries:
         model(pixel_values)
-    grids = model.config.grids(*pixel_values.shape[-2:])
-    stages: dict[int, list[Tensor]] = {}
-    for call in record:
-        owner = model.get_submodule(call.module.rsplit(".", 1)[0])          # the block's WindowAttention
-        stage = int(call.module.split("stages.")[1].split(".")[0])
-        rows, cols = grids[stage]
-        M, shift = window_and_shift(rows, cols, owner.window, owner.shift)
-        Hp, Wp = -(-rows // M) * M, -(-cols // M) * M
-        order = window_order(Hp, Wp, M, shift, call.weights.device)          # window slot -> padded map index
-        w = call.weights.float()                                             # (windows, H, M², M²)
-        H = w.size(1)
-        full = w.new_zeros(H, Hp * Wp, Hp * Wp)
-        slots = order.view(-1, M * M)                                        # (windows, M²)
-        full[:, slots[:, :, None], slots[:, None, :]] = w.permute(1, 0, 2, 3)
-        real = (torch.arange(Hp)[:, None] < rows) & (torch.arange(Wp)[None, :] < cols)
-        keep = real.flatten().nonzero().squeeze(1).to(w.device)
-        stages.setdefault(stage, []).append(full[:, keep][:, :, keep])
-    return [(torch.stack(stages[s]), grids[s]) for s in sorted(stages)]
+    stages: list[tuple[list[Tensor], tuple[int, int]]] = []
+    for entry in entries:
+        call = entry.call
+        if call.grid is None or call.matrix is None:
+            continue
+        if not stages or stages[-1][1] != call.grid:
+            stages.append(([], call.grid))
+        stages[-1][0].append(call.magnitude()[0])                          # (H, N, N) of the one image
+    if not stages:
+        raise ValueError(f"viz: no mixer of {type(model).__name__} reported weights on a map")
+    return [(torch.stack(ws), grid) for ws, grid in stages]
 
 
 def _merging(rows: int, cols: int) -> Tensor:
@@ -180,7 +182,7 @@ def _merging(rows: int, cols: int) -> Tensor:
     return P / P.sum(-1, keepdim=True)
 
 
-def swin_rollout(stages: list[tuple[Tensor, tuple[int, int]]]) -> Tensor:
+def map_rollout(stages: list[tuple[Tensor, tuple[int, int]]]) -> Tensor:
     """(N_0,): the pooled output's rollout over the first stage's patches (module docstring)."""
     total = None
     for i, (w, (rows, cols)) in enumerate(stages):
@@ -192,37 +194,49 @@ def swin_rollout(stages: list[tuple[Tensor, tuple[int, int]]]) -> Tensor:
     return total.mean(0).float()
 
 
-def swin_panels(model, pixels) -> list[tuple[str, Tensor, int]]:
-    """[(title, map (rows, cols), cell pixels)]: a Swin's pooled rollout, then per stage the
-    attention each patch receives in its last block (module docstring)."""
-    stages = swin_stage_weights(model, pixels)
+def stage_cell(patch: int, first: tuple[int, int], grid: tuple[int, int]) -> int:
+    """The pixels a side of a token of the map ``grid``: a patch times the power of two the map was
+    reduced by from the ``first`` (each merge halves it, rounding up)."""
+    return patch * 2 ** round(math.log2(first[0] / grid[0]))
+
+
+def map_panels(model, pixels) -> list[tuple[str, Tensor, int]]:
+    """[(title, map (rows, cols), cell pixels)]: the pooled rollout, then per stage the attention
+    each patch receives in its last block (module docstring)."""
+    stages = map_stage_weights(model, pixels)
     patch = model.config.patch_size
     rows, cols = stages[0][1]
-    panels = [("rollout of the pooled output", swin_rollout(stages).cpu().reshape(rows, cols), patch)]
+    panels = [("rollout of the pooled output", map_rollout(stages).cpu().reshape(rows, cols), patch)]
     for s, (w, (r, c)) in enumerate(stages):
         received = w[-1].mean(0).mean(0).cpu().reshape(r, c)             # (N, N) -> mean over heads, queries
-        panels.append((f"stage {s + 1} ({r}x{c}), block {w.size(0)}: received", received, patch * 2 ** s))
+        panels.append((f"stage {s + 1} ({r}x{c}), block {w.size(0)}: received", received,
+                       stage_cell(patch, (rows, cols), (r, c))))
     return panels
+
+
+# the names these had when a Swin was the only model with windows
+is_swin, swin_stage_weights, swin_rollout, swin_panels = tiles_maps, map_stage_weights, map_rollout, map_panels
 
 
 def draw_image_attention(model: nn.Module, processor, image, path: str | Path, *, layer: int | None = None) -> Path:
     """Write a PNG of ``image`` (a path, PIL image or uint8 array; ``processor`` an
     :class:`attnlab.processors.ImageProcessor`) as ``model`` sees it, then the attention rollout and
     the class token's attention per head in ``layer`` (1-based; default the last) over it; for a
-    Swin, the pooled rollout and each stage's received attention (module docstring).
+    model whose mixers tile maps, the pooled rollout and each stage's received attention (module
+    docstring).
     Returns the path. Its size in pixels is :func:`figure_layout`'s (heads, or a Swin's stages
     plus one, for ``num_heads``)."""
     shown = processor.resized(image)                                  # (C, H, W) uint8, what the model reads
     pixels = processor.finish(shown)[None].to(next(model.parameters()).device)
     picture = shown.permute(1, 2, 0).numpy()
     picture = picture[..., 0] if picture.shape[-1] == 1 else picture
-    if is_swin(model):
+    if tiles_maps(model):
         if layer is not None:
             raise ValueError("viz: --layer picks a ViT's layer; a Swin's PNG draws each stage's last block "
                              "(the page, --html, has every block)")
-        panels = swin_panels(model, pixels)
+        panels = map_panels(model, pixels)
     else:
-        crop, panels = _vit_panels(model, pixels, layer)
+        crop, panels = _token_panels(model, pixels, layer)
         picture = picture[: crop[0], : crop[1]]
     rows, cols, _ = figure_layout(len(panels) - 1)
     fig, axes = plt.subplots(rows, cols, figsize=(cols * PANEL_INCHES, rows * PANEL_INCHES), dpi=DPI, squeeze=False)

@@ -4,21 +4,22 @@
 
 Each view is an ordinary (L, H, T, S) :class:`~attnlab.viz.views.View` whose ``image`` says
 which picture its keys tile (:class:`ImageGrid`): the page tints every patch by the weight the
-chosen query gives it. Per family:
+chosen query gives it. By what the model's mixers report (no family is named here):
 
-- **ViT, DeiT** (one grid, a class token, DeiT's distillation token): the self-attention of
-  every layer over prefix + rows * cols tokens, and the attention rollout of
-  attnlab.viz.image.attention_rollout as a (1, 1, T, T) view (row t: how much of token t's final
-  state comes, through attention and residuals, from each input token).
-- **Swin** (no class token; attention inside windows of a map that each stage halves): one view
-  per stage, its blocks as layers. A block's calls are (windows, H, M², M²) in the rolled
-  windows' order; they are put back on the stage's (rows, cols) map, so query (r, c) has
-  weights on the tokens of its own (shifted) window and zero elsewhere (keys of the padding a
-  map gets when the window does not divide it are left out, so such rows sum to less than 1).
-  The rollout follows Abnar and Zuidema within each stage and treats a patch merging as the
-  average of the four tokens it concatenates (as rollout treats the MLPs and norms: as passing
-  the token on), then averages the last stage's rows as the classifier pools them: a
-  (1, 1, 1, patches) view, "[pooled]", of where the pooled output comes from.
+- **attention over the patches** (one grid, and the tokens the config names before it, such as a
+  class token and a distillation token: ViT, DeiT): the self-attention of every layer over
+  prefix + rows * cols tokens, and the attention rollout of attnlab.viz.image.attention_rollout
+  as a (1, 1, T, T) view (row t: how much of token t's final state comes, through attention and
+  residuals, from each input token).
+- **mixers that tile maps** (attnlab.nn.record ``tiles_map``: attention inside windows of a map
+  that each stage halves, as a Swin's; no class token): one view per stage, its blocks as layers.
+  Each block reports its weights put back on the stage's (rows, cols) map (attnlab.nn.window.
+  on_the_map), so query (r, c) has weights on the tokens of its own (shifted) window and zero
+  elsewhere (keys of the padding a map gets when the window does not divide it are left out, so
+  such rows sum to less than 1). The rollout follows Abnar and Zuidema within each stage and
+  treats a patch merging as the average of the four tokens it concatenates (as rollout treats
+  the MLPs and norms: as passing the token on), then averages the last stage's rows as the
+  classifier pools them: a (1, 1, 1, patches) view, "[pooled]", of where the pooled output comes from.
 """
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .image import attention_rollout, image_attention, is_swin, swin_rollout, swin_stage_weights
+from .image import (attention_rollout, image_attention, is_swin, map_rollout, map_stage_weights, stage_cell,
+                    swin_rollout, swin_stage_weights, tiles_maps)
 from .labels import PatchGrid
 from .views import View
 
-__all__ = ["ImageGrid", "image_views", "is_swin", "png_bytes", "swin_stage_weights", "swin_rollout"]
+__all__ = ["ImageGrid", "image_views", "tiles_maps", "png_bytes", "map_stage_weights", "map_rollout",
+           "is_swin", "swin_stage_weights", "swin_rollout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +65,7 @@ def _picture(processor, image) -> tuple[Tensor, np.ndarray]:
     return processor.finish(shown)[None], shown.permute(1, 2, 0).numpy()
 
 
-def _vit_views(model, pixels, png) -> list[View]:
+def _token_views(model, pixels, png) -> list[View]:
     weights, grid = image_attention(model, pixels)
     labels = grid()
     at = ImageGrid(png, grid.rows, grid.cols, grid.patch_size, len(grid.prefix))
@@ -72,17 +75,17 @@ def _vit_views(model, pixels, png) -> list[View]:
             View("rollout", "attention rollout (all layers, heads averaged)", rollout, labels, labels, image=at)]
 
 
-def _swin_views(model, pixels, png) -> list[View]:
-    stages = swin_stage_weights(model, pixels)
+def _map_views(model, pixels, png) -> list[View]:
+    stages = map_stage_weights(model, pixels)
     views, patch = [], model.config.patch_size
     for s, (w, (rows, cols)) in enumerate(stages):
-        side = patch * 2 ** s
+        side = stage_cell(patch, stages[0][1], (rows, cols))
         labels = PatchGrid((rows, cols), 1, ())()
         views.append(View(f"stage{s + 1}/self", f"stage {s + 1} window attention ({rows}x{cols} tokens)", w.cpu(),
                           labels, labels, image=ImageGrid(png, rows, cols, (side, side))))
     rows, cols = stages[0][1]
     views.append(View("rollout", "attention rollout of the pooled output (merges as averages)",
-                      swin_rollout(stages)[None, None, None], ["[pooled]"], PatchGrid((rows, cols), 1, ())(),
+                      map_rollout(stages)[None, None, None], ["[pooled]"], PatchGrid((rows, cols), 1, ())(),
                       image=ImageGrid(png, rows, cols, (patch, patch))))
     return views
 
@@ -90,12 +93,12 @@ def _swin_views(model, pixels, png) -> list[View]:
 @torch.no_grad()
 def image_views(model: nn.Module, processor, image) -> list[View]:
     """The views of ``image`` (a path, PIL image or uint8 array, through ``processor``, an
-    :class:`attnlab.processors.ImageProcessor`) in ``model``, a ViT, DeiT or Swin (module docstring)."""
+    :class:`attnlab.processors.ImageProcessor`) in ``model`` (module docstring)."""
     pixels, picture = _picture(processor, image)
     pixels = pixels.to(next(model.parameters()).device)
     model.eval()
-    if is_swin(model):
-        return _swin_views(model, pixels, png_bytes(picture))
+    if tiles_maps(model):
+        return _map_views(model, pixels, png_bytes(picture))
     patch = model.config.patch_size
     rows, cols = pixels.size(2) // patch, pixels.size(3) // patch
-    return _vit_views(model, pixels, png_bytes(np.ascontiguousarray(picture[: rows * patch, : cols * patch])))
+    return _token_views(model, pixels, png_bytes(np.ascontiguousarray(picture[: rows * patch, : cols * patch])))

@@ -2,9 +2,14 @@
 Mamba-3's trapezoidal and rotated form): the (T, T) matrix per head that the scan multiplies its
 input by, read off the layer's own scan inputs during a forward.
 
-    with record_scans(model) as calls:            # every Mamba-2 / Mamba-3 scan, in call order
+    with record_scans(model) as calls:            # every mixer's call that has a map, in call order
         model(ids)
     M = implicit_matrices(model, ids)             # (L, b, H, T, T), fp32
+
+Nothing here knows a family: each mixer reports its calls and their maps itself
+(attnlab.nn.record: ``MixerCall.matrix``, ``.blocks``, ``.magnitude``), the scans' math lives in
+attnlab.nn.ssd.ssd_matrix and attnlab.nn.mamba3_scan.mamba3_blocks, and a new mixer that reports a
+map is drawn as these are. What the two scans report:
 
 Mamba-2 (attnlab.nn.ssd): y = M x + D x, with x the scan's input u (b, T, h, p) and, per head,
 
@@ -28,145 +33,104 @@ the block's Frobenius norm ||M[t, :, s, :]||_F (:func:`call_magnitude`): it boun
 largest singular value, so no input of unit norm at s moves the scan's outputs at t by more;
 it is |M[t, s]| when R = 1, the magnitude drawn for every other matrix too. The matrix is the
 same for every channel of a head (the decay is a scalar per head), which is why Mamba-1, whose
-decay is a (d, n) matrix, has none per head and is refused.
+decay is a (d, n) matrix, has none per head and is refused (its mixer reports no map, and says why).
 
 Entries can be negative (C · B is a dot product): attnlab.viz.views.implicit_views draws their
 magnitude, :func:`implicit_magnitudes`.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from ..models import mamba2 as mamba2_module
-from ..models import mamba3 as mamba3_module
-from ..nn.ssd import _heads, _segment_sums
+from ..nn.record import MixerCall, ReportsMixing
 
-__all__ = ["ScanCall", "record_scans", "implicit_matrices", "implicit_magnitudes", "call_matrix", "call_blocks",
-           "call_magnitude", "has_implicit_attention", "mimo_rank"]
+__all__ = ["ScanCall", "record_scans", "implicit_matrices", "implicit_magnitudes", "implicit_title", "call_matrix",
+           "call_blocks", "call_magnitude", "has_implicit_attention"]
 
-
-@dataclass
-class ScanCall:
-    """One scan of one layer: ``family`` "mamba2" or "mamba3", its positional inputs as the scan
-    received them, and its output (y for Mamba-2, with the D skip; Y for Mamba-3, without it)."""
-    family: str
-    inputs: tuple
-    output: Tensor
+ScanCall = MixerCall          # the name this module's callers knew a recorded scan by
 
 
-def _recording(family: str, scan, calls: list[ScanCall]):
-    def recorded(*args, **kwargs):
-        extra = args[6] if len(args) > 6 else kwargs.get("h0", kwargs.get("state"))
-        if extra is not None:
-            raise ValueError(f"implicit attention: the {family} scan ran from a carried state; record a whole "
-                             f"sequence from the start (no cache)")
-        out = scan(*args, **kwargs)
-        calls.append(ScanCall(family, tuple(args[:6]), out[0]))
-        return out
-    return recorded
+def _mapped(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, ReportsMixing) and m.map_per_head]
 
 
 @contextmanager
-def record_scans(model: nn.Module):
-    """Record every Mamba-2 and Mamba-3 scan that runs inside the block, in call order (the
-    layers' order for a forward). The scans themselves run unchanged: the record wraps the
-    function the mixers call and restores it on exit."""
-    calls: list[ScanCall] = []
-    saved = mamba2_module.ssd_scan, mamba3_module.mamba3_scan
-    mamba2_module.ssd_scan = _recording("mamba2", saved[0], calls)
-    mamba3_module.mamba3_scan = _recording("mamba3", saved[1], calls)
+def record_scans(model: nn.Module) -> Iterator[list[MixerCall]]:
+    """Record the calls of every mixer of ``model`` that reports a map per head (attnlab.nn.record),
+    in call order (the layers' order for a forward); the mixers run unchanged."""
+    calls: list[MixerCall] = []
+    mixers = _mapped(model)
     try:
+        for m in mixers:
+            m.mixing_record = calls.append
         yield calls
     finally:
-        mamba2_module.ssd_scan, mamba3_module.mamba3_scan = saved
+        for m in mixers:
+            m.mixing_record = None
 
 
-def _mamba2_matrix(x, dt, A, B, C, D) -> Tensor:
-    nh = x.size(2)
-    dt = dt.float()
-    Bh, Ch = _heads(B.float(), nh), _heads(C.float(), nh)                  # (b, T, h, n)
-    scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)
-    decay = torch.exp(_segment_sums((dt * A.float()).transpose(1, 2)))     # (b, h, T, T), 0 above the diagonal
-    return scores * decay * dt.transpose(1, 2)[:, :, None, :]
+def call_blocks(call: MixerCall) -> Tensor:
+    """The finer map of a call whose entries are blocks (a MIMO scan's (b, H, T, R, T, R))."""
+    if call.blocks is None:
+        raise ValueError(f"implicit attention: call_blocks reads a call whose map has blocks; this {call.family} "
+                         f"one has none (use call_matrix)")
+    return call.blocks()
 
 
-def _mamba3_blocks(C, B, X, a, gamma, beta) -> Tensor:
-    """(b, h, T, R, T, R): M[t, i, s, j] of the module docstring."""
-    gamma, beta = gamma.float().transpose(1, 2), beta.float().transpose(1, 2)   # (b, h, T)
-    w = gamma + torch.cat([beta[..., 1:], torch.zeros_like(beta[..., :1])], dim=-1)
-    T = w.size(-1)
-    below = torch.ones(T, T, dtype=torch.bool, device=w.device).tril(-1)
-    weight = torch.where(below, w[..., None, :], torch.diag_embed(gamma))
-    mix = torch.exp(_segment_sums(a.float().transpose(1, 2))) * weight                # (b, h, T, T)
-    scores = torch.einsum("btihn,bsjhn->bhtisj", C.float(), B.float())
-    return scores * mix[:, :, :, None, :, None]
+def call_matrix(call: MixerCall) -> Tensor:
+    """The signed (b, H, T, T) map of one recorded call (the module docstring)."""
+    if call.matrix is None:
+        raise ValueError(f"implicit attention: the {call.family} call reports no map")
+    return call.matrix()
 
 
-def call_blocks(call: ScanCall) -> Tensor:
-    """(b, H, T, R, T, R): a recorded Mamba-3 scan's map from its inputs X (b, T, R, H, p) to its
-    outputs Y, ``Y[:, t, i] = Σ_{s, j} M[:, :, t, i, s, j] X[:, s, j]`` per channel (R = 1 for SISO)."""
-    if call.family != "mamba3":
-        raise ValueError(f"implicit attention: call_blocks reads a Mamba-3 scan, this is a {call.family} one "
-                         f"(use call_matrix)")
-    return _mamba3_blocks(*call.inputs)
+def call_magnitude(call: MixerCall) -> Tensor:
+    """(b, H, T, T) >= 0: what is drawn of a call, |M| or a block's Frobenius norm."""
+    if call.magnitude is None:
+        raise ValueError(f"implicit attention: the {call.family} call reports no map")
+    return call.magnitude()
 
 
-def call_matrix(call: ScanCall) -> Tensor:
-    """The signed (b, H, T, T) implicit attention of one recorded Mamba-2 or SISO Mamba-3 scan
-    (the module docstring). A MIMO scan has an R x R block per entry instead: :func:`call_blocks`."""
-    if call.family == "mamba2":
-        return _mamba2_matrix(*call.inputs)
-    R = call.inputs[1].size(2)
-    if R != 1:
-        raise ValueError(f"implicit attention: a MIMO Mamba-3 (rank {R}) maps its inputs to its outputs by an "
-                         f"{R}x{R} block per (t, s), not one number; use call_blocks, or call_magnitude "
-                         f"for the blocks' Frobenius norms")
-    return call_blocks(call)[:, :, :, 0, :, 0]
-
-
-def call_magnitude(call: ScanCall) -> Tensor:
-    """(b, H, T, T) >= 0: |M[t, s]| of a Mamba-2 or SISO Mamba-3 scan, the Frobenius norm of the
-    R x R block M[t, :, s, :] of a MIMO one (equal to |M[t, s]| when R = 1)."""
-    if call.family == "mamba2":
-        return _mamba2_matrix(*call.inputs).abs()
-    return torch.linalg.matrix_norm(call_blocks(call).transpose(3, 4))     # over the (i, j) of each block
-
-
-def mimo_rank(model: nn.Module) -> int:
-    """The largest rank R of the model's Mamba-3 layers (1: SISO, or no Mamba-3 layer)."""
-    return max((m.c.rank for m in model.modules() if isinstance(m, mamba3_module.Mamba3Mixer)), default=1)
+def implicit_title(calls: list[MixerCall]) -> str:
+    """What the drawn values of ``calls`` are, as their mixers say (distinct titles joined)."""
+    return "; ".join(dict.fromkeys(c.title or f"{c.family} map" for c in calls))
 
 
 def has_implicit_attention(model: nn.Module) -> bool:
-    return any(isinstance(m, (mamba2_module.Mamba2Mixer, mamba3_module.Mamba3Mixer)) for m in model.modules())
+    """Whether a mixer of ``model`` reports a (T, T) map per head."""
+    return bool(_mapped(model))
 
 
-def _scans(model: nn.Module, ids: Tensor) -> list[ScanCall]:
-    """The scans of one forward of ``model`` over ``ids``, one per Mamba-2 / Mamba-3 layer."""
-    if not has_implicit_attention(model):
-        raise ValueError(f"implicit attention: {type(model).__name__} has no Mamba-2 or Mamba-3 layer "
-                         f"(Mamba-1's decay differs per channel, so it has no (T, T) matrix per head)")
+def _scans(model: nn.Module, ids: Tensor) -> list[MixerCall]:
+    """The mapped calls of one forward of ``model`` over ``ids``, one per such mixer."""
+    mixers = _mapped(model)
+    if not mixers:
+        reasons = list(dict.fromkeys(m.no_map_reason for m in model.modules()
+                                     if isinstance(m, ReportsMixing) and m.no_map_reason))
+        raise ValueError(f"implicit attention: {type(model).__name__} has no mixer that reports a (T, T) map per "
+                         f"head" + (f" ({'; '.join(reasons)})" if reasons else ""))
     with record_scans(model) as calls:
         model(ids)
-    mixers = sum(isinstance(m, (mamba2_module.Mamba2Mixer, mamba3_module.Mamba3Mixer)) for m in model.modules())
-    if len(calls) != mixers:     # a mixer that reached its scan another way would leave a layer out silently
-        raise ValueError(f"implicit attention: {len(calls)} scans recorded for {mixers} Mamba-2 / Mamba-3 layers")
+    if len(calls) != len(mixers):     # a mixer that ran another way would leave a layer out silently
+        raise ValueError(f"implicit attention: {len(calls)} calls recorded for {len(mixers)} mixers with a map")
     return calls
 
 
 @torch.no_grad()
 def implicit_matrices(model: nn.Module, ids: Tensor) -> Tensor:
-    """(L, b, H, T, T) fp32, signed: each Mamba-2 / SISO Mamba-3 layer's implicit attention for
-    ``ids`` (b, T), from one forward of the model, whose outputs it leaves as they are."""
+    """(L, b, H, T, T) fp32, signed: each mapped mixer's implicit attention for ``ids`` (b, T), from
+    one forward of the model, whose outputs it leaves as they are."""
     return torch.stack([call_matrix(c) for c in _scans(model, ids)])
 
 
 @torch.no_grad()
-def implicit_magnitudes(model: nn.Module, ids: Tensor) -> Tensor:
-    """(L, b, H, T, T) fp32, >= 0: :func:`call_magnitude` of each layer, MIMO Mamba-3 included."""
-    return torch.stack([call_magnitude(c) for c in _scans(model, ids)])
-
+def implicit_magnitudes(model: nn.Module, ids: Tensor, *, title: bool = False):
+    """(L, b, H, T, T) fp32, >= 0: :func:`call_magnitude` of each layer (with ``title``: and
+    :func:`implicit_title` of the calls)."""
+    calls = _scans(model, ids)
+    M = torch.stack([call_magnitude(c) for c in calls])
+    return (M, implicit_title(calls)) if title else M

@@ -39,8 +39,9 @@ from torch import Tensor, nn
 
 from ..models.encoder import Encoder
 from ..nn.attention import MultiHeadAttention
+from ..nn.record import MixerCall, ReportsMixing
 
-__all__ = ["AttentionCall", "AttentionRecord", "record_attention"]
+__all__ = ["AttentionCall", "AttentionRecord", "record_attention", "MixerEntry", "record_mixers"]
 
 ROLES = ("self", "cross")
 
@@ -248,3 +249,71 @@ def record_attention(model: nn.Module) -> Iterator[AttentionRecord]:
     finally:
         for _, m in modules:
             m.attention_record = None
+
+
+@dataclass(frozen=True, eq=False)
+class MixerEntry:
+    """One call of one reporting mixer (attnlab.nn.record): its qualified ``module`` name, the
+    ``part`` (layer stack) and ``layer`` index its name places it in, and what it reported."""
+    module: str
+    part: str
+    layer: int
+    call: MixerCall
+
+
+class _Entries:
+    """What one mixer's report calls while recorded: a :class:`MixerEntry` with the mixer's part
+    and layer (a module serving several layers, a shared layer, serves them in turn)."""
+
+    def __init__(self, entries: list, module: str, part: str, slots: list[int]):
+        self.entries, self.module, self.part, self.slots, self.count = entries, module, part, slots, 0
+
+    def __call__(self, call: MixerCall) -> None:
+        layer = self.slots[self.count % len(self.slots)]
+        self.count += 1
+        self.entries.append(MixerEntry(self.module, self.part, layer, call))
+
+
+class _AttentionReport:
+    """An attention module's listener that reports its calls as :class:`MixerCall` s (kind
+    "attention": the softmax weights, (B, H, T, S), as the attention record has them)."""
+
+    def __init__(self, report):
+        self.report = report
+
+    def __call__(self, weights: Tensor, query_start: int | None, mask: Tensor) -> None:
+        self.report(MixerCall("attention", (), None, matrix=lambda: weights, kind="attention",
+                              title="self-attention"))
+
+
+@contextmanager
+def record_mixers(model: nn.Module) -> Iterator[list[MixerEntry]]:
+    """Collect a :class:`MixerEntry` per call of every mixer of ``model``, in call order: those
+    that report through attnlab.nn.record (windowed attention, the scans, a new mixer of a family of
+    its own) and every :class:`MultiHeadAttention`, whose calls come as kind "attention" (for its
+    query positions and cached steps, :func:`record_attention`). A mixer inside another reporting
+    one is left to its owner. Outputs are unchanged."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, (ReportsMixing, MultiHeadAttention))]
+    owners = [name for name, m in found if isinstance(m, ReportsMixing)]
+    outer = [(name, m) for name, m in found if not any(name.startswith(o + ".") for o in owners if o != name)]
+    if not outer:
+        raise ValueError(f"record_mixers: {type(model).__name__} has no mixer that reports what it computed")
+    if any((m.attention_record if isinstance(m, MultiHeadAttention) else m.mixing_record) is not None
+           for _, m in outer):
+        raise RuntimeError("record_mixers: this model is already being recorded")
+    entries: list[MixerEntry] = []
+    layout = _layout(model, outer)
+    try:
+        for name, m in outer:
+            report = _Entries(entries, name, *layout[name])
+            if isinstance(m, MultiHeadAttention):
+                m.attention_record = _AttentionReport(report)
+            else:
+                m.mixing_record = report
+        yield entries
+    finally:
+        for _, m in outer:
+            if isinstance(m, MultiHeadAttention):
+                m.attention_record = None
+            else:
+                m.mixing_record = None

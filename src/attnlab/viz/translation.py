@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from ..generate import greedy_decode
+from ..generate.state import context_of
 from .attention import plot_attention, plot_attention_grid
 from .labels import readable_piece
 from .record import record_attention
@@ -33,7 +34,7 @@ def _pair(model, src_tok, tgt_tok, text: str, target: str | None, max_len: int |
             raise ValueError("viz: --target is empty")
         return src, out if out[-1] == tgt_tok.eos_id else out + [tgt_tok.eos_id]
     limit = 2 * len(src) + 10
-    longest = getattr(model.config, "max_seq_len", None)     # None: relative positions (T5) set no limit
+    longest = context_of(model)                         # None: relative positions set no limit
     limit = max_len or (limit if longest is None else min(limit, longest))
     out = greedy_decode(model, torch.tensor([src], device=device), max_len=limit, bos_id=_start(model, tgt_tok),
                         eos_id=tgt_tok.eos_id, pad_id=tgt_tok.pad_id)[0].tolist()

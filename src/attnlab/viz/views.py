@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.attention import MultiHeadAttention
-from .implicit import has_implicit_attention, implicit_magnitudes, mimo_rank
+from .implicit import has_implicit_attention, implicit_magnitudes
 from .record import AttentionRecord, record_attention
 
 __all__ = ["View", "record_views", "text_views", "implicit_views", "seq2seq_views"]
@@ -83,8 +83,8 @@ def record_views(record: AttentionRecord, rows: Sequence[str], cols: Sequence[st
 def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
     if not any(isinstance(m, MultiHeadAttention) for m in model.modules()):
         raise ValueError(f"viz: {type(model).__name__} has no attention layers to draw (it is built without "
-                         f"attnlab's MultiHeadAttention, and is not a Mamba-2 or Mamba-3, whose implicit "
-                         f"attention is drawn instead)")
+                         f"attnlab's MultiHeadAttention, and none of its mixers reports a (T, T) map per head, "
+                         f"which is drawn instead)")
     with record_attention(model) as record:
         model(*args)
     return record
@@ -92,15 +92,13 @@ def _forward_recorded(model: nn.Module, *args) -> AttentionRecord:
 
 @torch.no_grad()
 def implicit_views(model: nn.Module, ids: Sequence[int], labels: Sequence[str]) -> list[View]:
-    """One "matrix" view of the magnitude of every Mamba-2 / Mamba-3 layer's implicit attention
-    (attnlab.viz.implicit; its entries can be negative, C · B being a dot product; a MIMO
-    Mamba-3's is the Frobenius norm of its rank x rank block per entry)."""
+    """One "matrix" view of the magnitude of every mixer's map (attnlab.viz.implicit: a mixer that
+    reports a (T, T) map per head, such as Mamba-2's and Mamba-3's implicit attention, whose entries
+    can be negative, C · B being a dot product), titled as the mixers say."""
     model.eval()
     device = next(model.parameters()).device
-    M = implicit_magnitudes(model, torch.tensor([list(ids)], device=device))[:, 0]
-    rank = mimo_rank(model)
-    what = f"‖rank {rank}×{rank} block‖_F" if rank > 1 else "|C·B × decay × step|"
-    return [View("layers/implicit", f"implicit attention {what}", M, list(labels), list(labels), kind="matrix")]
+    M, title = implicit_magnitudes(model, torch.tensor([list(ids)], device=device), title=True)
+    return [View("layers/implicit", title, M[:, 0], list(labels), list(labels), kind="matrix")]
 
 
 @torch.no_grad()

@@ -1,0 +1,110 @@
+"""Typed settings of a task: one dataclass per task, made from its options (its own, the training
+options every task shares, and the options the registered families add), so that a wrong key is an
+error where the settings are defined, not a silent default where they are read.
+
+    image = get_task("image")
+    s = image.settings(d_model=16, heads=2)        # an ImageClassificationSettings
+    s.d_model, s["heads"]                          # typed fields; the mapping view the tasks read
+    image.settings(d_modle=16)                     # ValueError: 'd_modle' is not an option of ...
+    s["d_modle"] = 16                              # KeyError, the same line
+    s.to_dict(), type(s).from_dict(saved)          # what config.yaml holds, and back
+
+Every value is validated by its option as it is set (its type, choices and check), so a settings
+object holds valid values only; ``task.check`` adds the checks across options. The class is made
+once per task and set of options (a family registered later adds its options to a new class).
+"""
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import field, fields, make_dataclass
+from typing import Any, ClassVar
+
+__all__ = ["Settings", "settings_class"]
+
+
+class Settings(MutableMapping):
+    """The base of every task's settings class (module docstring): typed fields, one per option,
+    and a mapping view with the options' names as its only keys."""
+
+    __slots__ = ()
+    options: ClassVar[dict] = {}          # name -> Option
+    task: ClassVar[str] = ""
+
+    def _unknown(self, key) -> str:
+        return f"'{key}' is not an option of 'attnlab train {self.task}'"
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.options:
+            raise KeyError(self._unknown(key))
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.options:
+            raise KeyError(self._unknown(key))
+        setattr(self, key, value)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        option = self.options.get(key)
+        if option is None:
+            raise AttributeError(self._unknown(key))
+        option.validate(value)
+        object.__setattr__(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(f"settings of 'attnlab train {self.task}' keep every option; set {key!r} to None instead")
+
+    def __iter__(self):
+        return iter(self.options)
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{k}={v!r}" for k, v in self.items() if v != self.options[k].default)
+        return f"{type(self).__name__}({given})"
+
+    def to_dict(self) -> dict:
+        """Every option's value, by name: what a run's config.yaml holds."""
+        return {k: getattr(self, k) for k in self.options}
+
+    def copy(self) -> "Settings":
+        return type(self).from_dict(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str | None = None) -> "Settings":
+        """The settings with ``values`` over the defaults; ValueError in one line naming an unknown
+        key or a bad value (``where``: the file they came from)."""
+        out = cls()
+        for key, value in values.items():
+            try:
+                out[key] = value
+            except (KeyError, ValueError) as e:
+                message = e.args[0] if e.args else str(e)
+                raise ValueError(f"{where}: {message}" if where else message) from None
+        return out
+
+
+def _annotation(option) -> Any:
+    return option.type | None
+
+
+_CLASSES: dict[tuple, type] = {}
+
+
+def settings_class(task) -> type[Settings]:
+    """The settings dataclass of ``task`` (a TaskDefinition) for its options as registered now."""
+    options = {o.name: o for o in task.all_options()}
+    key = (type(task), task.name, tuple((o.name, o.type, o.default) for o in options.values()))
+    cls = _CLASSES.get(key)
+    if cls is None:
+        name = "".join(part.title() for part in task.name.replace("-", "_").split("_")) + "Settings"
+        cls = make_dataclass(name, [(n, _annotation(o), field(default=o.default)) for n, o in options.items()],
+                             bases=(Settings,), slots=True, eq=False, repr=False,
+                             namespace={"options": options, "task": task.name, "__module__": __name__})
+        _CLASSES[key] = cls
+    return cls
+
+
+def check_fields(cls: type[Settings]) -> None:
+    """AssertionError unless ``cls``'s fields are exactly its options (the tests' contract)."""
+    assert [f.name for f in fields(cls)] == list(cls.options), cls

@@ -1,0 +1,76 @@
+"""Typed settings per task (attnlab.tasks.settings): each task's settings are a dataclass of its
+options, typed and validated as they are set, with a wrong key an error where the settings are
+defined; they are saved to config.yaml as a plain mapping and restored from it unchanged."""
+import dataclasses
+import typing
+
+import pytest
+import yaml
+
+from attnlab.tasks import get_task, registered_tasks
+from attnlab.tasks.settings import Settings
+
+
+@pytest.mark.parametrize("name", sorted(registered_tasks()))
+def test_every_task_has_a_dataclass_of_its_options(name):
+    task = get_task(name)
+    s = task.defaults()
+    assert isinstance(s, Settings) and dataclasses.is_dataclass(s)
+    options = {o.name: o for o in task.all_options()}
+    assert [f.name for f in dataclasses.fields(s)] == list(options)
+    hints = typing.get_type_hints(type(s))
+    assert all(hints[n] == (o.type | None) for n, o in options.items())
+    assert s.to_dict() == {n: o.default for n, o in options.items()}
+    assert task.settings_class() is type(s)              # made once per set of options
+
+
+def test_a_wrong_key_is_an_error_where_the_settings_are_defined():
+    image = get_task("image")
+    with pytest.raises(ValueError, match=r"^'d_modle' is not an option of 'attnlab train image'$"):
+        image.settings(d_modle=16)
+    s = image.settings(d_model=16)
+    with pytest.raises(KeyError, match="'d_modle' is not an option of 'attnlab train image'"):
+        s["d_modle"] = 3
+    with pytest.raises(KeyError):
+        s["d_modle"]
+    with pytest.raises(AttributeError, match="'d_modle' is not an option"):
+        s.d_modle = 3
+    assert s.get("d_modle") is None and "d_modle" not in s
+
+
+def test_values_are_validated_as_they_are_set():
+    s = get_task("image").settings()
+    with pytest.raises(ValueError, match=r"^--heads: expected int, got 'x'$"):
+        s.heads = "x"
+    with pytest.raises(ValueError, match=r"^--channels: 2 is not one of 1, 3$"):
+        s["channels"] = 2
+    with pytest.raises(ValueError, match=r"^--label-fraction: must be in \(0, 1\]"):
+        get_task("image").settings(label_fraction=0.0)
+    s.update(heads=2, channels=1)
+    assert (s.heads, s["channels"]) == (2, 1)
+    with pytest.raises(TypeError, match="keep every option"):
+        del s["heads"]
+
+
+def test_settings_are_saved_and_restored_unchanged():
+    mae = get_task("mae")
+    s = mae.settings(mask_ratio=0.5, d_model=32, seed=3)
+    text = yaml.safe_dump({"task": "mae", "settings": dict(s)})
+    back = type(s).from_dict(yaml.safe_load(text)["settings"], where="config.yaml")
+    assert back == s and back.to_dict() == s.to_dict() and back is not s
+    with pytest.raises(ValueError, match=r"^config.yaml: --mask-ratio: must be in \[0, 1\), got 1.5$"):
+        type(s).from_dict({"mask_ratio": 1.5}, where="config.yaml")
+    with pytest.raises(ValueError, match=r"^config.yaml: 'old_option' is not an option of 'attnlab train mae'$"):
+        type(s).from_dict({"old_option": 1}, where="config.yaml")
+
+
+def test_the_mae_task_reads_its_settings_as_typed_fields():
+    """attnlab.tasks.mae is written against the fields (s.mask_ratio), not string keys."""
+    import re
+    from pathlib import Path
+    import attnlab.tasks.mae as module
+    source = Path(module.__file__).read_text()
+    assert not re.search(r"\bs\[['\"]", source)
+    s = get_task("mae").settings()
+    get_task("mae").check(s)
+    assert (s.model, s.image_size, s.patch_size) == ("vit_mae", 8, 2)
