@@ -146,3 +146,16 @@ def test_the_coverage_table_fits_its_column(browser, built_site):  # noqa: F811
         "const column = document.querySelector('.col-md-9').clientWidth;"
         "return [...document.querySelectorAll('.col-md-9 table')].map(t => [t.scrollWidth, t.clientWidth, column])")
     assert widths and all(scroll <= client <= column for scroll, client, column in widths), widths
+
+
+def test_lesson_pages_carry_no_machine_dependent_timings():
+    """Timings and per-CPU results go stale: they live in benchmarks/results/ and the pages link there.
+    A CPU's name, a time in ms, or 'N s of CPU' on a lesson page fails this test."""
+    stale = re.compile(r"\b(Xeon|EPYC|Ryzen|Core i[3579])\b|\b\d[\d,.]*\s?ms\b|\b\d[\d,.]*\s?s of (CPU|its|wall)\b"
+                       r"|\btokens/s\b|\bload average\b", re.IGNORECASE)
+    found = [f"docs/{page.name}:{n}: {line.strip()[:80]}"
+             for page in sorted((ROOT / "docs").glob("*.md"))
+             for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1) if stale.search(line)]
+    assert not found, "machine-dependent figures on lesson pages (move them to benchmarks/results/):\n" + "\n".join(found)
+    for name in ("vision.md", "state-space.md", "explorer.md", "lessons.md"):
+        assert (ROOT / "benchmarks" / "results" / name).is_file(), f"benchmarks/results/{name} is missing"
