@@ -153,9 +153,12 @@ def test_hovering_a_token_focuses_its_lines(browser, small_page):
 def test_switching_head_layer_and_view_changes_the_drawing(browser, small_page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.common.action_chains import ActionChains
     _open(browser, small_page)
+    assert {h for h, *_ in _lines(browser)} == {"0", "1", "2", "3"}, "every head is shown at first"
+    ActionChains(browser).double_click(browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="0"]')).perform()
     first = _lines(browser)
-    assert {h for h, *_ in first} == {"0"}
+    assert {h for h, *_ in first} == {"0"}, "a double click shows one head alone"
     browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="2"]').click()
     both = _lines(browser)
     assert {h for h, *_ in both} == {"0", "2"}
@@ -365,18 +368,26 @@ def test_the_image_page_loads_without_errors_or_requests_and_tints_the_patches(b
     assert browser.execute_script("return attnlabExplorer.state.tab") == "image"
     query, first = _canvas(browser)
     assert query == "0"                                                  # the class token by default
-    # the tint follows the weights: the brightest patch of the class token's row in head 1 is
-    # yellow-most, read back from the canvas
-    brightest = browser.execute_script("""
+    # the tint follows the weights: every patch's pixel, read back from the canvas, is the picture's
+    # pixel under the colour of its weight at an opacity of 0.7 x weight / the row's largest, so
+    # the brightest patch is the most tinted and still shows 30 % of the picture
+    err = browser.execute_script("""
         const v = attnlabExplorer.view(), g = v.image, c = document.getElementById('image-canvas');
         const zoom = c.width / +c.dataset.picture, ctx = c.getContext('2d');
-        const at = (r, k) => ctx.getImageData(Math.floor((k + 0.5) * g.cell[1] * zoom),
-                                              34 + Math.floor((r + 0.5) * g.cell[0] * zoom), 1, 1).data;
-        const row = attnlabExplorer.rowVector(0, 0).slice(g.prefix);
-        let best = 0; row.forEach((w, i) => { if (w > row[best]) best = i; });
-        return [best, [...Array(g.rows * g.cols).keys()].map(i => at(Math.floor(i / g.cols), i % g.cols)[1])];""")
-    best, greens = brightest
-    assert max(range(len(greens)), key=greens.__getitem__) == best
+        const plain = document.createElement('canvas'); plain.width = c.width; plain.height = c.height - 34;
+        const p = plain.getContext('2d'); p.imageSmoothingEnabled = zoom < 4;
+        p.drawImage(attnlabExplorer.pictureElement(), 0, 0, plain.width, plain.height);
+        const mean = attnlabExplorer.imageRow();
+        let top = 0; mean.slice(g.prefix).forEach(w => { top = Math.max(top, w); });
+        let err = 0;
+        for (let i = 0; i < g.rows * g.cols; i++) {
+          const x = Math.floor(((i % g.cols) + 0.5) * g.cell[1] * zoom), y = Math.floor((Math.floor(i / g.cols) + 0.5) * g.cell[0] * zoom);
+          const got = ctx.getImageData(x, 34 + y, 1, 1).data, under = p.getImageData(x, y, 1, 1).data;
+          const f = mean[g.prefix + i] / top, a = 0.7 * f, rgb = attnlabDraw.colormap(f);
+          for (let ch = 0; ch < 3; ch++) err = Math.max(err, Math.abs(got[ch] - ((rgb[ch] | 0) * a + under[ch] * (1 - a))));
+        }
+        return err;""")
+    assert err <= 3, f"a patch's pixel is {err} levels from the picture under its weight's tint"
     _keep(browser, "explorer-image-view.png", tmp_path)
 
 
@@ -416,8 +427,9 @@ def test_the_image_view_exports_a_png_and_an_svg(browser, vit_page, tmp_path):
     browser.find_element(By.ID, "export-svg").click()
     svg = _downloaded(browser.downloads, "attention.svg")
     width, height = browser.execute_script("const c = document.getElementById('image-canvas'); return [c.width, c.height]")
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (width, height)
+    scale = int(browser.find_element(By.ID, "png-scale").get_attribute("value"))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and scale == 2                  # 2x by default
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (scale * width, scale * height)
     root = ET.fromstring(svg)
     image = root.find("{http://www.w3.org/2000/svg}image")
     assert root.tag == "{http://www.w3.org/2000/svg}svg" and image is not None
@@ -491,6 +503,8 @@ def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, ma
     Select(browser.find_element(By.ID, "layer-select")).select_by_value("1")
     layer2 = _lines(browser)
     assert layer2 and layer2 != layer1
+    head0 = browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="0"]')
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('dblclick', {bubbles: true}))", head0)
     browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="1"]').click()
     assert {h for h, *_ in _lines(browser)} == {"0", "1"}
     # the model view: every layer x head of the matrix, no two panels alike, one enlarged on a click
@@ -517,7 +531,7 @@ def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, ma
     browser.find_element(By.ID, "export-svg").click()
     svg = _downloaded(browser.downloads, "attention.svg")
     width = browser.execute_script("return document.getElementById('enlarged-canvas').width")
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 2 * width     # drawn again at 2x
     assert ET.fromstring(svg).find("{http://www.w3.org/2000/svg}image") is not None
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -571,3 +585,138 @@ def test_a_swin_t_image_page_stays_usable(browser, tmp_path):
     m = _measure_image(browser, page, views)
     assert m["bytes"] < 15_000_000 and m["first_view_ms"] < 5000, m
     (ARTIFACTS / "explorer-image-swin-t.json").write_text(json.dumps(m))
+
+
+# ------------------------------------------------------------------ scale, values, neurons, resolution, notebook
+
+@pytest.fixture(scope="module")
+def neuron_page(tmp_path_factory):
+    """A real 2-layer encoder-decoder's views, each carrying its queries and keys."""
+    from attnlab.models import Transformer
+    from attnlab.viz.views import seq2seq_views
+    torch.manual_seed(0)
+    model = Transformer(src_vocab_size=20, tgt_vocab_size=20, d_model=32, num_heads=4, num_encoder_layers=2,
+                        num_decoder_layers=2, d_ff=64, dropout=0.0).eval()
+    views = seq2seq_views(model, [3, 4, 5, 6, 7, 8], [1, 7, 8, 9], "the cat sat on the mat".split(),
+                          "<s> die katze saß".split())
+    return write_page(views, tmp_path_factory.mktemp("neurons") / "neurons.html", title="neurons"), views
+
+
+def test_the_model_view_has_one_colour_scale_with_a_legend_and_values_on_hover(browser, neuron_page):
+    """Every thumbnail of a view is drawn against the same top (the legend's), not its own maximum:
+    a pixel's colour is the colour map at weight / top, and hovering a panel shows the weight."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    page, views = neuron_page
+    _open(browser, page)
+    browser.find_element(By.ID, "tab-model").click()
+    end = time.time() + 10
+    while browser.execute_script("return document.getElementById('thumbs').dataset.complete") != "1":
+        assert time.time() < end
+        time.sleep(0.05)
+    legend = browser.find_element(By.ID, "legend")
+    assert legend.is_displayed()
+    top = float(legend.get_attribute("data-top"))
+    w = views[0].weights
+    assert 1 / w.shape[-1] <= top <= float(w.max()) + 1e-6
+    # the top-left cell (query 0, key 0) of every panel: its colour is the map at w / top, to 2 levels
+    err = browser.execute_script("""
+        const top = arguments[0], v = attnlabExplorer.view(); let err = 0;
+        for (const c of document.querySelectorAll('#thumbs canvas')) {
+          const l = +c.dataset.layer, h = +c.dataset.head, px = c.getContext('2d').getImageData(1, 1, 1, 1).data;
+          attnlabExplorer.state.layer = l;
+          const w = attnlabExplorer.rowVector(h, 0)[0], rgb = attnlabDraw.colormap(w / top);
+          for (let i = 0; i < 3; i++) err = Math.max(err, Math.abs(px[i] - rgb[i]));
+        }
+        attnlabExplorer.state.layer = 0; return err;""", top)
+    assert err <= 3, f"a thumbnail is off the view's colour scale by {err} levels"
+    thumb = browser.find_elements(By.CSS_SELECTOR, "#thumbs canvas")[5]           # layer 2, head 2
+    ActionChains(browser).move_to_element_with_offset(thumb, -30, -30).perform()   # its top-left cell
+    tip = browser.find_element(By.ID, "tip")
+    assert tip.is_displayed()
+    label, value = tip.text.rsplit(": ", 1)
+    assert label == "layer 2, head 2: the → the"
+    assert abs(float(value) - float(w[1, 1, 0, 0])) <= 0.5 / 255 + 1e-4, (value, float(w[1, 1, 0, 0]))   # a uint8 weight
+
+
+def test_hovering_a_query_writes_its_weights(browser, neuron_page):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    page, views = neuron_page
+    _open(browser, page)
+    token = browser.find_element(By.CSS_SELECTOR, '#head-view text[data-side="q"][data-index="2"]')
+    ActionChains(browser).move_to_element(token).perform()
+    shown = browser.execute_script(
+        "return [...document.querySelectorAll('#values text')].map(t => [+t.dataset.k, +t.textContent])")
+    row = views[0].weights[0, 0, 2]                                    # layer 1, the first head shown, "sat"
+    assert shown and {k for k, _ in shown} == {k for k in range(6) if row[k] >= 0.005}
+    assert all(abs(v - float(row[k])) <= 0.0021 for k, v in shown)   # 3 decimals of a uint8 weight
+
+
+def test_the_neuron_view_shows_queries_keys_products_and_scores(browser, neuron_page, tmp_path):
+    """For a chosen query token and head, the scores the page writes are q . k times 1/sqrt(D) of the
+    model's own queries and keys, and its weights their softmax (the recorded attention)."""
+    from selenium.webdriver.common.by import By
+    page, views = neuron_page
+    _open(browser, page)
+    browser.find_element(By.ID, "tab-neuron").click()
+    browser.find_element(By.CSS_SELECTOR, '#neuron-queries button[data-token="3"]').click()      # "on"
+    head = browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="2"]')
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('dblclick', {bubbles: true}))", head)
+    got = browser.execute_script("""return [[...document.querySelectorAll('#neuron-svg text.score')].map(t => +t.textContent),
+        [...document.querySelectorAll('#neuron-svg text.weight')].map(t => +t.textContent),
+        [...document.querySelectorAll('#neuron-svg rect.qk')].length,
+        [...document.querySelectorAll('#neuron-svg rect.q')].map(r => +r.dataset.value)]""")
+    scores, weights, products, query = got
+    v = views[0]
+    q, k = v.queries[0, 2, 3], v.keys[0, 2]
+    want = (k @ q) * v.score_scale
+    assert torch.allclose(torch.tensor(scores), want, atol=6e-4), (scores, want)       # 3 decimals
+    assert torch.allclose(torch.tensor(weights), torch.softmax(want, -1), atol=3e-3)  # a uint8 weight
+    assert products == 6 * q.numel() and torch.allclose(torch.tensor(query), q, rtol=1e-3, atol=1e-6)
+    _keep(browser, "explorer-neuron-view.png", tmp_path)
+    urls = browser.execute_async_script("const done = arguments[0]; attnlabExplorer.exportView(3).then(done)")
+    png = base64.b64decode(urls["png"].split(",", 1)[1])
+    width = browser.execute_script("return document.getElementById('neuron-svg').width.baseVal.value")
+    assert int.from_bytes(png[16:20], "big") == round(3 * width)                  # 3x, drawn again
+
+
+def test_png_export_is_drawn_at_the_chosen_resolution(browser, neuron_page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    page, _ = neuron_page
+    _open(browser, page)
+    sizes = {}
+    for scale in ("1", "4"):
+        Select(browser.find_element(By.ID, "png-scale")).select_by_value(scale)
+        for tab in ("head", "model"):
+            browser.find_element(By.ID, f"tab-{tab}").click()
+            time.sleep(0.2)
+            urls = browser.execute_async_script("const done = arguments[0]; attnlabExplorer.exportView().then(done)")
+            png = base64.b64decode(urls["png"].split(",", 1)[1])
+            sizes[tab, scale] = (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big"))
+    for tab in ("head", "model"):
+        assert sizes[tab, "4"] == (4 * sizes[tab, "1"][0], 4 * sizes[tab, "1"][1]), sizes
+
+
+def test_a_notebook_shows_the_explorer_inline(browser, neuron_page, tmp_path):
+    """`show(...)._repr_html_()`, what Jupyter puts in an output cell, is an iframe that runs the page."""
+    from attnlab.viz.explorer import ExplorerPage, show
+    _, views = neuron_page
+    shown = show(views, title="inline <b>", height=500)
+    assert isinstance(shown, ExplorerPage) and "attnlab-data" in shown.html
+    cell = tmp_path / "notebook.html"
+    cell.write_text(f"<!DOCTYPE html><html><body><p>Out[1]:</p>{shown._repr_html_()}</body></html>", encoding="utf-8")
+    browser.get_log("performance")
+    browser.get(cell.as_uri())
+    frame = browser.find_element("css selector", "iframe")
+    assert frame.size["height"] == 500 + 2                                  # and its 1-pixel border
+    browser.switch_to.frame(frame)
+    end = time.time() + 20
+    while browser.execute_script("return window.attnlabReady || null") is None:
+        assert time.time() < end, "the page inside the notebook cell never drew"
+        time.sleep(0.05)
+    assert len(_lines(browser)) > 0 and browser.execute_script("return document.title").startswith("inline <b>")
+    browser.switch_to.default_content()
+    assert not [u for _, u in _requests(browser) if u.split(":", 1)[0] in ("http", "https", "ws", "wss", "ftp")]
+    assert shown.save(tmp_path / "saved.html").read_text(encoding="utf-8") == shown.html
