@@ -720,3 +720,24 @@ def test_a_notebook_shows_the_explorer_inline(browser, neuron_page, tmp_path):
     browser.switch_to.default_content()
     assert not [u for _, u in _requests(browser) if u.split(":", 1)[0] in ("http", "https", "ws", "wss", "ftp")]
     assert shown.save(tmp_path / "saved.html").read_text(encoding="utf-8") == shown.html
+
+
+def test_the_recorded_queries_and_keys_give_the_recorded_weights_with_rope_and_grouped_heads():
+    """What the neuron view draws is what the scores were computed from: a LLaMA (RoPE, 4 query
+    heads over 2 key/value heads) through text_views; softmax(q k^T * scale) under the causal mask
+    equals the recorded weights to 1e-5 (fp32), and the keys are repeated per query head."""
+    from attnlab.models import Llama, LlamaConfig
+    from attnlab.viz.views import text_views
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=96, d_model=32, num_heads=4, num_layers=2, d_ff=64, num_kv_heads=2,
+                              head_dim=8, max_position_embeddings=64)).eval()
+    ids = [5, 17, 5, 8, 3, 9, 11]
+    (v,) = text_views(model, ids, [str(i) for i in ids])
+    assert v.queries.shape == (2, 4, 7, 8) and v.keys.shape == (2, 4, 7, 8)
+    assert torch.equal(v.keys[:, 0], v.keys[:, 1]) and torch.equal(v.keys[:, 2], v.keys[:, 3])   # one k per group
+    scores = (v.queries @ v.keys.transpose(-1, -2) * v.score_scale).masked_fill(
+        torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(torch.softmax(scores, -1), v.weights, rtol=0, atol=1e-5)
+    # token 5 at positions 0 and 2 enters layer 1 as the same vector: only RoPE tells its queries apart
+    assert ids[0] == ids[2] and (v.queries[0, :, 0] - v.queries[0, :, 2]).abs().max() > 1e-3
+    assert torch.allclose(v.queries[0, :, 0].norm(dim=-1), v.queries[0, :, 2].norm(dim=-1), atol=1e-5)   # a rotation
