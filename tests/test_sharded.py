@@ -400,6 +400,12 @@ def test_attnlab_train_shard_under_torchrun_then_export_to_transformers(tmp_path
     with torch.no_grad():
         want, got = ref(ids).logits, ours.eval()(ids)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    # --resume in one process without --no-shard: --shard comes from the saved run, so the message names
+    # the flags that work here rather than "leave out --shard", which the user never gave
+    assert main(["train", "lm", "--out", str(run), "--resume", "--steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "trained sharded (--shard) over 2 processes" in err and "--no-shard --accum 2" in err, err
+    assert "leave out --shard" not in err
     # --resume in one process: --no-shard, and --accum 2 for the 2 micro-batches a step of 2 x 1
     assert main(["train", "lm", "--out", str(run), "--resume", "--steps", "4", "--accum", "3", "--no-progress",
                  "--no-shard"]) == 2

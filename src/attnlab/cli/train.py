@@ -121,27 +121,45 @@ def _refuse_changes(task, saved: dict, given: dict, recipe, config: str | None, 
                                  f"{o.flag} out, or start a new run with another --out")
 
 
-def _fingerprint(path: str) -> dict:
-    digest = hashlib.sha256()
+def _hash_file(path: Path, digest) -> int:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return path.stat().st_size
+
+
+def _fingerprint(path: str) -> dict:
+    """The size and SHA-256 of a data file; of a data directory (an image folder), the number of
+    files, their total size and one SHA-256 over every file's relative path and contents in sorted
+    order, so that a file added, removed, renamed or edited changes it (hidden files are left out:
+    no reader takes them)."""
+    root, digest = Path(path), hashlib.sha256()
+    if root.is_file():
+        return {"bytes": _hash_file(root, digest), "sha256": digest.hexdigest()}
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    total = 0
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
+        total += _hash_file(f, digest)
+    return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()}
 
 
 def _data_files(settings: dict) -> dict:
-    return {k: _fingerprint(settings[k]) for k in ("data", "valid") if settings.get(k) and Path(settings[k]).is_file()}
+    return {k: _fingerprint(settings[k]) for k in ("data", "valid") if settings.get(k) and Path(settings[k]).exists()}
 
 
 def _check_files_unchanged(saved: dict, files: dict, saved_file: Path) -> None:
     for key, was in files.items():
         path = saved.get(key)
-        if path is None or not Path(path).is_file():
+        if path is None or not Path(path).exists():
             continue                                   # a missing file is reported with the other paths
         if _fingerprint(path) != was:
-            raise ValueError(f"--resume: --{key} {path} has changed since the run started (its size and SHA-256 "
-                             f"differ from {saved_file}); the run's tokenizers and data position belong to the "
-                             "old file: restore it, or start a new run with another --out")
+            what = "folder" if Path(path).is_dir() else "file"
+            how = "its files, their sizes or contents" if what == "folder" else "its size and SHA-256"
+            raise ValueError(f"--resume: --{key} {path} has changed since the run started ({how} differ from "
+                             f"{saved_file}); the run's tokenizers and data position belong to the old {what}: "
+                             "restore it, or start a new run with another --out")
 
 
 def _read_saved(file: Path, task) -> tuple[dict, dict]:
@@ -200,6 +218,25 @@ def run(args: argparse.Namespace) -> int:
         return _train(args, task, settings, out)
 
 
+def _refuse_sharded_resume_alone(out: Path, accum: int) -> None:
+    """A run saved with --shard, resumed in one process: --shard came from the saved settings, so
+    the message names what the user can give (--no-shard, and the --accum that keeps the global
+    batch), not "leave out --shard"."""
+    import json
+    from ..train.checkpoint import STATE_FILE, resolve_checkpoint
+    ckpt = resolve_checkpoint(out)
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        procs, accum = int(state["world_size"]), int(state["config"]["accum_steps"])
+    except (AttributeError, OSError, ValueError, KeyError, TypeError):   # no checkpoint yet, or no such fields
+        procs = None
+    n = f"{procs}" if procs else "N"
+    keep = f"--accum {procs * accum}" if procs else "--accum (the run's processes x its --accum)"
+    raise ValueError(f"--resume: {out} was trained sharded (--shard) over {n} processes and this is one process: "
+                     f"resume it under torchrun --nproc_per_node {n}, or here with --no-shard {keep} "
+                     "(the same global batch)")
+
+
 def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
     from ..train import TrainConfig, Trainer
     from ..train.trainer import TrainingInterrupted
@@ -214,6 +251,8 @@ def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
     own["optimizer"] = s["optimizer"] = s["optimizer"] or own.get("optimizer", "adamw")
     decay = own.pop("weight_decay", 0.01)
     s["weight_decay"] = decay if s["weight_decay"] is None else s["weight_decay"]
+    if args.resume and s["shard"] and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        _refuse_sharded_resume_alone(out, s["accum"])
     config = TrainConfig(
         out_dir=out, weight_decay=s["weight_decay"], schedule=s["schedule"], clip_norm=s["clip"] or None,
         accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"], shard=s["shard"],

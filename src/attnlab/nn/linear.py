@@ -50,11 +50,12 @@ from .inplace import hooked
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
            "prepare_for_inference", "onednn_available", "narrow_onednn", "post_op", "fused_activation",
            "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS", "MAX_FP32_ONEDNN_ROWS",
-           "MAX_NARROW_ONEDNN_FEATURES"]
+           "MAX_NARROW_ONEDNN_FEATURES", "packed_bf16_available"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
 _AVX512: bool | None = None            # whether torch's CPU kernels run AVX-512 (compute_bound_onednn)
+_PACKED_BF16: bool | None = None       # whether oneDNN packs bf16 weights here: decided once by packed_bf16_available()
 _AUTOCAST_INPUTS = (torch.float32, torch.bfloat16)
 
 # oneDNN costs ~20 us more per call than MKL here; it pays off once the weight is large enough
@@ -116,6 +117,19 @@ def _pack_bf16(weight: Tensor) -> tuple[Tensor, bool]:
     except Exception:                   # noqa: BLE001 - no packing: the plain bf16 product
         pass
     return weight, False
+
+
+def packed_bf16_available() -> bool:
+    """Whether gradient-free bf16 products use a weight packed once into oneDNN's blocked layout
+    (:func:`_pack_bf16` succeeds on this CPU and its product agrees with F.linear). On a CPU
+    without native bf16 (an AVX2-only one, or ``ONEDNN_MAX_CPU_ISA=AVX2``) the packing is refused
+    and bf16 layers keep their plain bf16 weight for F.linear: the same result, no packed speed."""
+    global _PACKED_BF16
+    if _PACKED_BF16 is None:
+        with torch.autocast("cpu", enabled=False):
+            probe = torch.linspace(-1, 1, 64 * 32).reshape(64, 32).to(torch.bfloat16)
+            _PACKED_BF16 = onednn_available() and _pack_bf16(probe)[1]
+    return _PACKED_BF16
 
 
 def _self_check() -> bool:
