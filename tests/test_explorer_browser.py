@@ -369,8 +369,8 @@ def test_the_image_page_loads_without_errors_or_requests_and_tints_the_patches(b
     query, first = _canvas(browser)
     assert query == "0"                                                  # the class token by default
     # the tint follows the weights: every patch's pixel, read back from the canvas, is the picture's
-    # pixel under the colour of its weight at an opacity of 0.7 x weight / the row's largest, so
-    # the brightest patch is the most tinted and still shows 30 % of the picture
+    # pixel under the colour of its weight at an opacity of 0.75 x sqrt(weight / the row's largest),
+    # so the brightest patch is the most tinted and still shows a quarter of the picture
     err = browser.execute_script("""
         const v = attnlabExplorer.view(), g = v.image, c = document.getElementById('image-canvas');
         const zoom = c.width / +c.dataset.picture, ctx = c.getContext('2d');
@@ -383,7 +383,7 @@ def test_the_image_page_loads_without_errors_or_requests_and_tints_the_patches(b
         for (let i = 0; i < g.rows * g.cols; i++) {
           const x = Math.floor(((i % g.cols) + 0.5) * g.cell[1] * zoom), y = Math.floor((Math.floor(i / g.cols) + 0.5) * g.cell[0] * zoom);
           const got = ctx.getImageData(x, 34 + y, 1, 1).data, under = p.getImageData(x, y, 1, 1).data;
-          const f = mean[g.prefix + i] / top, a = 0.7 * f, rgb = attnlabDraw.colormap(f);
+          const f = mean[g.prefix + i] / top, a = Number((0.75 * Math.sqrt(f)).toFixed(3)), rgb = attnlabDraw.colormap(f);
           for (let ch = 0; ch < 3; ch++) err = Math.max(err, Math.abs(got[ch] - ((rgb[ch] | 0) * a + under[ch] * (1 - a))));
         }
         return err;""")

@@ -389,8 +389,9 @@
     for (let r = 0; r < g.rows; r++) {
       for (let c = 0; c < g.cols; c++) {
         const x = top > 0 ? w[g.prefix + r * g.cols + c] / top : 0, rgb = colormap(x);
-        // opacity follows the weight: a patch the query ignores leaves the picture as it is
-        ctx.fillStyle = `rgba(${rgb[0] | 0},${rgb[1] | 0},${rgb[2] | 0},${(0.7 * x).toFixed(3)})`;
+        // opacity follows the weight (its square root, so that middling weights show): a patch
+        // the query ignores leaves the picture as it is, the brightest keeps a quarter of it
+        ctx.fillStyle = `rgba(${rgb[0] | 0},${rgb[1] | 0},${rgb[2] | 0},${(0.75 * Math.sqrt(x)).toFixed(3)})`;
         ctx.fillRect(c * cw, caption + r * ch, Math.min(cw, W - c * cw), Math.min(ch, H - r * ch));
       }
     }
