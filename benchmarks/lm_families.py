@@ -52,6 +52,11 @@ FAMILIES = {
     "mamba3": "--model mamba3 --layers 7 --d-model 128",
     "rwkv": "--model rwkv --layers 4 --d-model 128",
     "rwkv7": "--model rwkv7 --layers 4 --heads 4 --d-model 128 --d-ff 384",
+    "deepseek_v3": "--model deepseek_v3 --layers 4 --heads 4 --d-model 128 --d-ff 176",
+    "llama4_text": "--model llama4_text --layers 4 --heads 4 --d-model 128 --d-ff 208",
+    # today's LLaMA-skeleton families at LLaMA's size (their differences: biases, q/k norms, windows, norms)
+    **{name: f"--model {name} --layers 4 --heads 4 --d-model 128" for name in
+       ("qwen2", "qwen3", "mistral", "smollm3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text")},
 }
 QUICK_COMMON = "--context 16 --batch-size 2 --precision fp32 --eval-windows 4 --sample-tokens 0 --no-progress"
 

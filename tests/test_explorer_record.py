@@ -94,6 +94,9 @@ def test_every_architecture_is_drawn_or_refused_in_one_line():
     assert drawn == {"mamba2", "mamba3"}
 
 
+SOFTCAPPED = {"gemma2"}      # every layer soft-caps its scores: no call can take the fused kernel
+
+
 @pytest.mark.parametrize("arch", ATTENDING, ids=IDS(ATTENDING))
 def test_recorded_weights_equal_the_explicit_path_and_outputs_stay_the_same(arch, monkeypatch):
     model = contract.tiny(arch, randomize=True)
@@ -116,8 +119,13 @@ def test_recorded_weights_equal_the_explicit_path_and_outputs_stay_the_same(arch
         _assert_within_first_only_bound(arch, recorded, plain)    # the test below says why
     else:
         assert contract.same(recorded, plain), f"{arch}: recording changed the outputs"
-    assert len(record) == len(want) > 0 and len(fused) == len(record), \
-        f"{arch}: {len(fused)} fused kernel calls for {len(record)} recorded calls"
+    # recording keeps the fused kernel wherever the plain call uses it; soft-capped scores
+    # (tanh before the softmax) have no fused kernel, so those calls are explicit either way
+    modules = dict(model.named_modules())
+    fusable = sum(getattr(modules[c.module], "softcap", None) is None for c in record)
+    assert len(record) == len(want) > 0 and len(fused) == fusable, \
+        f"{arch}: {len(fused)} fused kernel calls for {fusable} recorded calls that have a fused kernel"
+    assert fusable > 0 or arch.model_type in SOFTCAPPED
     for got, ref in zip(contract.outputs(explicit), contract.outputs(plain)):
         if got.is_floating_point():
             assert_close_scaled(got, ref, FP32, f"{arch}: explicit vs fused outputs")

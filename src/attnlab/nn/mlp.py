@@ -16,8 +16,8 @@ from .checkpoint import recomputing
 from .inplace import activate_in_place, may_overwrite
 from .linear import fused_activation
 
-__all__ = ["FeedForward", "GatedMLP", "SparseMoE", "load_balancing_loss", "expert_counts", "make_activation",
-           "ACTIVATIONS"]
+__all__ = ["FeedForward", "GatedMLP", "SparseMoE", "SoftmaxTopK", "SigmoidTopK", "load_balancing_loss",
+           "expert_counts", "make_activation", "ACTIVATIONS"]
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 
@@ -126,6 +126,78 @@ def _route(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
     return probs, top_w / top_w.sum(dim=-1, keepdim=True), top_i
 
 
+class SoftmaxTopK(nn.Module):
+    r"""Routing rule of Mixtral (Jiang et al. 2024, section 2.1): p = softmax(logits) in fp32, the k
+    most probable experts, their probabilities renormalised to sum to 1. No state of its own.
+
+    ``forward(router_logits (N, X)) -> (weights (N, k) fp32, experts (N, k))``."""
+
+    def __init__(self, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+
+    def forward(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        _, top_w, top_i = _route(router_logits, self.top_k)
+        return top_w, top_i
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}"
+
+
+class SigmoidTopK(nn.Module):
+    r"""Sigmoid routing with group-limited selection and a balancing bias (Liu et al. 2024,
+    arXiv:2412.19437, section 2.1.2; with its defaults, a plain top-k of sigmoid scores).
+
+    s = sigmoid(logits) in fp32. The experts are chosen on s + b, where b
+    (``e_score_correction_bias``, X) is a bias that training nudges to balance the load without an
+    auxiliary loss; it steers the choice only, never the weights. With ``n_group`` > 1 the X experts
+    form n_group equal groups, each scored by the sum of its two best s + b, and only the
+    ``topk_group`` best groups may be chosen from (a token reaches a bounded number of devices).
+    The weights are s of the k chosen experts, divided by their sum if ``normalize``, then
+    multiplied by ``scale`` (the paper's routed scaling factor).
+
+    ``correction_bias``: keep b as a (persistent) buffer; False for a router without one.
+    ``forward(router_logits (N, X)) -> (weights (N, k) fp32, experts (N, k))``."""
+
+    def __init__(self, num_experts: int, top_k: int, *, n_group: int = 1, topk_group: int = 1,
+                 normalize: bool = False, scale: float = 1.0, correction_bias: bool = False):
+        super().__init__()
+        if n_group <= 0 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"SigmoidTopK: need n_group dividing num_experts ({num_experts}) and 1 <= topk_group "
+                             f"<= n_group, got n_group={n_group}, topk_group={topk_group}")
+        if n_group > 1 and num_experts // n_group < 2:
+            raise ValueError(f"SigmoidTopK: each of the {n_group} groups needs two experts to be scored")
+        if not 1 <= top_k <= num_experts * topk_group // n_group:
+            raise ValueError(f"SigmoidTopK: top_k ({top_k}) must be between 1 and the experts of the topk_group "
+                             f"groups ({num_experts * topk_group // n_group})")
+        self.num_experts, self.top_k, self.n_group, self.topk_group = num_experts, top_k, n_group, topk_group
+        self.normalize, self.scale = normalize, scale
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        scores = router_logits.float().sigmoid()                                        # (N, X)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            N, G = choice.size(0), self.n_group
+            grouped = choice.view(N, G, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1)                               # (N, G)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_group, dim=-1).indices,
+                                                                     True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, -1)
+        top_i = choice.topk(self.top_k, dim=-1).indices
+        top_w = scores.gather(1, top_i)
+        if self.normalize:
+            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+        return top_w * self.scale, top_i
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, n_group={self.n_group}, "
+                f"topk_group={self.topk_group}, normalize={self.normalize}, scale={self.scale}")
+
+
 def _flat_mask(owner: str, padding_mask: Tensor | None, rows: int) -> Tensor | None:
     if padding_mask is None:
         return None
@@ -136,32 +208,40 @@ def _flat_mask(owner: str, padding_mask: Tensor | None, rows: int) -> Tensor | N
 
 
 class SparseMoE(nn.Module):
-    r"""Sparse mixture of experts: y = sum_{e in TopK(p)} g_e(x) * Expert_e(x).
+    r"""Sparse mixture of experts: y = sum_{e in TopK} g_e(x) * Expert_e(x)  [+ Shared(x)].
 
-    p = softmax(x W_gate) over X experts (in fp32); each token goes to its k most probable
-    experts, whose probabilities are renormalised to sum to 1 (g_e), as in Mixtral
-    (Jiang et al. 2024, section 2.1; Shazeer et al. 2017). Every expert is a SwiGLU
-    :class:`GatedMLP`. Tokens are dispatched per expert (gather, run, scatter-add), so the
+    The router ``gate`` (a bias-free Linear, E -> X) scores the X experts; a routing rule turns
+    the scores into each token's k experts and their weights g. The default rule is Mixtral's
+    (:class:`SoftmaxTopK`: softmax in fp32, top-k renormalised; Jiang et al. 2024, section 2.1;
+    Shazeer et al. 2017); :class:`SigmoidTopK` scores with sigmoids instead. Every expert is a
+    SwiGLU :class:`GatedMLP`. Tokens are dispatched per expert (gather, run, scatter-add), so the
     cost is k expert passes per token, never X.
 
     Args:
         num_experts: X; top_k: k (1 <= k <= X).
         router_jitter: in training, multiply the router input by U(1 - j, 1 + j) noise
             (Switch Transformer's jitter, Fedus et al. 2021); 0 disables it.
+        routing: the rule, a module ``(router_logits (N, X)) -> (weights (N, k), experts (N, k))``
+            with a ``top_k`` equal to ``top_k``; default ``SoftmaxTopK(top_k)``.
+        shared_expert: a module every token goes through besides its routed experts, added to y
+            (shared experts, Dai et al. 2024, arXiv:2401.06066); None: none.
+        weights_on: "outputs": g_e * Expert_e(x) (Mixtral); "inputs": Expert_e(g_e * x), the
+            expert's input scaled instead (a different function for a non-linear expert).
 
     ``forward(x (B, T, E), padding_mask (B, T) bool, True = real token, optional) -> y (B, T, E)``.
-    Padding tokens are not sent to any expert and get y = 0. The routing of the last forward
-    stays on the module for the load-balancing loss: ``router_logits`` (B*T, X), with the graph
-    when gradients are on, and ``router_mask`` (B*T,) bool or None (padding included in the
-    logits, excluded by the mask). A checkpointed layer's recomputation does not overwrite them,
-    and copies of the module do not carry them. Weights: ``gate`` (X, E) router,
-    ``experts[e].{gate,up,down}_proj``.
+    Padding tokens are not sent to any expert and get y = 0 (the shared expert sees them).
+    The routing of the last forward stays on the module for the load-balancing loss:
+    ``router_logits`` (B*T, X), with the graph when gradients are on, and ``router_mask`` (B*T,)
+    bool or None (padding included in the logits, excluded by the mask). A checkpointed layer's
+    recomputation does not overwrite them, and copies of the module do not carry them. Weights:
+    ``gate`` (X, E) router, ``experts[e].{gate,up,down}_proj``, ``shared_expert.*``.
     """
 
     returns_new_tensor = True
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
-                 activation: str = "silu", router_jitter: float = 0.0):
+                 activation: str = "silu", router_jitter: float = 0.0, *, routing: nn.Module | None = None,
+                 shared_expert: nn.Module | None = None, weights_on: str = "outputs"):
         super().__init__()
         _check_sizes("SparseMoE", d_model, d_ff, 0.0)
         if num_experts <= 0:
@@ -170,10 +250,17 @@ class SparseMoE(nn.Module):
             raise ValueError(f"SparseMoE: top_k ({top_k}) must be between 1 and num_experts ({num_experts})")
         if router_jitter < 0:
             raise ValueError(f"SparseMoE: router_jitter must be >= 0, got {router_jitter}")
+        if routing is not None and getattr(routing, "top_k", None) != top_k:
+            raise ValueError(f"SparseMoE: the routing rule's top_k ({getattr(routing, 'top_k', None)}) differs from "
+                             f"top_k ({top_k})")
+        if weights_on not in ("outputs", "inputs"):
+            raise ValueError(f"SparseMoE: weights_on must be 'outputs' or 'inputs', got {weights_on!r}")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-        self.router_jitter = router_jitter
+        self.router_jitter, self.weights_on = router_jitter, weights_on
         self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.routing = SoftmaxTopK(top_k) if routing is None else routing
         self.experts = nn.ModuleList(GatedMLP(d_model, d_ff, activation) for _ in range(num_experts))
+        self.shared_expert = shared_expert
         self.router_logits: Tensor | None = None
         self.router_mask: Tensor | None = None
 
@@ -196,7 +283,7 @@ class SparseMoE(nn.Module):
         router_logits = self.gate(router_in)                              # (N, X)
         if not recomputing():
             self.router_logits, self.router_mask = router_logits, keep
-        _, top_w, top_i = _route(router_logits, self.top_k)              # (N, k) each
+        top_w, top_i = self.routing(router_logits)                        # (N, k) each
 
         # Sort the N*k (token, expert) assignments by expert; padding goes to a dummy bin X.
         if keep is not None:
@@ -213,9 +300,15 @@ class SparseMoE(nn.Module):
             n = counts[e]
             if n:
                 idx = tokens[start:start + n]
-                out = self.experts[e](flat.index_select(0, idx)) * weights[start:start + n, None]
+                w = weights[start:start + n, None]
+                if self.weights_on == "inputs":
+                    out = self.experts[e](flat.index_select(0, idx) * w.to(flat.dtype))
+                else:
+                    out = self.experts[e](flat.index_select(0, idx)) * w
                 y.index_add_(0, idx, out.to(y.dtype))
             start += n
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
         return y.view(B, T, E)
 
 
