@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plt", "save_figure", "save_plain", "heatmap"]
+__all__ = ["plt", "save_figure", "save_plain", "heatmap", "fitted_top"]
 
 
 def save_figure(fig, path: Path) -> None:
@@ -25,9 +25,18 @@ def save_plain(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def heatmap(ax, w, labels_x, labels_y, title):
-    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0)
+def heatmap(ax, w, labels_x, labels_y, title, vmax=1.0):
+    """``w`` from 0 to ``vmax`` (1 for weights, unless a figure fits its scale to them)."""
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=vmax)
     ax.set_xticks(range(len(labels_x)), labels=labels_x)
     ax.set_yticks(range(len(labels_y)), labels=labels_y)
     ax.set_title(title, fontsize=10)
     return im
+
+
+def fitted_top(w) -> float:
+    """A colour scale's top that fits weights ``w``: their largest, rounded up to the next 0.05,
+    so that weights of 0.1-0.3 use the whole scale instead of its dark third (the colour bar
+    says where it ends)."""
+    import math
+    return min(1.0, math.ceil(float(w.max()) * 20 + 1e-9) / 20)

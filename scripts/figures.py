@@ -39,12 +39,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the sibling modules below, however this is run
-from figure_common import heatmap as _heatmap, plt, save_figure as _save  # noqa: E402
-from figures_lessons import (data_accumulation, data_block_stream, data_encoder_influence,  # noqa: E402,F401
+from figure_common import fitted_top as _fitted_top, heatmap as _heatmap, plt, save_figure as _save  # noqa: E402
+from figures_lessons import (DECODER_BLOCKS, ENCODER_BLOCKS, architecture_figure,  # noqa: E402,F401
+                             data_architecture, draw_architecture,
+                             data_accumulation, data_block_stream, data_encoder_influence,
                              data_ffn_width, data_parameter_budget, data_position_offset, data_shapes,
                              data_torch_parity, draw_accumulation, draw_block_stream, draw_encoder_influence,
                              draw_ffn_width, draw_parameter_budget, draw_position_offset, draw_shapes,
-                             draw_torch_parity)
+                             draw_torch_parity, shapes_figure)
 from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
                             draw_mae_masking, draw_patches, explorer_image_view, position_similarity,
                             position_similarity_data)
@@ -367,14 +369,30 @@ def draw_soft_lookup(data, path):
     _save(fig, path)
 
 
-def draw_heads(data, path):
+def heads_figure(data):
+    """The figure and what tests/test_figures.py checks: one colour scale for the four heads,
+    fitted to their weights, with its bar, and each weight written in its cell."""
     words = HEADS_SENTENCE.split()
     w = data["weights"]
-    fig, axes = plt.subplots(1, w.shape[0], figsize=(3.0 * w.shape[0], 3.0))
-    for h, ax in enumerate(axes):
-        _heatmap(ax, w[h], words, words, f"head {h + 1}")
+    top = _fitted_top(w)
+    fig, axes = plt.subplots(1, w.shape[0] + 1, figsize=(3.0 * w.shape[0] + 0.6, 3.2),
+                             gridspec_kw={"width_ratios": [1] * w.shape[0] + [0.06]})
+    for h, ax in enumerate(axes[:-1]):
+        im = _heatmap(ax, w[h], words, words, f"head {h + 1}", vmax=top)
         ax.tick_params(axis="x", rotation=90)
-    fig.suptitle("MultiHeadAttention(32, 4), seeded, untrained, no positions: rows attend to columns", fontsize=9)
+        for t in range(w.shape[1]):
+            for s in range(w.shape[2]):
+                ax.text(s, t, f"{w[h, t, s]:.2f}", ha="center", va="center", fontsize=6,
+                        color="black" if w[h, t, s] > 0.6 * top else "white")
+    bar = fig.colorbar(im, cax=axes[-1])
+    bar.set_label(f"weight (scale 0 to {top:.2f})", fontsize=8)
+    fig.suptitle("MultiHeadAttention(32, 4), seeded, untrained, no positions: rows (queries) attend to columns (keys)",
+                 fontsize=9)
+    return fig, top, bar
+
+
+def draw_heads(data, path):
+    fig, _, _ = heads_figure(data)
     _save(fig, path)
 
 
@@ -477,6 +495,7 @@ FIGURES_BY_PAGE = {
     "extrapolation": "positions.md", "encoder_influence": "encoder-decoder.md", "ffn_width": "feed-forward.md",
     "position_offset": "positions.md", "accumulation": "trainer.md", "parameter_budget": "summary.md",
     "shapes": "index.md", "block_stream": "classification.md", "torch_parity": "masks.md",
+    "architecture": "encoder-decoder.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md",
             "explorer_image_view": "vision.md"}

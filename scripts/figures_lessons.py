@@ -303,26 +303,37 @@ def data_shapes() -> dict:
     return {"shapes": np.array([list(s) + [0] * (4 - len(s)) for s in shapes], dtype=np.float64)}
 
 
-SHAPE_STEPS = ("query x", "key/value memory", "q = x W_q", "q split into heads", "k, v split into heads",
-               "softmax(q kᵀ/√D)", "weights @ v, heads merged", "output: · W_o")
+SHAPE_STEPS = ("query x", "key/value\nmemory", "q = x W_q", "q split\ninto heads", "k, v split\ninto heads",
+               "softmax(\nq kᵀ/√D)", "weights @ v,\nheads merged", "output\n· W_o")
 SHAPE_LETTERS = ("(B, T, E)", "(B, S, E)", "(B, T, H·D)", "(B, H, T, D)", "(B, H, S, D)", "(B, H, T, S)",
                  "(B, T, H·D)", "(B, T, E)")
 
 
-def draw_shapes(data, path):
-    fig, ax = plt.subplots(figsize=(9, 3.0))
+def shapes_figure(data):
+    """The figure, its eight boxes and the texts each must hold (tests/test_figures.py renders it
+    and checks every text lies inside its box)."""
+    fig, ax = plt.subplots(figsize=(10, 3.0))
+    boxes, texts = [], []
     for i, (step, letters, shape) in enumerate(zip(SHAPE_STEPS, SHAPE_LETTERS, data["shapes"])):
         dims = [int(d) for d in shape if d]
-        ax.add_patch(plt.Rectangle((i * 1.15, 0.25), 1.0, 1.3, facecolor="#dbe7f3", edgecolor="tab:blue"))
-        ax.text(i * 1.15 + 0.5, 1.3, step, ha="center", va="center", fontsize=6.5, wrap=True)
-        ax.text(i * 1.15 + 0.5, 0.85, letters, ha="center", va="center", fontsize=7.5, family="monospace")
-        ax.text(i * 1.15 + 0.5, 0.5, "(" + ", ".join(map(str, dims)) + ")", ha="center", va="center", fontsize=7.5,
-                family="monospace", color="tab:red")
-    ax.set_xlim(-0.1, 8 * 1.15)
+        x = i * 1.25
+        boxes.append(ax.add_patch(plt.Rectangle((x, 0.2), 1.05, 1.45, facecolor="#dbe7f3", edgecolor="tab:blue")))
+        texts.append([ax.text(x + 0.525, 1.3, step, ha="center", va="center", fontsize=7.5),
+                      ax.text(x + 0.525, 0.8, letters, ha="center", va="center", fontsize=7.5, family="monospace"),
+                      ax.text(x + 0.525, 0.45, "(" + ", ".join(map(str, dims)) + ")", ha="center", va="center",
+                              fontsize=7.5, family="monospace", color="tab:red")])
+        if i:
+            ax.annotate("", xy=(x, 0.92), xytext=(x - 0.2, 0.92), arrowprops={"arrowstyle": "->", "color": "0.4"})
+    ax.set_xlim(-0.1, 8 * 1.25)
     ax.set_ylim(0, 1.8)
     ax.set_axis_off()
     ax.set_title("MultiHeadAttention(32, 4) as cross-attention: B = 2, T = 5, S = 7, E = 32, H = 4, D = 8 "
                  "(red: the shapes it ran with)", fontsize=8)
+    return fig, boxes, texts
+
+
+def draw_shapes(data, path):
+    fig, _, _ = shapes_figure(data)
     _save(fig, path)
 
 
@@ -415,4 +426,90 @@ def draw_torch_parity(data, path):
     ax.set_xlabel("query position (6 real tokens, 2 padding)")
     ax.set_ylabel("max |torch - attnlab| / scale (floor 1e-9)")
     ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+# ------------------------------------------------------------------ section 3.1: the architecture
+
+# (label, attnlab module name in an EncoderLayer / DecoderLayer, colour), bottom to top
+ENCODER_BLOCKS = (("multi-head self-attention", "self_attn", "#f6d8ae"), ("add & norm", "self_attn_norm", "#f2f2b0"),
+                  ("feed-forward", "ff", "#c9e4f6"), ("add & norm", "ff_norm", "#f2f2b0"))
+DECODER_BLOCKS = (("masked multi-head self-attention", "self_attn", "#f6d8ae"), ("add & norm", "self_attn_norm", "#f2f2b0"),
+                  ("multi-head cross-attention", "cross_attn", "#f6d8ae"), ("add & norm", "cross_attn_norm", "#f2f2b0"),
+                  ("feed-forward", "ff", "#c9e4f6"), ("add & norm", "ff_norm", "#f2f2b0"))
+
+
+def data_architecture() -> dict:
+    """Section 3.1: the 2017 base model as attnlab builds it (Transformer's defaults, a 37,000-token
+    vocabulary, on the meta device): the parameters of each drawn block of one encoder and one
+    decoder layer, of the embeddings and of the output layer. The figure names each block by the
+    module that holds it, read from the model."""
+    from attnlab.models import Transformer
+    with torch.device("meta"):
+        model = Transformer(src_vocab_size=37000, tgt_vocab_size=37000)
+    count = lambda module: sum(p.numel() for p in module.parameters())
+    enc, dec = model.encoder_layers[0], model.decoder_layers[0]
+    return {"encoder": np.array([count(getattr(enc, name)) for _, name, _ in ENCODER_BLOCKS]),
+            "decoder": np.array([count(getattr(dec, name)) for _, name, _ in DECODER_BLOCKS]),
+            "layers": np.array([len(model.encoder_layers), len(model.decoder_layers)]),
+            "ends": np.array([count(model.src_embedding), count(model.tgt_embedding), count(model.output_projection)])}
+
+
+def _block(ax, x, y, w, h, label, colour, boxes, texts, size=7.5):
+    boxes.append(ax.add_patch(plt.Rectangle((x, y), w, h, facecolor=colour, edgecolor="0.35", linewidth=0.8)))
+    texts.append([ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=size)])
+    return y + h
+
+
+def _arrow(ax, start, end):
+    ax.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "color": "0.3", "linewidth": 0.9})
+
+
+def architecture_figure(data):
+    """The drawn encoder-decoder, its boxes and the texts each must hold."""
+    fig, ax = plt.subplots(figsize=(8.2, 7.6))
+    boxes, texts = [], []
+    w, h, gap = 2.6, 0.5, 0.12
+    columns = (("encoder", 0.4, ENCODER_BLOCKS, data["encoder"], "src_embedding · √E + PositionalEncoding", "src (B, S)"),
+               ("decoder", 4.4, DECODER_BLOCKS, data["decoder"], "tgt_embedding · √E + PositionalEncoding", "tgt (B, T)"))
+    tops = {}
+    for part, x, blocks, counts, embed, ids in columns:
+        ax.text(x + w / 2, 0.15, ids, ha="center", va="center", fontsize=8, family="monospace")
+        _arrow(ax, (x + w / 2, 0.3), (x + w / 2, 0.6))
+        y = _block(ax, x, 0.6, w, h, embed, "#e4e4e4", boxes, texts, size=6.8)
+        _arrow(ax, (x + w / 2, y), (x + w / 2, y + 0.35))
+        y0 = y = y + 0.35
+        for (label, name, colour), n in zip(blocks, counts):
+            y = _block(ax, x + 0.15, y + gap, w - 0.3, h, f"{label}\n{name}: {int(n):,} parameters", colour, boxes, texts,
+                       size=6.5)
+        layers = int(data["layers"][0 if part == "encoder" else 1])
+        ax.add_patch(plt.Rectangle((x, y0), w, y - y0 + gap, fill=False, edgecolor="0.2", linewidth=1.2))
+        left = part == "encoder"                # the encoder's count on its left, the decoder's on its right
+        ([ax.text(x - 0.1 if left else x + w + 0.1, (y0 + y) / 2,
+                              f"{layers} x\n{'EncoderLayer' if left else 'DecoderLayer'}",
+                              ha="right" if left else "left", va="center", fontsize=7.5, family="monospace")])
+        tops[part] = (x, y0, y + gap)
+    ex, ey0, ey1 = tops["encoder"]
+    dx, dy0, dy1 = tops["decoder"]
+    cross_y = dy0 + gap + 2 * (h + gap) + h / 2
+    ax.plot([ex + w / 2, ex + w / 2, ex + w + 0.55], [ey1, ey1 + 0.3, ey1 + 0.3], color="0.3", linewidth=0.9)
+    ax.plot([ex + w + 0.55, ex + w + 0.55], [ey1 + 0.3, cross_y], color="0.3", linewidth=0.9)
+    _arrow(ax, (ex + w + 0.55, cross_y), (dx + 0.15, cross_y))
+    ax.text(ex + w + 0.5, ey1 + 0.4, "memory (B, S, E):\nthe cross-attention's\nkeys and values", fontsize=6.8,
+            va="bottom", ha="right")
+    _arrow(ax, (dx + w / 2, dy1), (dx + w / 2, dy1 + 0.3))
+    y = _block(ax, dx, dy1 + 0.3, w, h, f"output_projection: {int(data['ends'][2]):,} parameters", "#d9ead3",
+               boxes, texts, size=6.8)
+    _arrow(ax, (dx + w / 2, y), (dx + w / 2, y + 0.3))
+    ax.text(dx + w / 2, y + 0.45, "logits (B, T, V) -> softmax: the next token", ha="center", fontsize=8)
+    ax.set_xlim(-0.9, 8.3)
+    ax.set_ylim(0, y + 0.75)
+    ax.set_axis_off()
+    ax.set_title("The Transformer (Vaswani et al. 2017) as attnlab.models.Transformer builds it (the base model's sizes;\n"
+                 "each block named by its module; Post-Norm: the norm after each residual sum)", fontsize=8.5)
+    return fig, boxes, texts
+
+
+def draw_architecture(data, path):
+    fig, _, _ = architecture_figure(data)
     _save(fig, path)

@@ -226,6 +226,10 @@ def _screenshot(page: Path, path: Path, profile: Path) -> None:
             if time.time() > end:
                 raise RuntimeError(f"{page}: the image view never drew")
             time.sleep(0.05)
+        # the page opens on every head; the figure (and the numbers the page quotes) is head 1 alone
+        driver.execute_script("document.querySelector('#heads button[data-head=\"0\"]')"
+                              ".dispatchEvent(new MouseEvent('dblclick', {bubbles: true}))")
+        time.sleep(0.3)
         driver.save_screenshot(str(path))
     finally:
         driver.quit()

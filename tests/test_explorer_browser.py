@@ -153,9 +153,12 @@ def test_hovering_a_token_focuses_its_lines(browser, small_page):
 def test_switching_head_layer_and_view_changes_the_drawing(browser, small_page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.common.action_chains import ActionChains
     _open(browser, small_page)
+    assert {h for h, *_ in _lines(browser)} == {"0", "1", "2", "3"}, "every head is shown at first"
+    ActionChains(browser).double_click(browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="0"]')).perform()
     first = _lines(browser)
-    assert {h for h, *_ in first} == {"0"}
+    assert {h for h, *_ in first} == {"0"}, "a double click shows one head alone"
     browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="2"]').click()
     both = _lines(browser)
     assert {h for h, *_ in both} == {"0", "2"}
@@ -365,18 +368,26 @@ def test_the_image_page_loads_without_errors_or_requests_and_tints_the_patches(b
     assert browser.execute_script("return attnlabExplorer.state.tab") == "image"
     query, first = _canvas(browser)
     assert query == "0"                                                  # the class token by default
-    # the tint follows the weights: the brightest patch of the class token's row in head 1 is
-    # yellow-most, read back from the canvas
-    brightest = browser.execute_script("""
+    # the tint follows the weights: every patch's pixel, read back from the canvas, is the picture's
+    # pixel under the colour of its weight at an opacity of 0.75 x sqrt(weight / the row's largest),
+    # so the brightest patch is the most tinted and still shows a quarter of the picture
+    err = browser.execute_script("""
         const v = attnlabExplorer.view(), g = v.image, c = document.getElementById('image-canvas');
         const zoom = c.width / +c.dataset.picture, ctx = c.getContext('2d');
-        const at = (r, k) => ctx.getImageData(Math.floor((k + 0.5) * g.cell[1] * zoom),
-                                              34 + Math.floor((r + 0.5) * g.cell[0] * zoom), 1, 1).data;
-        const row = attnlabExplorer.rowVector(0, 0).slice(g.prefix);
-        let best = 0; row.forEach((w, i) => { if (w > row[best]) best = i; });
-        return [best, [...Array(g.rows * g.cols).keys()].map(i => at(Math.floor(i / g.cols), i % g.cols)[1])];""")
-    best, greens = brightest
-    assert max(range(len(greens)), key=greens.__getitem__) == best
+        const plain = document.createElement('canvas'); plain.width = c.width; plain.height = c.height - 34;
+        const p = plain.getContext('2d'); p.imageSmoothingEnabled = zoom < 4;
+        p.drawImage(attnlabExplorer.pictureElement(), 0, 0, plain.width, plain.height);
+        const mean = attnlabExplorer.imageRow();
+        let top = 0; mean.slice(g.prefix).forEach(w => { top = Math.max(top, w); });
+        let err = 0;
+        for (let i = 0; i < g.rows * g.cols; i++) {
+          const x = Math.floor(((i % g.cols) + 0.5) * g.cell[1] * zoom), y = Math.floor((Math.floor(i / g.cols) + 0.5) * g.cell[0] * zoom);
+          const got = ctx.getImageData(x, 34 + y, 1, 1).data, under = p.getImageData(x, y, 1, 1).data;
+          const f = mean[g.prefix + i] / top, a = Number((0.75 * Math.sqrt(f)).toFixed(3)), rgb = attnlabDraw.colormap(f);
+          for (let ch = 0; ch < 3; ch++) err = Math.max(err, Math.abs(got[ch] - ((rgb[ch] | 0) * a + under[ch] * (1 - a))));
+        }
+        return err;""")
+    assert err <= 3, f"a patch's pixel is {err} levels from the picture under its weight's tint"
     _keep(browser, "explorer-image-view.png", tmp_path)
 
 
@@ -416,8 +427,9 @@ def test_the_image_view_exports_a_png_and_an_svg(browser, vit_page, tmp_path):
     browser.find_element(By.ID, "export-svg").click()
     svg = _downloaded(browser.downloads, "attention.svg")
     width, height = browser.execute_script("const c = document.getElementById('image-canvas'); return [c.width, c.height]")
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (width, height)
+    scale = int(browser.find_element(By.ID, "png-scale").get_attribute("value"))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and scale == 2                  # 2x by default
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (scale * width, scale * height)
     root = ET.fromstring(svg)
     image = root.find("{http://www.w3.org/2000/svg}image")
     assert root.tag == "{http://www.w3.org/2000/svg}svg" and image is not None
@@ -491,6 +503,8 @@ def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, ma
     Select(browser.find_element(By.ID, "layer-select")).select_by_value("1")
     layer2 = _lines(browser)
     assert layer2 and layer2 != layer1
+    head0 = browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="0"]')
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('dblclick', {bubbles: true}))", head0)
     browser.find_element(By.CSS_SELECTOR, '#heads button[data-head="1"]').click()
     assert {h for h, *_ in _lines(browser)} == {"0", "1"}
     # the model view: every layer x head of the matrix, no two panels alike, one enlarged on a click
@@ -517,7 +531,7 @@ def test_the_matrix_view_beside_attention_draws_switches_and_exports(browser, ma
     browser.find_element(By.ID, "export-svg").click()
     svg = _downloaded(browser.downloads, "attention.svg")
     width = browser.execute_script("return document.getElementById('enlarged-canvas').width")
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 2 * width     # drawn again at 2x
     assert ET.fromstring(svg).find("{http://www.w3.org/2000/svg}image") is not None
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -571,3 +585,4 @@ def test_a_swin_t_image_page_stays_usable(browser, tmp_path):
     m = _measure_image(browser, page, views)
     assert m["bytes"] < 15_000_000 and m["first_view_ms"] < 5000, m
     (ARTIFACTS / "explorer-image-swin-t.json").write_text(json.dumps(m))
+

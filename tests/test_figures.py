@@ -194,3 +194,66 @@ def test_what_the_pages_read_off_the_figures_of_the_sections_that_had_none():
     assert b["pre_norm"][-1].max() / b["pre_norm"][-1].min() > 8
     t = figures.data_torch_parity()                   # converted: round-off; unconverted: another answer
     assert t["inverted"].max() < 1e-5 and t["as_is"].min() > 0.3
+
+
+# ------------------------------------------------------------------ figures that read
+
+def _inside(fig, boxes, texts) -> list[str]:
+    """Texts whose drawn extent leaves the box they belong to (in display pixels), laid out as
+    the saved PNG is (tight_layout, then drawn)."""
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for box, group in zip(boxes, texts):
+        b = box.get_window_extent(renderer)
+        for text in group:
+            t = text.get_window_extent(renderer)
+            if t.x0 < b.x0 or t.x1 > b.x1 or t.y0 < b.y0 or t.y1 > b.y1:
+                out.append(text.get_text())
+    return out
+
+
+def test_the_heads_figure_has_a_colour_bar_on_a_scale_that_fits_its_weights():
+    """heads.png: one colour scale for the four heads, from 0 to the weights' largest rounded up to
+    0.05 (the untrained heads' weights are 0.06-0.31: a 0-1 scale left them all dark), with its bar."""
+    import matplotlib.pyplot as plt
+    data = figures.data_heads()
+    fig, top, bar = figures.heads_figure(data)
+    w = data["weights"]
+    assert w.max() <= top < w.max() + 0.05 + 1e-9 and top < 0.5
+    images = [a.images[0] for a in fig.axes if a.images]
+    assert len(images) == w.shape[0] and all(im.get_clim() == (0.0, top) for im in images)
+    assert bar.mappable.get_clim() == (0.0, top) and "weight" in bar.ax.get_ylabel()
+    cells = [t for a in fig.axes for t in a.texts]
+    assert len(cells) == w.size                                         # every weight written in its cell
+    plt.close(fig)
+
+
+def test_the_shapes_figure_keeps_its_text_inside_its_boxes():
+    import matplotlib.pyplot as plt
+    fig, boxes, texts = figures.shapes_figure(figures.data_shapes())
+    assert len(boxes) == 8 and not _inside(fig, boxes, texts)
+    plt.close(fig)
+
+
+def test_the_architecture_figure_names_the_model_s_modules_and_fits_its_boxes():
+    """architecture.png (section 3.1): each block is labelled with the EncoderLayer / DecoderLayer
+    module that holds it and its parameter count, read from attnlab's Transformer; every label
+    lies inside its box; and what encoder-decoder.md reads off it holds."""
+    import matplotlib.pyplot as plt
+    from attnlab.nn.block import DecoderLayer, EncoderLayer
+    data = figures.data_architecture()
+    enc, dec = EncoderLayer(512, 8, 2048), DecoderLayer(512, 8, 2048)
+    for layer, blocks, counts in ((enc, figures.ENCODER_BLOCKS, data["encoder"]),
+                                  (dec, figures.DECODER_BLOCKS, data["decoder"])):
+        assert [sum(p.numel() for p in getattr(layer, name).parameters()) for _, name, _ in blocks] == list(counts)
+    fig, boxes, texts = figures.architecture_figure(data)
+    assert len(boxes) == 4 + 6 + 2 + 1 and not _inside(fig, boxes, texts)   # blocks, embeddings, output layer
+    labels = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert all(name in labels for _, name, _ in figures.DECODER_BLOCKS) and "6 x\nDecoderLayer" in labels
+    plt.close(fig)
+    e, d = data["encoder"], data["decoder"]
+    assert round(3 * (e[0] / e.sum())) == 1 and round(3 * (e[2] / e.sum())) == 2          # a third, two thirds
+    assert abs((d[0] + d[2]) - d[4]) / d[4] < 0.01                                       # decoder: half and half
+    assert round(data["ends"][2] / 1e6, 1) == 19.0 and round(6 * d[4] / 1e6, 1) == 12.6

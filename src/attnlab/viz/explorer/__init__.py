@@ -39,11 +39,22 @@ layer, base64 of H*T little-endian float32 row maxima, and a byte b of row (h, t
 b / 255 * rowmax[h, t] (times ``scale``). The picture is embedded once, as a data URI, however
 many views refer to it.
 
-The page decodes a layer only when a view first needs it.
+Every view also has "top": the value its colour scale ends at, the same for all its layers and
+heads (the 99.5th percentile of its nonzero weights, at least 1/S, at most the largest): one
+legend reads every panel, and a causal model's first row (a weight of 1 on itself) does not
+darken the rest. A view that carries its queries and keys (:class:`~attnlab.viz.views.View`)
+adds, while they fit ``NEURON_LIMIT`` bytes, "neurons": {"dim": D, "scale": the score's factor,
+"q": [per layer base64 of H*T*D little-endian float32], "k": [the same for H*S*D]}, which the
+neuron view draws (a query, every key, their elementwise products and the scores).
+
+The page decodes a layer only when a view first needs it. :func:`show` returns an
+:class:`ExplorerPage`, which a notebook displays inline (``_repr_html_``, the page in an iframe
+of its own, so its script and style touch nothing else) and which saves itself as a file.
 """
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -55,13 +66,14 @@ import torch
 
 from ..views import View
 
-__all__ = ["payload", "page", "write_page", "serve", "DENSE_LIMIT", "TOP_K"]
+__all__ = ["payload", "page", "write_page", "show", "ExplorerPage", "serve", "DENSE_LIMIT", "TOP_K", "NEURON_LIMIT"]
 
 DENSE_LIMIT = 2_500_000      # bytes of one view's dense payload, beyond which rows keep their top k
 TOP_K = 12
 # bytes of one view's top-k payload (before base64's 4/3): a longer input keeps fewer keys per row,
 # down to MIN_K, so that a 6 x 12-head page over 2,048 tokens stays under 5 MB
 SPARSE_BUDGET, MIN_K = 3_500_000, 4
+NEURON_LIMIT = 2_000_000     # bytes of one view's queries and keys (float32), beyond which they are left out
 
 
 def _quantise(x: torch.Tensor) -> np.ndarray:
@@ -76,7 +88,11 @@ def _view_payload(view: View, dense_limit: int, k: int) -> dict:
     w = view.weights / view.scale
     L, H, T, S = w.shape
     out = {"name": view.name, "title": view.title, "kind": view.kind, "scale": view.scale, "layers": L,
-           "heads": H, "rows": view.rows, "cols": view.cols}
+           "heads": H, "rows": view.rows, "cols": view.cols, "top": _top(w)}
+    if view.queries is not None and 4 * L * H * (T + S) * view.queries.size(-1) <= NEURON_LIMIT:
+        out["neurons"] = {"dim": view.queries.size(-1), "scale": view.score_scale,
+                          "q": [_b64(view.queries[i].numpy().astype("<f4")) for i in range(L)],
+                          "k": [_b64(view.keys[i].numpy().astype("<f4")) for i in range(L)]}
     if view.image is not None:            # the overlay tints every patch: no key may be dropped
         k = int((w > 0).sum(-1).max())
         dense_limit = dense_limit if 3 * k < S else L * H * T * S
@@ -97,6 +113,16 @@ def _view_payload(view: View, dense_limit: int, k: int) -> dict:
         data.append(_b64(index.numpy().astype("<u2"), _quantise(values), _quantise(rest)))
     out.update(encoding="topk", k=k, data=data)
     return out
+
+
+def _top(w: torch.Tensor) -> float:
+    """Where the view's colour scale ends, as a fraction of its ``scale`` (module docstring)."""
+    nonzero = w[w > 0]
+    if nonzero.numel() == 0:
+        return 1.0
+    sample = nonzero[torch.linspace(0, nonzero.numel() - 1, min(nonzero.numel(), 1_000_000)).long()]
+    top = torch.quantile(sample.sort().values, 0.995).item()
+    return float(min(max(top, 1.0 / w.shape[-1]), nonzero.max().item()))
 
 
 def payload(views: list[View], title: str = "", *, dense_limit: int = DENSE_LIMIT, k: int = TOP_K) -> dict:
@@ -129,8 +155,10 @@ def page(views: list[View], title: str = "", **options) -> str:
     # the JSON sits inside a <script> element, which "</script>" or "<!--" in a label would end
     # or derail: no "<" is left in it (JSON reads the escape as the same character)
     data = data.replace("<", "\\u003c")
+    # the colour scale and the neuron view define themselves first; the explorer uses them
+    # (one script element)
     parts = {"TITLE": _escape(title or "attention"), "STYLE": _asset("explorer.css"), "DATA": data,
-             "SCRIPT": _asset("explorer.js")}
+             "SCRIPT": "\n".join(_asset(n) for n in ("draw.js", "neuron.js", "explorer.js"))}
     # one pass, so that a placeholder inside the inserted text (a token label) stays as it is
     return re.sub(r"/\*@([A-Z]+)@\*/", lambda m: parts[m.group(1)], _asset("page.html"))
 
@@ -145,6 +173,34 @@ def write_page(views: list[View], path: str | Path, title: str = "", **options) 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page(views, title, **options), encoding="utf-8")
     return path
+
+
+class ExplorerPage:
+    """What :func:`show` returns: the page as ``html``; a notebook shows it inline (an iframe whose
+    document is the page, so nothing is fetched and nothing outside it is touched); ``save(path)``
+    writes it."""
+
+    def __init__(self, text: str, title: str = "", height: int = 640):
+        self.html, self.title, self.height = text, title, height
+
+    def _repr_html_(self) -> str:
+        return (f'<iframe srcdoc="{html.escape(self.html, quote=True)}" title="{html.escape(self.title or "attention")}" '
+                f'style="width: 100%; height: {int(self.height)}px; border: 1px solid #ddd" '
+                f'sandbox="allow-scripts allow-downloads"></iframe>')
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.html, encoding="utf-8")
+        return path
+
+    def __repr__(self) -> str:
+        return f"ExplorerPage({self.title!r}, {len(self.html):,} characters)"
+
+
+def show(views: list[View], title: str = "", *, height: int = 640, **options) -> ExplorerPage:
+    """The explorer for ``views`` as an object a notebook displays inline (``_repr_html_``)."""
+    return ExplorerPage(page(views, title, **options), title, height)
 
 
 def serve(path: str | Path, port: int = 0) -> ThreadingHTTPServer:

@@ -7,21 +7,20 @@
   const SVGNS = "http://www.w3.org/2000/svg";
   const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#843c39", "#7b4173"];
-  // viridis, sampled at 0, .25, .5, .75, 1
-  const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const $ = (id) => document.getElementById(id);
-  const state = { view: 0, layer: 0, heads: new Set([0]), tab: DATA.views[0].image ? "image" : "head", focus: null,
-                  enlarged: null, links: 0, query: null };
+  // every head is shown at first, so that a reader need not discover there are others; past 128
+  // queries the first head alone, as thousands of lines of every head would be a grey wall
+  const allHeads = (v) => new Set(Array.from({ length: v.rows.length > 128 ? 1 : v.heads }, (_, h) => h));
+  const state = { view: 0, layer: 0, heads: allHeads(DATA.views[0]), tab: DATA.views[0].image ? "image" : "head", focus: null,
+                  enlarged: null, links: 0, query: null, token: 0 };
   const decoded = new Map();
 
   const color = (h) => COLORS[h % COLORS.length];
   const view = () => DATA.views[state.view];
 
-  function colormap(x) {
-    const f = Math.min(Math.max(x, 0), 1) * (STOPS.length - 1), i = Math.min(Math.floor(f), STOPS.length - 2);
-    const a = STOPS[i], b = STOPS[i + 1], t = f - i;
-    return [a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t, a[2] + (b[2] - a[2]) * t];
-  }
+  // draw.js: the colour map, its legend, the hover box, SVG elements and their rasterising
+  const { colormap, legend, tip, svgText, svgDataUrl, rasterise } = window.attnlabDraw;
+  const svgEl = window.attnlabDraw.svgEl;
 
   // ------------------------------------------------------------------ data
   function layerData(v, l) {
@@ -82,7 +81,7 @@
     const heads = $("heads");
     heads.innerHTML = "";
     state.heads = new Set([...state.heads].filter((h) => h < v.heads));
-    if (!state.heads.size) state.heads.add(0);         // a view with fewer heads: show its first
+    if (!state.heads.size) state.heads = allHeads(v);
     for (let h = 0; h < v.heads; h++) {
       const b = document.createElement("button");
       b.type = "button"; b.textContent = "h" + (h + 1); b.dataset.head = h;
@@ -91,7 +90,9 @@
       heads.appendChild(b);
     }
     $("tab-image").hidden = !v.image;
+    $("tab-neuron").hidden = !v.neurons;
     if (state.tab === "image" && !v.image) state.tab = "head";
+    if (state.tab === "neuron" && !v.neurons) state.tab = "head";
     if (!state.links) state.links = v.rows.length > 256 ? 3 : 8;
     $("links").value = state.links;
     markHeads();
@@ -102,13 +103,6 @@
   }
 
   // ------------------------------------------------------------------ head view
-  function svgEl(name, attrs, parent) {
-    const e = document.createElementNS(SVGNS, name);
-    for (const k in attrs) e.setAttribute(k, attrs[k]);
-    if (parent) parent.appendChild(e);
-    return e;
-  }
-
   function labelWidth(labels) {
     let m = 1;
     for (const s of labels) m = Math.max(m, s.length);
@@ -165,10 +159,41 @@
     }
     lines.replaceChildren(lineSet);
     rests.replaceChildren(restSet);
+    drawValues(f, heads, d);
     if (frame.bold) frame.bold.removeAttribute("font-weight");
     frame.bold = f ? frame[f.side].children[f.index] : null;
     if (frame.bold) frame.bold.setAttribute("font-weight", "bold");
   }
+
+  // hovering a query writes its weight beside every key it gives more than 0.005 (the first
+  // head shown); hovering a key, beside every query that reads it
+  function drawValues(f, heads, d) {
+    const { v, xl, xr, y } = frame;
+    let g = document.getElementById("values");
+    if (!g) g = svgEl("g", { id: "values" }, $("head-svg"));
+    g.replaceChildren();
+    if (!f || !heads.length) return;
+    const h = heads[0];
+    if (f.side === "q") {
+      const row = rowVector(d, h, f.index);
+      row.forEach((w, s) => { if (w * v.scale >= 0.005) {
+        const e = svgEl("text", { x: xr - 4, y: y(s) + 4, "text-anchor": "end", fill: color(h), "font-size": 10, class: "weight", "data-k": s }, g);
+        e.textContent = (w * v.scale).toFixed(3); } });
+    } else {
+      for (let t = 0; t < v.rows.length; t++) {
+        const w = rowVector(d, h, t)[f.index] * v.scale;
+        if (w < 0.005) continue;
+        const e = svgEl("text", { x: xl + 4, y: y(t) + 4, fill: color(h), "font-size": 10, class: "weight", "data-q": t }, g);
+        e.textContent = w.toFixed(3);
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------ colour scale
+  // one scale per view: 0 to the view's "top" (payload docs), the same for every layer and head
+  const topOf = (v) => v.top || 1;
+
+  const drawLegend = (top, label) => legend($("legend"), top, label);
 
   // ------------------------------------------------------------------ model view
   function heatmap(d, h, size) {
@@ -180,11 +205,10 @@
       if (d.dense) { const base = (h * d.T + t) * d.S; for (let s = 0; s < d.S; s++) put(t, s, d.dense[base + s] * f); }
       else { const base = (h * d.T + t) * d.k; for (let i = 0; i < d.k; i++) put(t, d.index[base + i], d.values[base + i] * f); }
     }
-    let top = 0;
-    for (const w of px) if (w > top) top = w;
+    const top = 255 * topOf(view());
     const img = new ImageData(cols, rows);
     for (let i = 0; i < px.length; i++) {
-      const c = colormap(top > 0 ? px[i] / top : 0);
+      const c = colormap(px[i] / top);
       img.data[4 * i] = c[0]; img.data[4 * i + 1] = c[1]; img.data[4 * i + 2] = c[2]; img.data[4 * i + 3] = 255;
     }
     return img;
@@ -228,27 +252,38 @@
     };
     grid.dataset.complete = "";
     row(0);
-    $("hint").textContent = "Every layer (rows) and head (columns): rows of a panel are queries, columns keys. Click a panel to enlarge it.";
+    drawLegend(topOf(v) * v.scale, v.kind === "matrix" ? "value" : "weight");
+    $("hint").textContent = "Every layer (rows) and head (columns), on one colour scale (the legend): rows of a panel " +
+      "are queries, columns keys. Hover for the value, click a panel to enlarge it.";
   }
 
   function drawEnlarged() {
-    const v = view(), { layer, head } = state.enlarged, d = layerData(v, layer);
     $("thumbs").hidden = true;
     $("enlarged").hidden = false;
+    enlargedGeometry = renderEnlarged($("enlarged-canvas"), 1);
+    const v = view();
+    drawLegend(topOf(v) * v.scale, v.kind === "matrix" ? "value" : "weight");
+    $("hint").textContent = "One head, large, on the view's colour scale (the legend). Hover a cell for its value.";
+  }
+
+  let enlargedGeometry = null;
+  // draws the enlarged head into ``canvas`` at ``s`` device pixels per pixel; returns where the cells are
+  function renderEnlarged(canvas, s) {
+    const v = view(), { layer, head } = state.enlarged, d = layerData(v, layer);
     const T = v.rows.length, S = v.cols.length, labelled = Math.max(T, S) <= 64;
     const cell = Math.max(1, Math.min(24, Math.floor(640 / Math.max(T, S))));
     const margin = labelled ? labelWidth(v.rows.concat(v.cols)) : 10, top = 24;
-    const canvas = $("enlarged-canvas");
     const img = heatmap(d, head, 1024);
     const w = Math.max(cell * S, Math.min(S, 1024)), hgt = Math.max(cell * T, Math.min(T, 1024));
     const caption = `${v.title}, layer ${layer + 1}, head ${head + 1} (rows: queries, columns: keys)`;
     let ctx = canvas.getContext("2d");
     ctx.font = "12px sans-serif";
     // wide enough for the caption too: a short input's heatmap is narrower than its title
-    canvas.width = Math.max(margin + w + 10, Math.ceil(ctx.measureText(caption).width) + 8);
-    canvas.height = top + hgt + margin;
+    const width = Math.max(margin + w + 10, Math.ceil(ctx.measureText(caption).width) + 8), height = top + hgt + margin;
+    canvas.width = width * s; canvas.height = height * s;
     ctx = canvas.getContext("2d");
-    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.setTransform(s, 0, 0, s, 0, 0);
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, width, height);
     const tmp = document.createElement("canvas");
     tmp.width = img.width; tmp.height = img.height;
     tmp.getContext("2d").putImageData(img, 0, 0);
@@ -260,13 +295,13 @@
       ctx.font = "11px monospace"; ctx.textAlign = "right";
       v.rows.forEach((s, i) => ctx.fillText(s.slice(0, 24), margin - 4, top + (i + 0.7) * hgt / T));
       ctx.save();
-      v.cols.forEach((s, i) => {
-        ctx.setTransform(1, 0, 0, 1, margin + (i + 0.7) * w / S, top + hgt + 4);
-        ctx.rotate(-Math.PI / 2); ctx.fillText(s.slice(0, 24), 0, 0);
+      v.cols.forEach((label, i) => {
+        ctx.setTransform(s, 0, 0, s, s * (margin + (i + 0.7) * w / S), s * (top + hgt + 4));
+        ctx.rotate(-Math.PI / 2); ctx.fillText(label.slice(0, 24), 0, 0);
       });
       ctx.restore();
     }
-    $("hint").textContent = "One head, large: darker is less weight, yellow the most.";
+    return { margin, top, w, hgt, T, S, layer, head };
   }
 
   // ------------------------------------------------------------------ image view
@@ -314,61 +349,97 @@
     }));
   }
 
+  // the weights the image view shows: query state.query's row, averaged over the heads shown
+  function imageWeights(v) {
+    const d = layerData(v, state.layer), heads = [...state.heads].sort((a, b) => a - b), g = v.image;
+    const w = new Float32Array(d.S);
+    for (const h of heads) { const r = rowVector(d, h, state.query); for (let s = 0; s < d.S; s++) w[s] += r[s] / heads.length; }
+    let top = 0;
+    for (let i = g.prefix; i < d.S; i++) top = Math.max(top, w[i]);
+    return { w, top, heads };
+  }
+
   function drawImageView() {
     const v = view(), g = v.image, canvas = $("image-canvas");
     const img = picture(g.index);
     if (state.query === null || state.query >= v.rows.length) state.query = defaultQuery(v);
     drawQueryButtons(v);
     if (!img.complete || !img.naturalWidth) return;           // drawn by the picture's onload
-    const d = layerData(v, state.layer), heads = [...state.heads].sort((a, b) => a - b);
-    const w = new Float32Array(d.S);
-    for (const h of heads) { const r = rowVector(d, h, state.query); for (let s = 0; s < d.S; s++) w[s] += r[s] / heads.length; }
-    let top = 0;
-    for (let i = g.prefix; i < d.S; i++) top = Math.max(top, w[i]);
+    const top = renderImage(canvas, 1);
+    canvas.dataset.query = state.query;
+    canvas.dataset.picture = img.naturalWidth;
+    drawLegend(top * v.scale, "weight (this query)");
+    $("hint").textContent = "Each patch tinted by the weight the query gives it (the legend: 0 clear, the brightest patch " +
+      "yellow), averaged over the heads shown; the tint's opacity grows with the weight, so the picture shows through. " +
+      "Hover a patch for its weight; click it to make it the query" + (g.prefix ? ", or a button above for a class token." : ".");
+  }
+
+  // draws the picture and its tint into ``canvas`` at ``s`` device pixels per pixel; returns the brightest weight
+  function renderImage(canvas, s) {
+    const v = view(), g = v.image, img = picture(g.index), { w, top, heads } = imageWeights(v);
     const zoom = Math.max(1, Math.floor(448 / Math.max(img.naturalWidth, img.naturalHeight)));
     const W = img.naturalWidth * zoom, H = img.naturalHeight * zoom, caption = IMAGE_TOP;
-    canvas.width = W; canvas.height = H + caption;
+    canvas.width = W * s; canvas.height = (H + caption) * s;
     const ctx = canvas.getContext("2d");
-    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.setTransform(s, 0, 0, s, 0, 0);
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H + caption);
     ctx.imageSmoothingEnabled = zoom < 4;
     ctx.drawImage(img, 0, caption, W, H);
     const [ch, cw] = [g.cell[0] * zoom, g.cell[1] * zoom];
     for (let r = 0; r < g.rows; r++) {
       for (let c = 0; c < g.cols; c++) {
         const x = top > 0 ? w[g.prefix + r * g.cols + c] / top : 0, rgb = colormap(x);
-        ctx.fillStyle = `rgba(${rgb[0] | 0},${rgb[1] | 0},${rgb[2] | 0},0.6)`;
+        // opacity follows the weight (its square root, so that middling weights show): a patch
+        // the query ignores leaves the picture as it is, the brightest keeps a quarter of it
+        ctx.fillStyle = `rgba(${rgb[0] | 0},${rgb[1] | 0},${rgb[2] | 0},${(0.75 * Math.sqrt(x)).toFixed(3)})`;
         ctx.fillRect(c * cw, caption + r * ch, Math.min(cw, W - c * cw), Math.min(ch, H - r * ch));
       }
     }
     const q = state.query - g.prefix;
     if (v.rows.length === v.cols.length && q >= 0) {
-      ctx.strokeStyle = "#fff"; ctx.lineWidth = 2;
+      ctx.strokeStyle = "#e6194b"; ctx.lineWidth = 2;
       ctx.strokeRect((q % g.cols) * cw + 1, caption + Math.floor(q / g.cols) * ch + 1, cw - 2, ch - 2);
     }
-    const prefix = v.cols.slice(0, g.prefix).map((s, i) => `${s} ${(w[i] * v.scale).toFixed(2)}`).join(", ");
+    const prefix = v.cols.slice(0, g.prefix).map((label, i) => `${label} ${(w[i] * v.scale).toFixed(2)}`).join(", ");
     ctx.fillStyle = "#222"; ctx.font = "12px sans-serif";
     ctx.fillText(`${v.title}, layer ${state.layer + 1}, heads ${heads.map((h) => h + 1).join(" ") || "none"}`, 4, 13);
     ctx.fillText(`query ${v.rows[state.query]}: brightest patch ${(top * v.scale).toFixed(3)}` +
                  (prefix ? `; to ${prefix}` : ""), 4, 28);
-    canvas.dataset.query = state.query;
-    canvas.dataset.picture = img.naturalWidth;
-    $("hint").textContent = "Each patch tinted by the weight the query gives it (yellow: the most), averaged over the " +
-      "heads shown; click a patch to make it the query" + (g.prefix ? ", or a button above for a class token." : ".");
+    return top;
+  }
+
+  // which patch of the image view a mouse event is over, or null
+  function patchAt(e) {
+    const v = view(), g = v.image, canvas = $("image-canvas");
+    if (!g) return null;
+    const box = canvas.getBoundingClientRect(), zoom = canvas.width / picture(g.index).naturalWidth;
+    const x = (e.clientX - box.left) * canvas.width / box.width, y = (e.clientY - box.top) * canvas.height / box.height - IMAGE_TOP;
+    const r = Math.floor(y / (g.cell[0] * zoom)), c = Math.floor(x / (g.cell[1] * zoom));
+    return r < 0 || c < 0 || r >= g.rows || c >= g.cols ? null : g.prefix + r * g.cols + c;
+  }
+
+  // ------------------------------------------------------------------ values on hover
+  function cellText(v, l, h, t, s) {
+    const w = rowVector(layerData(v, l), h, t)[s] * v.scale;
+    return `layer ${l + 1}, head ${h + 1}: ${v.rows[t]} → ${v.cols[s]}: ${w.toFixed(4)}`;
   }
 
   // ------------------------------------------------------------------ drawing and events
   function draw() {
-    for (const tab of ["head", "model", "image"]) {
+    for (const tab of ["head", "model", "image", "neuron"]) {
       $(tab + "-view").hidden = state.tab !== tab;
       $("tab-" + tab).classList.toggle("active", state.tab === tab);
     }
-    if (state.tab === "head") drawHeadView(); else if (state.tab === "image") drawImageView(); else drawModelView();
+    $("legend").hidden = state.tab === "head";
+    if (state.tab === "head") drawHeadView(); else if (state.tab === "image") drawImageView();
+    else if (state.tab === "neuron") neuron.draw(); else drawModelView();
   }
 
   // a head choice redraws what shows it
   function headsChanged() {
     markHeads();
     if (state.tab === "head") drawHeadView(); else if (state.tab === "image") drawImageView();
+    else if (state.tab === "neuron") neuron.draw();
   }
 
   function on(id, event, handler) { $(id).addEventListener(event, handler); }
@@ -382,19 +453,39 @@
   on("tab-head", "click", () => { state.tab = "head"; draw(); });
   on("tab-model", "click", () => { state.tab = "model"; draw(); });
   on("tab-image", "click", () => { state.tab = "image"; draw(); });
+  on("tab-neuron", "click", () => { state.tab = "neuron"; draw(); });
   on("image-queries", "click", (e) => {
     const q = e.target.dataset && e.target.dataset.query;
     if (q !== undefined) { state.query = +q; drawImageView(); }
   });
   on("image-canvas", "click", (e) => {
-    const v = view(), g = v.image, canvas = $("image-canvas");
-    if (!g || v.rows.length !== v.cols.length) return;        // a view with one query row: nothing to pick
-    const box = canvas.getBoundingClientRect(), zoom = canvas.width / picture(g.index).naturalWidth;
-    const x = (e.clientX - box.left) * canvas.width / box.width, y = (e.clientY - box.top) * canvas.height / box.height - IMAGE_TOP;
-    const r = Math.floor(y / (g.cell[0] * zoom)), c = Math.floor(x / (g.cell[1] * zoom));
-    if (r < 0 || c < 0 || r >= g.rows || c >= g.cols) return;
-    state.query = g.prefix + r * g.cols + c; drawImageView();
+    const v = view(), key = patchAt(e);
+    if (key === null || v.rows.length !== v.cols.length) return;        // a view with one query row: nothing to pick
+    state.query = key; drawImageView();
   });
+  on("image-canvas", "mousemove", (e) => {
+    const v = view(), key = patchAt(e);
+    if (key === null) return tip($("tip"), e, null);
+    const { w } = imageWeights(v);
+    tip($("tip"), e, `${v.rows[state.query]} → ${v.cols[key]}: ${(w[key] * v.scale).toFixed(4)} (mean of the heads shown)`);
+  });
+  on("image-canvas", "mouseleave", (e) => tip($("tip"), e, null));
+  on("thumbs", "mousemove", (e) => {
+    const c = e.target;
+    if (c.tagName !== "CANVAS") return tip($("tip"), e, null);
+    const v = view(), box = c.getBoundingClientRect();
+    const t = Math.min(v.rows.length - 1, Math.floor((e.clientY - box.top) / box.height * v.rows.length));
+    const s = Math.min(v.cols.length - 1, Math.floor((e.clientX - box.left) / box.width * v.cols.length));
+    tip($("tip"), e, cellText(v, +c.dataset.layer, +c.dataset.head, t, s));
+  });
+  on("thumbs", "mouseleave", (e) => tip($("tip"), e, null));
+  on("enlarged-canvas", "mousemove", (e) => {
+    const g = enlargedGeometry, c = $("enlarged-canvas"), box = c.getBoundingClientRect();
+    const x = (e.clientX - box.left) * c.width / box.width - g.margin, y = (e.clientY - box.top) * c.height / box.height - g.top;
+    if (x < 0 || y < 0 || x >= g.w || y >= g.hgt) return tip($("tip"), e, null);
+    tip($("tip"), e, cellText(view(), g.layer, g.head, Math.floor(y * g.T / g.hgt), Math.floor(x * g.S / g.w)));
+  });
+  on("enlarged-canvas", "mouseleave", (e) => tip($("tip"), e, null));
   on("close-enlarged", "click", () => { state.enlarged = null; draw(); });
   on("heads", "click", (e) => {
     const h = e.target.dataset && e.target.dataset.head;
@@ -425,56 +516,44 @@
   on("head-view", "mouseleave", () => { if (state.focus) { state.focus = null; drawLines(); } });
 
   // ------------------------------------------------------------------ export
-  function svgText(svg) {
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(svg);
-  }
-
-  function svgDataUrl(text) {
-    return "data:image/svg+xml;base64," + btoa(unescape(encodeURIComponent(text)));
-  }
-
-  function currentCanvas() {
-    // the image view's canvas; the model view as one picture: the enlarged head, or every thumbnail on one canvas
-    if (state.tab === "image") return $("image-canvas");
-    if (state.enlarged) return $("enlarged-canvas");
-    const thumbs = [...$("thumbs").querySelectorAll("canvas")], v = view();
+  // the current canvas view drawn afresh at ``s`` device pixels per pixel (not an enlarged screenshot)
+  function currentCanvas(s) {
+    const c = document.createElement("canvas");
+    if (state.tab === "image") { renderImage(c, s); return c; }
+    if (state.enlarged) { renderEnlarged(c, s); return c; }
+    const v = view(), thumbs = [...$("thumbs").querySelectorAll("canvas")];
     if (!thumbs.length) return null;
     const size = thumbs[0].width, gap = 3, left = 30, top = 20;
-    const c = document.createElement("canvas");
-    c.width = left + v.heads * (size + gap); c.height = top + v.layers * (size + gap);
+    c.width = s * (left + v.heads * (size + gap)); c.height = s * (top + v.layers * (size + gap));
     const ctx = c.getContext("2d");
+    ctx.setTransform(s, 0, 0, s, 0, 0);
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, c.width, c.height);
     ctx.fillStyle = "#222"; ctx.font = "11px sans-serif";
-    for (const t of thumbs) {
-      const l = +t.dataset.layer, h = +t.dataset.head;
-      ctx.drawImage(t, left + h * (size + gap), top + l * (size + gap));
-      if (h === 0) ctx.fillText("L" + (l + 1), 2, top + l * (size + gap) + size / 2);
-      if (l === 0) ctx.fillText("h" + (h + 1), left + h * (size + gap) + size / 2 - 6, 14);
+    ctx.imageSmoothingEnabled = false;
+    for (let l = 0; l < v.layers; l++) {
+      const d = layerData(v, l);
+      for (let h = 0; h < v.heads; h++) {
+        const cell = document.createElement("canvas");
+        paint(cell, heatmap(d, h, size * s), size * s, size * s);
+        ctx.drawImage(cell, left + h * (size + gap), top + l * (size + gap), size, size);
+        if (h === 0) ctx.fillText("L" + (l + 1), 2, top + l * (size + gap) + size / 2);
+        if (l === 0) ctx.fillText("h" + (h + 1), left + h * (size + gap) + size / 2 - 6, 14);
+      }
     }
     return c;
   }
 
-  // resolves to {png, svg}: data URLs of the current view
-  function exportView() {
-    if (state.tab === "head") {
-      const text = svgText($("head-svg")), url = svgDataUrl(text);
-      return new Promise((resolve, reject) => {
-        const img = new Image();
-        img.onload = () => {
-          const c = document.createElement("canvas");
-          c.width = img.width; c.height = img.height;
-          c.getContext("2d").drawImage(img, 0, 0);
-          resolve({ png: c.toDataURL("image/png"), svg: url });
-        };
-        img.onerror = () => reject(new Error("the head view could not be rasterised"));
-        img.src = url;
-      });
-    }
-    const c = currentCanvas();
+  // resolves to {png, svg}: data URLs of the current view; ``scale`` (default: the page's PNG
+  // resolution choice) multiplies the PNG's pixels, redrawn at that size
+  function exportView(scale) {
+    const s = scale || +$("png-scale").value || 1;
+    if (state.tab === "head") return rasterise($("head-svg"), s);
+    if (state.tab === "neuron") return rasterise($("neuron-svg"), s);
+    const c = currentCanvas(s);
     if (!c) return Promise.reject(new Error("nothing drawn yet"));
-    const png = c.toDataURL("image/png");
-    const svg = svgEl("svg", { xmlns: SVGNS, width: c.width, height: c.height, viewBox: `0 0 ${c.width} ${c.height}` });
-    svgEl("image", { href: png, x: 0, y: 0, width: c.width, height: c.height }, svg);
+    const png = c.toDataURL("image/png"), w = c.width / s, h = c.height / s;
+    const svg = svgEl("svg", { xmlns: SVGNS, width: w, height: h, viewBox: `0 0 ${w} ${h}` });
+    svgEl("image", { href: png, x: 0, y: 0, width: w, height: h }, svg);
     return Promise.resolve({ png, svg: svgDataUrl(svgText(svg)) });
   }
 
@@ -490,7 +569,10 @@
 
   // what the browser tests read: the state, the current view, one query's weights in the current layer
   window.attnlabExplorer = { state, exportView, draw, view,
-                             rowVector: (h, t) => Array.from(rowVector(layerData(view(), state.layer), h, t)) };
+                             rowVector: (h, t) => Array.from(rowVector(layerData(view(), state.layer), h, t)),
+                             imageRow: () => Array.from(imageWeights(view()).w), pictureElement: () => picture(view().image.index) };
+  // the neuron view (neuron.js, defined before this script) draws with these
+  const neuron = window.attnlabNeuronView({ state, view, $, svgEl, colormap, color, drawLegend, rowVector, layerData, SVGNS });
   fillControls();
   draw();
   requestAnimationFrame(() => requestAnimationFrame(() => {
