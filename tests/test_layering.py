@@ -18,11 +18,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors"},   # processors: tokenizers, images
     {"attnlab.models"},
-    {"attnlab.hub", "attnlab"},           # the package's lazy top-level loaders are hub's
+    {"attnlab.hub", "attnlab", "attnlab.adapters"},   # the lazy top-level loaders are hub's; LoRA adapters
     {"attnlab.train"},
     {"attnlab.generate"},
     {"attnlab.viz", "attnlab.quantize"},
     {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
+    {"attnlab.serve"},                     # the OpenAI-compatible server over a loaded LM
     {"attnlab.cli"},
 ]
 
