@@ -34,6 +34,8 @@ _ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos":
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="an attnlab run directory (its best checkpoint) or a checkpoint directory")
     p.add_argument("out", help="the directory to write (new, or empty)")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights and write "
+                   "the whole merged model (default: write the adapter alone, in PEFT's layout)")
 
 
 def _tokenizer_files(tok, out: Path, context: int | None, family_tokens: dict[str, str]) -> str | None:
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not an empty directory; give a new one")
+    if _lora_export(model, out, args, info.run.path):
+        return 0
     save_pretrained(model, out)
     processors = load_processors(info.run)
     why = note = None
@@ -95,3 +99,21 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"{out}: no tokenizer files: {why}; tokenize as the run does (attnlab.tokenizer)", file=sys.stderr)
     return 0
+
+
+def _lora_export(model, out: Path, args: argparse.Namespace, source: Path) -> bool:
+    """A LoRA run without --merge: write its adapter (PEFT's layout) and say so; True when done.
+    With --merge the adapters are folded into the weights (W + alpha/r B A) before the model is written."""
+    from . import UserError
+    from ..adapters import lora_layers, merge_lora, save_adapter
+    if not lora_layers(model):
+        if args.merge:
+            raise UserError(f"--merge: {source} has no LoRA adapters to merge")
+        return False
+    if args.merge:
+        merge_lora(model)
+        return False
+    save_adapter(model, out)
+    print(f"{out}: the LoRA adapter of {source} (adapter_config.json, adapter_model.safetensors); "
+          "--merge writes the whole merged model", file=sys.stderr)
+    return True
