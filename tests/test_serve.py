@@ -241,3 +241,14 @@ def test_the_command_serves_a_run(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_load_test_benchmark_quick_runs():
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "serve.py"), "--quick"], capture_output=True,
+                          text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "batched (--max-batch 3)" in proc.stdout and "one at a time" in proc.stdout
+    assert "throughput ratio" in proc.stdout
