@@ -11,7 +11,6 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.deberta_v2 import modeling_deberta_v2 as hf_deberta  # noqa: E402
 
 import attnlab  # noqa: E402
 import contract  # noqa: E402
@@ -56,12 +55,17 @@ def _run_hf(hf, ids, mask, types):
 # ----------------------------------------------------------------------------- building blocks
 @pytest.mark.parametrize("buckets, max_position", [(256, 512), (8, 64), (16, 40), (6, 7)])
 def test_log_buckets_equal_the_reference_exactly(buckets, max_position):
-    relative = torch.arange(-600, 601)[None, :]
-    want = hf_deberta.make_log_bucket_position(relative, buckets, max_position).long()
+    # transformers' buckets of query - key for 601 positions (-600 .. 600), read through the public
+    # DebertaV2Model's encoder, which the attention layers ask for them
+    hf = transformers.DebertaV2Model(transformers.DebertaV2Config(**SMALL, relative_attention=True,
+                                                                  position_buckets=buckets,
+                                                                  max_relative_positions=max_position))
+    want = hf.encoder.get_rel_pos(torch.zeros(1, 601, SMALL["hidden_size"]))[0]
+    relative = torch.arange(601)[:, None] - torch.arange(601)[None, :]
     got = log_bucket_position(relative, buckets, max_position)
-    assert torch.equal(got, want)
-    near = slice(600 - buckets // 2, 600 + buckets // 2 + 1)       # |r| <= buckets / 2 keeps its own bucket
-    assert torch.equal(got[0, near], relative[0, near])
+    assert want.dtype == torch.long and torch.equal(got, want)
+    near = relative.abs() <= buckets // 2                           # |r| <= buckets / 2 keeps its own bucket
+    assert torch.equal(got[near], relative[near])
 
 
 def test_attention_scale_argument():

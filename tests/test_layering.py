@@ -24,7 +24,7 @@ LAYERS = [
     {"attnlab.viz", "attnlab.quantize"},
     {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
     {"attnlab.serve"},                     # the OpenAI-compatible server over a loaded LM
-    {"attnlab.cli", "attnlab.__main__"},   # python -m attnlab runs the command
+    {"attnlab.cli", "attnlab.__main__"},   # python -m attnlab: the command
 ]
 
 # Upward edges the design accepts; each is asserted to still exist, so that an entry goes as soon

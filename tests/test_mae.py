@@ -1,7 +1,7 @@
 """The masked auto-encoder against transformers' ViTMAEForPreTraining / ViTMAEModel with the same
 weights and the same noise (the same masked patches, logits and loss, with the normalised pixel loss
-on and off, at the trained image size and another), its fixed sin-cos tables against transformers'
-builder, save_pretrained both ways, reproducible masking, and the pre-training task with the
+on and off, at the trained image size and another), its fixed sin-cos tables against the paper's
+formula, save_pretrained both ways, reproducible masking, and the pre-training task with the
 fine-tuning that starts from it (``attnlab train mae``, then ``attnlab train image --init``)."""
 import numpy as np
 import pytest
@@ -15,7 +15,6 @@ from attnlab.models.mae import (VIT_MAE, ViTMAEConfig, ViTMAEForPreTraining, ViT
                                 sincos_2d_table, unpatchify)
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.vit_mae import modeling_vit_mae as hf_mae  # noqa: E402
 
 HF_SIZES = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_attention_heads=4,
                 num_hidden_layers=2, intermediate_size=64, decoder_hidden_size=16, decoder_num_attention_heads=2,
@@ -92,14 +91,33 @@ def test_the_bare_encoder_equals_transformers_vitmaemodel(tmp_path):
     _same_outputs(got, want, ("mask", "ids_restore", "last_hidden_state"))
 
 
-def test_the_fixed_position_tables_are_transformers_sin_cos():
-    def reference(h, w, dim):                         # transformers' builder, halves swapped as its init does
-        t = hf_mae.build_2d_sinusoidal_position_embedding(h, w, dim, cls_token=True)
-        return torch.cat([t[..., dim // 2:], t[..., :dim // 2]], dim=-1).unsqueeze(0)
-    assert torch.equal(sincos_2d_table((3, 5), 16), reference(3, 5, 16))     # rows and columns kept apart
+def _sincos_reference(h, w, dim, column_first=True):
+    """MAE's fixed table from its definition (He et al. 2021, the transformer's sin-cos per axis): a
+    zero row for the class token, then per patch (row r, column c, row-major) [sin(c f_i), cos(c f_i),
+    sin(r f_i), cos(r f_i)], f_i = 10000^(-i / (dim/4)), in float64 and rounded once to fp32. Columns
+    come first as in MAE's released code and the checkpoints trained with it (transformers rotates
+    its builder's halves to match); ``column_first=False`` is the other order, for the negative check."""
+    q = dim // 4
+    freq = torch.tensor([10000.0 ** (-i / q) for i in range(q)], dtype=torch.float64)
+    rows = []
+    for r in range(h):
+        for c in range(w):
+            first, second = (c * freq, r * freq) if column_first else (r * freq, c * freq)
+            rows.append(torch.cat([first.sin(), first.cos(), second.sin(), second.cos()]))
+    return torch.cat([torch.zeros(1, dim, dtype=torch.float64), torch.stack(rows)]).float().unsqueeze(0)
+
+
+def test_the_fixed_position_tables_are_the_papers_sin_cos():
+    """Exact (tolerance 0) against the formula; the formula tells rows from columns and the two
+    orders of the halves apart. (transformers 5.25 leaves a fresh ViTMAE's encoder table at zero
+    and keeps its builder private, so the reference is the definition.)"""
+    assert torch.equal(sincos_2d_table((3, 5), 16), _sincos_reference(3, 5, 16))     # rows and columns kept apart
+    assert not torch.equal(sincos_2d_table((3, 5), 16), _sincos_reference(5, 3, 16)), "transposed grid must differ"
+    assert not torch.equal(sincos_2d_table((4, 4), 16), _sincos_reference(4, 4, 16, column_first=False)), \
+        "the halves' order must matter"
     model = ViTMAEForPreTraining(VIT_MAE.preset("tiny"))
-    assert torch.equal(model.position.weight, reference(4, 4, 32))
-    assert torch.equal(model.decoder.position.weight, reference(4, 4, 16))
+    assert torch.equal(model.position.weight, _sincos_reference(4, 4, 32))
+    assert torch.equal(model.decoder.position.weight, _sincos_reference(4, 4, 16))
     # fixed: buffers, so no optimizer moves them and no weight decay reaches them
     names = {n for n, _ in model.named_parameters()}
     assert "position.weight" not in names and "decoder.position.weight" not in names

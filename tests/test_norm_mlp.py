@@ -7,9 +7,8 @@ from torch import nn
 from attnlab.nn import (DyT, FeedForward, GatedMLP, LayerNorm, RMSNorm, SparseMoE, expert_counts,
                         load_balancing_loss, make_norm)
 
-llama = pytest.importorskip("transformers.models.llama.modeling_llama")
-mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
-from transformers import LlamaConfig, MixtralConfig  # noqa: E402
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaModel, MixtralConfig, MixtralForCausalLM, MixtralModel  # noqa: E402
 
 from _tolerance import FP32, FP32_OP, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -19,6 +18,18 @@ E, FF = 16, 40
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def _llama_layer(**config) -> LlamaModel:
+    """A one-layer LlamaModel: its final ``.norm`` is LlamaRMSNorm and ``.layers[0].mlp`` is LlamaMLP,
+    read through the public class so that a private class moving between versions breaks nothing."""
+    base = dict(hidden_size=E, intermediate_size=FF, num_attention_heads=2, num_key_value_heads=2,
+                num_hidden_layers=1, vocab_size=8)
+    return LlamaModel(LlamaConfig(**{**base, **config}))
+
+
+def _llama_rmsnorm(eps: float = 1e-6) -> nn.Module:
+    return _llama_layer(rms_norm_eps=eps).norm
 
 
 def _randomise(module: nn.Module) -> nn.Module:
@@ -64,7 +75,7 @@ def test_layernorm_bf16_is_torchs_and_within_one_rounding_of_fp32():
 
 def test_rmsnorm_matches_hf_and_torch_fp32():
     ours = _randomise(RMSNorm(E, eps=1e-6))
-    hf = llama.LlamaRMSNorm(E, eps=1e-6)
+    hf = _llama_rmsnorm(eps=1e-6)
     hf.load_state_dict(ours.state_dict())
     tnorm = nn.RMSNorm(E, eps=1e-6)
     tnorm.load_state_dict(ours.state_dict())
@@ -76,14 +87,14 @@ def test_rmsnorm_matches_hf_and_torch_fp32():
 
 def test_rmsnorm_bf16_bit_identical_to_hf():
     ours = _randomise(RMSNorm(E)).to(torch.bfloat16)
-    hf = llama.LlamaRMSNorm(E).to(torch.bfloat16)
+    hf = _llama_rmsnorm().to(torch.bfloat16)
     hf.load_state_dict(ours.state_dict())
     x = (torch.randn(3, 11, E) * 10).to(torch.bfloat16)
     y, want = ours(x), hf(x)
     assert y.dtype == want.dtype == torch.bfloat16, f"dtypes {y.dtype} vs {want.dtype}"
     assert torch.equal(y, want), f"RMSNorm bf16 vs LlamaRMSNorm not bit-identical (tolerance 0), err {_max_err(y, want)}"
     # A module with fp32 weights on bf16 input follows HF too (promotes to fp32).
-    ours32, hf32 = _randomise(RMSNorm(E)), llama.LlamaRMSNorm(E)
+    ours32, hf32 = _randomise(RMSNorm(E)), _llama_rmsnorm()
     hf32.load_state_dict(ours32.state_dict())
     assert torch.equal(ours32(x), hf32(x)), "RMSNorm fp32 weights / bf16 input differs from LlamaRMSNorm (tolerance 0)"
 
@@ -143,9 +154,7 @@ def test_feedforward_gelu_tanh_and_dropout_placement():
 @pytest.mark.parametrize("activation,hf_act", [("silu", "silu"), ("gelu", "gelu"),
                                                 ("gelu_tanh", "gelu_pytorch_tanh")])
 def test_gated_mlp_matches_llama_mlp(activation, hf_act):
-    cfg = LlamaConfig(hidden_size=E, intermediate_size=FF, num_attention_heads=2, num_key_value_heads=2,
-                      hidden_act=hf_act, mlp_bias=False)
-    ref = llama.LlamaMLP(cfg)
+    ref = _llama_layer(hidden_act=hf_act, mlp_bias=False).layers[0].mlp
     ours = _randomise(GatedMLP(E, FF, activation=activation))
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(3, 5, E)
@@ -154,11 +163,15 @@ def test_gated_mlp_matches_llama_mlp(activation, hf_act):
 
 # --------------------------------------------------------------------------- mixture of experts
 
+def _mixtral_config(num_experts=4, top_k=2, num_layers=1):
+    return MixtralConfig(hidden_size=E, intermediate_size=FF, num_local_experts=num_experts,
+                         num_experts_per_tok=top_k, hidden_act="silu", num_attention_heads=2,
+                         num_key_value_heads=2, num_hidden_layers=num_layers, vocab_size=32)
+
+
 def _mixtral_pair(num_experts=4, top_k=2):
-    cfg = MixtralConfig(hidden_size=E, intermediate_size=FF, num_local_experts=num_experts,
-                        num_experts_per_tok=top_k, hidden_act="silu", num_attention_heads=2,
-                        num_key_value_heads=2)
-    ref = mixtral.MixtralSparseMoeBlock(cfg).eval()
+    # MixtralSparseMoeBlock, read through the public MixtralModel
+    ref = MixtralModel(_mixtral_config(num_experts, top_k)).layers[0].mlp.eval()
     ours = _randomise(SparseMoE(E, FF, num_experts, top_k=top_k)).eval()
     with torch.no_grad():
         ref.gate.weight.copy_(ours.gate.weight)
@@ -196,17 +209,29 @@ def test_sparse_moe_padding_and_gradients():
         assert p.grad is not None, f"no gradient for {name}"
 
 
-def _hf_loss(logits, num_experts, top_k, mask=None):
-    layers = tuple(logits) if isinstance(logits, (list, tuple)) else (logits,)
-    return mixtral.load_balancing_loss_func(layers, num_experts, top_k, mask)
+def _hf_router_loss(num_experts, top_k, batch, length, num_layers=1, mask=None):
+    """transformers' load-balancing loss through its public output: MixtralForCausalLM run with
+    output_router_logits=True returns every layer's router logits (batch * length, X) and the
+    aux_loss computed from them (masked by attention_mask; unscaled, before router_aux_loss_coef)."""
+    model = MixtralForCausalLM(_mixtral_config(num_experts, top_k, num_layers)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):       # router logits of order 2 (unit-RMS input, sqrt(E) * 0.5):
+                p.normal_(0.0, 0.5)                 # routing far from uniform, as randn * 2 logits
+        ids = torch.randint(0, 32, (batch, length))
+        out = model(ids, attention_mask=None if mask is None else mask.long(), output_router_logits=True)
+    logits = list(out.router_logits)
+    assert len(logits) == num_layers and logits[0].shape == (batch * length, num_experts)
+    assert logits[0].std() > 1.0, "router logits too uniform for the comparison to mean anything"
+    return logits, out.aux_loss
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_load_balancing_loss_matches_hf_over_k(top_k):
     X = 6
-    logits = torch.randn(4 * 9, X) * 2
+    (logits,), hf = _hf_router_loss(X, top_k, batch=4, length=9)
     ours = load_balancing_loss(logits, X, top_k)
-    hf = _hf_loss(logits, X, top_k) / top_k        # HF does not normalise f by k (pitfall 20)
+    hf = hf / top_k                                 # HF does not normalise f by k (pitfall 20)
     assert_close_scaled(ours, hf, FP32_OP, f"load_balancing_loss vs HF/k (k={top_k})")
 
 
@@ -215,10 +240,9 @@ def test_load_balancing_loss_padding_matches_hf():
     mask = torch.ones(3, 8, dtype=torch.bool)
     mask[1, 5:] = False
     mask[2, 2:] = False
-    layers = [torch.randn(24, X) * 2 for _ in range(3)]
+    layers, hf = _hf_router_loss(X, k, batch=3, length=8, num_layers=3, mask=mask)
     ours = load_balancing_loss(layers, X, k, padding_mask=mask)
-    hf = _hf_loss(layers, X, k, mask.long()) / k
-    assert_close_scaled(ours, hf, FP32_OP, "masked load_balancing_loss vs HF/k")
+    assert_close_scaled(ours, hf / k, FP32_OP, "masked load_balancing_loss vs HF/k")
     # Padding rows must not matter at all: garbage in them leaves the loss unchanged.
     noisy = [t.clone() for t in layers]
     for t in noisy:

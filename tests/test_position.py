@@ -7,7 +7,7 @@ import torch
 from attnlab.nn import KVCache, MultiHeadAttention
 from attnlab.nn.position import (ALiBi, LearnedPositionalEmbedding, PositionalEncoding, RotaryEmbedding,
                                  T5RelativePositionBias, alibi_slopes, relative_position_bucket, sinusoidal_table)
-from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
+from _tolerance import FP32, assert_close_scaled, scaled_error  # noqa: E402  (tests/ is on sys.path under pytest)
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,11 +74,23 @@ def test_too_long_input_raises_naming_both_numbers(make):
 # --------------------------------------------------------------------------- RoPE vs Hugging Face
 
 def hf_llama_rope(rope_parameters, head_dim=16):
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """transformers' LlamaRotaryEmbedding, read through the public LlamaModel (one small layer)."""
+    from transformers import LlamaConfig, LlamaModel
     config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                         max_position_embeddings=64, rope_parameters=rope_parameters)
-    return config, LlamaRotaryEmbedding(config)
+                         max_position_embeddings=64, rope_parameters=rope_parameters,
+                         num_hidden_layers=1, intermediate_size=8, vocab_size=8)
+    return config, LlamaModel(config).rotary_emb
+
+
+def rope_half_split(x, cos, sin):
+    """RoPE in the half-split (GPT-NeoX / LLaMA) layout from its definition (Su et al. 2021, eq. 34):
+    channel i pairs with i + D/2 and the pair turns by angle theta_i * position; cos and sin are the
+    (B or 1, T, D) tables transformers' rotary embedding returns (each half the same), shared by the heads."""
+    half = x.shape[-1] // 2
+    assert torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])
+    c, s = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
 
 def qk(B=2, H=4, G=2, T=7, D=16, dtype=torch.float32, seed=0):
@@ -88,7 +100,6 @@ def qk(B=2, H=4, G=2, T=7, D=16, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("scaling", [None, {"type": "linear", "factor": 2.0}])
 def test_rope_half_split_matches_hf_llama(scaling):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     params = {"rope_type": "default", "rope_theta": 500.0}
     if scaling is not None:
         params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
@@ -98,15 +109,16 @@ def test_rope_half_split_matches_hf_llama(scaling):
     q, k = qk()                                                   # GQA: 4 query heads, 2 kv heads
     positions = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [0, 0, 1, 2, 3, 4, 40]])
     cos, sin = hf(q, positions)
-    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    want_q, want_k = rope_half_split(q, cos, sin), rope_half_split(k, cos, sin)
     got_q, got_k = ours.transform(q, k, positions)
     close(got_q, want_q, FP32, "RoPE q vs HF LLaMA")
     close(got_k, want_k, FP32, "RoPE k vs HF LLaMA")
+    interleaved, _ = RotaryEmbedding(16, base=500.0, scaling=scaling, interleaved=True).transform(q, k, positions)
+    assert scaled_error(interleaved, want_q) > 100 * FP32, "the reference must tell the two layouts apart"
 
 
 def test_rope_ntk_matches_hf_dynamic_at_equivalent_length():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     base, f, d = 500.0, 2.0, 16
     config, _ = hf_llama_rope({"rope_type": "dynamic", "factor": f, "rope_theta": base})
     # HF's dynamic NTK uses base * (f * L / L0 - (f - 1)) ** (d / (d - 2)); at L = L0 (2f - 1) / f
@@ -120,7 +132,8 @@ def test_rope_ntk_matches_hf_dynamic_at_equivalent_length():
     pos = torch.arange(20, 27)
     freqs = pos[:, None].float() * hf_inv
     emb = torch.cat((freqs, freqs), -1)
-    want_q, want_k = apply_rotary_pos_emb(q, k, emb.cos()[None], emb.sin()[None])
+    cos, sin = emb.cos()[None], emb.sin()[None]
+    want_q, want_k = rope_half_split(q, cos, sin), rope_half_split(k, cos, sin)
     got_q, got_k = ours.transform(q, k, pos)
     close(got_q, want_q, FP32, "NTK RoPE q")
     close(got_k, want_k, FP32, "NTK RoPE k")
@@ -224,23 +237,30 @@ def test_rope_partial_rotary_dim():
 
 # --------------------------------------------------------------------------- T5 relative bias
 
+def hf_t5_attention(is_decoder, **config):
+    """transformers' T5Attention holding the relative-bias table (the first layer's self-attention),
+    read through the public T5Model: the decoder's is causal (one-directional buckets)."""
+    from transformers import T5Config, T5Model
+    model = T5Model(T5Config(d_model=32, d_kv=8, num_heads=4, d_ff=16, num_layers=1, vocab_size=8, **config))
+    return (model.decoder if is_decoder else model.encoder).block[0].layer[0].SelfAttention
+
+
 @pytest.mark.parametrize("bidirectional", [True, False])
 @pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 40)])
 def test_t5_buckets_match_hf(bidirectional, num_buckets, max_distance):
-    from transformers.models.t5.modeling_t5 import T5Attention
-    rel = torch.arange(-300, 301)
-    want = T5Attention._relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    hf = hf_t5_attention(not bidirectional, relative_attention_num_buckets=num_buckets,
+                         relative_attention_max_distance=max_distance)
+    with torch.no_grad():                          # row b of the table holds b: the bias is the bucket itself
+        hf.relative_attention_bias.weight.copy_(torch.arange(num_buckets)[:, None].expand(-1, 4))
+    want = hf.compute_bias(301, 301)[0, 0].long()                 # keys minus queries: -300 .. 300
+    rel = torch.arange(301)[None, :] - torch.arange(301)[:, None]
     got = relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
-    assert torch.equal(got, want), f"buckets differ at {rel[got != want].tolist()}"
+    assert torch.equal(got, want), f"buckets differ at {rel[got != want].unique().tolist()}"
 
 
 @pytest.mark.parametrize("is_decoder", [False, True])
 def test_t5_bias_matches_hf_compute_bias(is_decoder):
-    from transformers import T5Config
-    from transformers.models.t5.modeling_t5 import T5Attention
-    config = T5Config(d_model=32, d_kv=8, num_heads=4, relative_attention_num_buckets=32,
-                      relative_attention_max_distance=128, is_decoder=is_decoder)
-    hf = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
+    hf = hf_t5_attention(is_decoder, relative_attention_num_buckets=32, relative_attention_max_distance=128)
     ours = T5RelativePositionBias(4, 32, 128, bidirectional=not is_decoder)
     with torch.no_grad():
         ours.relative_attention_bias.weight.copy_(hf.relative_attention_bias.weight)
@@ -257,8 +277,10 @@ def test_t5_bias_matches_hf_compute_bias(is_decoder):
 # --------------------------------------------------------------------------- ALiBi
 
 def bloom_slopes(num_heads):
-    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
-    alibi = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), num_heads, torch.float32)  # (H, 1, 2)
+    """transformers' ALiBi slopes, read through the public BloomModel."""
+    from transformers import BloomConfig, BloomModel
+    bloom = BloomModel(BloomConfig(hidden_size=2 * num_heads, n_head=num_heads, n_layer=1, vocab_size=8))
+    alibi = bloom.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), num_heads, torch.float32)  # (H, 1, 2)
     return alibi[:, 0, 1]                                         # slope * position 1
 
 

@@ -18,7 +18,7 @@ import recurrent_contract
 from attnlab.models.rwkv import RWKV, Rwkv, RwkvConfig, RwkvModel
 from attnlab.nn.wkv import wkv4, wkv4_reference, wkv4_step
 from attnlab.train.optim import no_decay_parameters
-from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path)
+from _tolerance import FP32, assert_close_scaled, scaled_error  # noqa: E402  (tests/ is on sys.path)
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,16 +151,30 @@ def test_the_exponent_floor_changes_nothing_in_fp32(monkeypatch):
             assert torch.equal(a, b), f"chunk {chunk}: gradient of {name}"
 
 
-def test_one_step_equals_transformers_cpu_recurrence():
-    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+def _direct_state(k, v, w, extra_age=0):
+    """The state after the last key as the paper's two sums in float64: sum_i e^(k_i - (l-1-i) w) v_i
+    and sum_i e^(k_i - (l-1-i) w) (the bonus u weighs only the current token, never the state);
+    ``extra_age`` ages every term by more steps, for the negative check."""
+    k, v, w = k.double(), v.double(), w.double()
+    age = (k.size(1) - 1 + extra_age - torch.arange(k.size(1))).double()[:, None]      # (l, 1)
+    weight = torch.exp(k - age * w)                                                    # (b, l, c)
+    return torch.cat([(weight * v).sum(1), weight.sum(1)]).float()
+
+
+def test_state_and_one_more_step_equal_the_papers_sums():
+    """The end state (the numerator and denominator sums that transformers' recurrence carries too)
+    and one step from it, against the literal sums in float64 (FP32 = 1e-5 of the scale); the state
+    aged by one step too many, and the step without the bonus u, are far outside it."""
     k, v, w, u = _wkv_inputs(2, 9, 4, seed=3, key_scale=5.0)
-    theirs, (num, den, p) = rwkv_linear_attention_cpu(torch.log(w), u, k, v, return_state=True)
     ours, state = wkv4(k, v, w, u, chunk=4)
-    assert_close_scaled(ours, theirs, FP32, "wkv")
-    assert_close_scaled(_real(state), _real((num, den, p)), FP32, "state")
+    assert_close_scaled(ours, _direct(k, v, w, u), FP32, "wkv")
+    assert_close_scaled(_real(state), _direct_state(k, v, w), FP32, "state")
+    assert scaled_error(_real(state), _direct_state(k, v, w, extra_age=1)) > 100 * FP32, "decay off by one step"
     out, _ = wkv4_step(state, k[:, 0], v[:, 0], w, u)
-    theirs_next, _ = rwkv_linear_attention_cpu(torch.log(w), u, k[:, :1], v[:, :1], state=[num, den, p])
-    assert_close_scaled(out, theirs_next[:, 0], FP32, "one more step")
+    want = _direct(torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1), w, u)[:, -1]
+    assert_close_scaled(out, want, FP32, "one more step")
+    no_bonus, _ = wkv4_step(state, k[:, 0], v[:, 0], w, torch.zeros_like(u))
+    assert scaled_error(no_bonus, want) > 100 * FP32, "the bonus u must matter"
 
 
 # ----------------------------------------------------------------------------- transformers

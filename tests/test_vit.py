@@ -60,10 +60,11 @@ def test_the_position_table_resizes_as_transformers_does(prefix, size):
     """Our table resized to a new grid equals transformers' ViT (one prefix token) and DeiT (two)
     interpolate_pos_encoding, given the same table."""
     hf_config = dict(HF_SIZES, hidden_size=16, num_attention_heads=2)
+    # the embeddings read through the public models (ViTEmbeddings, DeiTEmbeddings are not exported)
     if prefix == 1:
-        hf = transformers.models.vit.modeling_vit.ViTEmbeddings(transformers.ViTConfig(**hf_config))
+        hf = transformers.ViTModel(transformers.ViTConfig(**hf_config)).embeddings
     else:
-        hf = transformers.models.deit.modeling_deit.DeiTEmbeddings(transformers.DeiTConfig(**hf_config))
+        hf = transformers.DeiTModel(transformers.DeiTConfig(**hf_config)).embeddings
     table = PatchPositionEmbedding((4, 4), 16, prefix=prefix)
     with torch.no_grad():
         hf.position_embeddings.copy_(table.weight)

@@ -6,8 +6,10 @@
         -> final RMSNorm -> lm_head (untied unless tie_word_embeddings) -> logits
 
 No biases; H query heads share G key/value heads (H % G == 0). RoPE rotates q and k by
-their absolute positions with base ``rope_theta``; ``rope_scaling`` {"type": "linear",
-"factor": f} stretches the positions by f (position interpolation).
+their absolute positions with base ``rope_theta``; ``rope_scaling`` (transformers'
+``rope_parameters`` without the base: ``{"rope_type": "llama3", "factor": 8.0, ...}``) picks one
+of :data:`attnlab.nn.rope.ROPE_TYPES` (LLaMA 3.1-3.3: llama3; long-context Qwen: yarn;
+Phi-3: longrope), and ``partial_rotary_factor`` the fraction of each head that rotates.
 
 RoPE layout (the wrong one loads without error and gives wrong logits): Hugging Face checkpoints
 use the half-split layout (channel i pairs
@@ -30,8 +32,10 @@ from ..nn.block import CausalLayer
 from ..nn.mlp import GatedMLP
 from ..nn.norm import RMSNorm
 from ..nn.position import RotaryEmbedding
+from ..nn.rope import normalize_rope_scaling
 from .causal_lm import CausalLM
 from .registry import register_family
+from .rope_config import rope_from_hf, rope_to_hf
 
 __all__ = ["LlamaConfig", "Llama", "llama_weight_map", "LLAMA_WEIGHT_MAP", "LLAMA", "build_config", "sized_fields"]
 
@@ -48,12 +52,15 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None          # {"type": "linear" | "ntk", "factor": f}
+    rope_scaling: dict | None = None          # {"rope_type": "linear" | "llama3" | "yarn" | ..., "factor": f, ...}
+    partial_rotary_factor: float = 1.0        # the first int(head_dim * this) channels of a head rotate
     rope_interleaved: bool = False            # True for Meta-layout weights (see the module docstring)
     activation: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
     attention_dropout: float = 0.0
+    sliding_window: int | None = None         # keys within this many positions, on "sliding_attention" layers
+    layer_types: list[str] | None = None      # per layer "full_attention" | "sliding_attention" (None: all full)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -72,20 +79,33 @@ class LlamaConfig:
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"{name}: num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"{name}: head_dim must be even and positive for RoPE, got {self.head_dim}")
-        s = self.rope_scaling
-        if s is not None and (not isinstance(s, dict) or s.get("type") not in ("linear", "ntk")
-                              or not float(s.get("factor", 0)) > 0):
-            raise ValueError(f"{name}: rope_scaling must be None or {{'type': 'linear' | 'ntk', 'factor': > 0}}, "
-                             f"got {s!r}")
+        if self.head_dim <= 0 or not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 \
+                or self.rotary_dim == 0:
+            raise ValueError(f"{name}: RoPE needs an even, positive rotary dimension, got head_dim {self.head_dim} "
+                             f"with partial_rotary_factor {self.partial_rotary_factor}")
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.rotary_dim, name)
         if self.activation not in GatedMLP.ACTIVATIONS:
             raise ValueError(f"{name}: activation must be one of {GatedMLP.ACTIVATIONS}, got {self.activation!r}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers or not set(
+                self.layer_types) <= {"full_attention", "sliding_attention"}):
+            raise ValueError(f"{name}: layer_types must list 'full_attention' or 'sliding_attention' for each of "
+                             f"the {self.num_layers} layers, got {self.layer_types}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"{name}: sliding_window must be positive or None, got {self.sliding_window}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"{name}: attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def max_seq_len(self) -> int:
+        """The longest sequence: the trained context, stretched by ``dynamic`` RoPE's factor (the one
+        kind whose max_position_embeddings is the context before the stretch)."""
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "dynamic":
+            return int(self.max_position_embeddings * float(s["factor"]))
         return self.max_position_embeddings
 
 
@@ -94,22 +114,52 @@ class Llama(CausalLM):
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
-        E, H, c = config.d_model, config.num_heads, config
+        c = config
         # one rotary module shared by every layer (it holds no weights, only the cos/sin cache)
-        rope = RotaryEmbedding(c.head_dim, base=c.rope_theta, interleaved=c.rope_interleaved, scaling=c.rope_scaling)
-        self.token_embedding = nn.Embedding(c.vocab_size, E)
-        self.layers = nn.ModuleList(
-            CausalLayer(E, H, c.d_ff, 0.0, norm_first=True, norm="rmsnorm", eps=c.rms_norm_eps,
-                        self_attn=MultiHeadAttention(E, H, c.attention_dropout, num_kv_heads=c.num_kv_heads,
-                                                     head_dim=c.head_dim, bias=c.attention_bias, position=rope,
-                                                     causal=True),
-                        ff=self.feed_forward())
-            for _ in range(c.num_layers))
-        self.norm = RMSNorm(E, c.rms_norm_eps)
-        self.lm_head = nn.Linear(E, c.vocab_size, bias=False)
+        self.rotary_emb = self.rotary(c.rope_theta, c.rope_scaling)
+        self.token_embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.layers = nn.ModuleList(self.layer(i) for i in range(c.num_layers))
+        self.norm = self.make_norm(c.d_model)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.reset_parameters()
         if c.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding.weight
+
+    # the places where the families built on LLaMA differ, each overridden by a model file
+    def layer(self, i: int) -> CausalLayer:
+        """Layer ``i``: Pre-Norm with RMSNorm around attention and the feed-forward."""
+        c = self.config
+        return CausalLayer(c.d_model, c.num_heads, c.d_ff, 0.0, norm_first=True, self_attn=self.attention(i),
+                           ff=self.feed_forward(), self_attn_norm=self.make_norm(c.d_model),
+                           ff_norm=self.make_norm(c.d_model))
+
+    def make_norm(self, d: int) -> nn.Module:
+        return RMSNorm(d, self.config.rms_norm_eps)
+
+    def attention(self, i: int, **options) -> MultiHeadAttention:
+        """Layer ``i``'s causal attention; ``options`` (q_norm, scale, softcap, ...) from a subclass."""
+        c = self.config
+        options.setdefault("position", self.position(i))
+        options.setdefault("window", self.window(i))
+        return MultiHeadAttention(c.d_model, c.num_heads, c.attention_dropout, num_kv_heads=c.num_kv_heads,
+                                  head_dim=c.head_dim, bias=c.attention_bias, causal=True, **options)
+
+    def position(self, i: int) -> nn.Module | None:
+        """Layer ``i``'s position module: the shared RoPE (None: a layer without positions)."""
+        return self.rotary_emb
+
+    def window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window: ``sliding_window`` on the layers ``layer_types`` marks sliding."""
+        c = self.config
+        types = c.layer_types
+        sliding = c.sliding_window is not None and (types is None or types[i] == "sliding_attention")
+        return c.sliding_window if sliding else None
+
+    def rotary(self, base: float, scaling: dict | None) -> RotaryEmbedding:
+        """A rotary module of this model's heads with the given base and scaling."""
+        c = self.config
+        return RotaryEmbedding(c.head_dim, base=base, interleaved=c.rope_interleaved, scaling=scaling,
+                               rotary_dim=c.rotary_dim, max_position_embeddings=c.max_position_embeddings)
 
     def feed_forward(self) -> nn.Module:
         """The position-wise block of each layer: SwiGLU (Shazeer 2020)."""
@@ -151,30 +201,19 @@ _ACT_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 def config_from_hf(c: dict, cls: type = LlamaConfig, names: dict = LLAMA_HF_NAMES):
     """transformers 5.x keeps RoPE settings in ``rope_parameters`` ({"rope_type", "rope_theta",
-    "factor"}); 4.x in ``rope_theta`` and ``rope_scaling`` ({"type" or "rope_type", "factor"})."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError(f"{cls.__name__}: per-layer-type RoPE parameters are not supported")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise ValueError(f"{cls.__name__}: RoPE type {kind!r} is not supported (supported: default, linear)")
+    "factor", ...}); 4.x in ``rope_theta`` and ``rope_scaling`` ({"type" or "rope_type", ...})."""
     act = c.get("hidden_act", "silu")
     if act not in _ACT_FROM_HF:
         raise ValueError(f"{cls.__name__}: hidden_act {act!r} is not supported ({', '.join(_ACT_FROM_HF)})")
     kwargs = {ours: c[hf] for ours, hf in names.items() if c.get(hf) is not None}
-    theta = rope.get("rope_theta", c.get("rope_theta"))
-    if theta is not None:
-        kwargs["rope_theta"] = float(theta)
-    scaling = {"type": "linear", "factor": float(rope["factor"])} if kind == "linear" else None
-    return cls(**kwargs, rope_scaling=scaling, activation=_ACT_FROM_HF[act])
+    return cls(**kwargs, **rope_from_hf(c, cls.__name__), activation=_ACT_FROM_HF[act])
 
 
 def config_to_hf(cfg: LlamaConfig, names: dict = LLAMA_HF_NAMES) -> dict:
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        if cfg.rope_scaling["type"] != "linear":
-            raise ValueError(f"{type(cfg).__name__}: rope_scaling {cfg.rope_scaling} has no Hugging Face equivalent")
-        rope = dict(rope, rope_type="linear", factor=float(cfg.rope_scaling["factor"]))
+    try:
+        rope = rope_to_hf(cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor)
+    except ValueError as e:
+        raise ValueError(f"{type(cfg).__name__}: {e}") from None
     return {**{hf: getattr(cfg, ours) for ours, hf in names.items()}, "rope_parameters": rope,
             "rope_theta": cfg.rope_theta, "hidden_act": _ACT_TO_HF[cfg.activation]}
 
@@ -217,3 +256,30 @@ LLAMA = register_family("llama", LlamaConfig, base_rules=_BASE_RULES, config_fro
                         ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
                         token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
 LLAMA.register("LlamaForCausalLM", Llama, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)
+
+
+def register_decoder(model_type: str, config_cls: type, model_cls: type, architecture: str, *,
+                     weight_map: list[Rule], config_from_hf, config_to_hf, presets: dict):
+    """Register a family built on LLaMA's skeleton (its keys under "model.", RoPE buffers ignored,
+    LLaMA's sizing builder with its own config class); returns the family."""
+    def build(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
+              d_ff: int | None = None, dropout: float = 0.0, num_kv_heads: int | None = None,
+              bos_token_id: int | None = None, eos_token_id: int | None = None):
+        return config_cls(**sized_fields(vocab_size=vocab_size, context=context, d_model=d_model,
+                                         num_heads=num_heads, num_layers=num_layers, d_ff=d_ff, dropout=dropout,
+                                         num_kv_heads=num_kv_heads, bos_token_id=bos_token_id,
+                                         eos_token_id=eos_token_id))
+    build.__doc__ = f"A {model_type} sized for training: ``context`` positions; num_kv_heads None: no grouping."
+    base, head = split_prefix(weight_map, "model.")
+    fam = register_family(model_type, config_cls, base_rules=base, config_from_hf=config_from_hf,
+                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len},
+                          config_to_hf=config_to_hf, presets=presets, build_config=build,
+                          ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
+                          token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
+    fam.register(architecture, model_cls, kind="causal-lm", prefix="model.", head_rules=head)
+    return fam
+
+
+def hf_names(drop: tuple[str, ...] = (), **add: str) -> dict:
+    """LLaMA's config-name map without the ``drop`` fields, with ``add`` (ours=theirs) added."""
+    return {**{k: v for k, v in LLAMA_HF_NAMES.items() if k not in drop}, **add}

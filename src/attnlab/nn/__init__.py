@@ -3,7 +3,7 @@ from .attention import (MultiHeadAttention, causal_mask, combine_masks, generate
                         padding_mask, scaled_dot_product_attention)
 from .cache import KVCache, LayerCaches
 from .position import AttentionPosition
-from .norm import DyT, LayerNorm, RMSNorm, make_norm
+from .norm import DyT, JointHeadsRMSNorm, LayerNorm, RMSNorm, make_norm
 from .mlp import FeedForward, GatedMLP, SparseMoE, expert_counts, load_balancing_loss, make_activation
 from .position import (ALiBi, LearnedPositionalEmbedding, PositionalEncoding, RotaryEmbedding, T5RelativePositionBias,
                        alibi_slopes, relative_position_bucket, sinusoidal_table)

@@ -137,10 +137,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
             raise ValueError(f"attention: mask must be bool (True = attend) or float (added), got {mask.dtype}")
 
 
-def _explicit(q, k, v, mask, dropout_p, scale, training_dropout):
-    """softmax(q k^T * scale + mask) v with the softmax in fp32. Returns (out, weights)."""
-    # in place on a fresh temporary: the matmul's output is not saved for backward
-    scores = torch.matmul(q, k.transpose(-2, -1)).float().mul_(scale)   # (..., T, S)
+def _explicit(q, k, v, mask, dropout_p, scale, training_dropout, softcap=None):
+    """softmax(q k^T * scale + mask) v with the softmax in fp32, the scaled scores soft-capped to
+    (-softcap, softcap) first when given. Returns (out, weights)."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).float()               # (..., T, S)
+    if softcap is None:
+        scores.mul_(scale)       # in place on a fresh temporary: the matmul's output is not saved for backward
+    else:
+        scores = torch.tanh(scores * (scale / softcap)) * softcap
     if mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
@@ -196,6 +200,7 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     return_weights: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V.
 
@@ -212,6 +217,9 @@ def scaled_dot_product_attention(
         return_weights: also return the (B, H, T, S) attention weights. This forces the
             explicit path; the default fused path never materialises them.
         scale: defaults to 1 / sqrt(D).
+        softcap: None, or c > 0: the scaled scores s become c * tanh(s / c) before the mask
+            (logit soft-capping), which keeps every score inside (-c, c). It takes the
+            explicit path (torch's fused kernels have no such step).
 
     Returns:
         ``(out, weights)``: out is (B, H, T, Dv); weights is None unless requested.
@@ -222,11 +230,13 @@ def scaled_dot_product_attention(
     included: a NaN (or infinite) query or a NaN scale gives NaN rows on both paths.
     """
     _check_inputs(q, k, v, mask)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention: softcap must be None or > 0, got {softcap}")
     T, S = q.size(-2), k.size(-2)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
 
     only_causal = is_causal and mask is None       # a bottom-right triangle never empties a row
-    if is_causal and (mask is not None or T != S or return_weights):
+    if is_causal and (mask is not None or T != S or return_weights or softcap is not None):
         mask = combine_masks(mask, causal_mask(T, S, device=q.device))
         is_causal = False
 
@@ -252,9 +262,9 @@ def scaled_dot_product_attention(
 
     weights = None
     if return_weights:
-        out, weights = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0)
-    elif _learned_mask_on_cpu(q, mask):
-        out, _ = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0)
+        out, weights = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0, softcap)
+    elif _learned_mask_on_cpu(q, mask) or softcap is not None:
+        out, _ = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0, softcap)
     else:
         out = _fused(q, k, v, mask, dropout_p, is_causal, scale)
         # torch's fused CPU kernel returns zeros for a query row holding NaN (or inf) and for a
@@ -298,7 +308,15 @@ class MultiHeadAttention(nn.Module):
         causal: this is a causal self-attention (decoder); the mask is built from positions.
         scale: the factor on q k^T (default 1 / sqrt(head_dim)); DeBERTa uses 1 / sqrt(3 D), as its
             two position terms join the content term; T5 uses 1.0, its initialisation having folded
-            the 1 / sqrt(D) into the query projection.
+            the 1 / sqrt(D) into the query projection; a model may tie it to another width.
+        q_norm, k_norm: modules applied to the queries (B, H, T, D) and the new keys (B, G, T, D)
+            after the projection, before the position module and the cache (QK-norm: RMSNorm over
+            each head's D channels, or :class:`~attnlab.nn.norm.JointHeadsRMSNorm` over all heads).
+        softcap: scores soft-capped to (-softcap, softcap) (see :func:`scaled_dot_product_attention`).
+        window: local attention: a query at position p attends keys at positions p - window + 1
+            to p only (a sliding window, Beltagy et al. 2020, counted in true positions, so left
+            padding does not shift it). chunk: a query attends keys of its own chunk of ``chunk``
+            positions only (p // chunk equal). Both on top of the causal triangle.
 
     ``forward(query, key, value, mask=None, ...)`` takes (B, T, E) / (B, S, kdim) / (B, S, vdim)
     and returns ``(output (B, T, E), weights (B, H, T, S) or None)``. While
@@ -313,7 +331,9 @@ class MultiHeadAttention(nn.Module):
                  num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = True, out_bias: bool | None = None, fused_qkv: bool = False,
                  kdim: int | None = None, vdim: int | None = None,
-                 position: nn.Module | None = None, causal: bool = False, scale: float | None = None):
+                 position: nn.Module | None = None, causal: bool = False, scale: float | None = None,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, softcap: float | None = None,
+                 window: int | None = None, chunk: int | None = None):
         super().__init__()
         if num_heads <= 0 or d_model <= 0:
             raise ValueError(f"MultiHeadAttention: d_model ({d_model}) and num_heads ({num_heads}) must be positive")
@@ -329,6 +349,11 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("MultiHeadAttention: fused_qkv needs kdim == vdim == d_model")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.dropout, self.causal, self.position, self.scale = dropout, causal, position, scale
+        for name, value in (("softcap", softcap), ("window", window), ("chunk", chunk)):
+            if value is not None and not value > 0:
+                raise ValueError(f"MultiHeadAttention: {name} must be None or positive, got {value}")
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.softcap, self.window, self.chunk = softcap, window, chunk
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if fused_qkv:
             self.qkv_proj = nn.Linear(d_model, q_out + 2 * kv_out, bias=bias)
@@ -459,12 +484,19 @@ class MultiHeadAttention(nn.Module):
             B, T, _ = query.shape
             offset = 0 if cache is None or cache.static else cache.length
             q, k, v = self._project(query, key, value, cache)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None and k is not None:
+            k = self.k_norm(k)
         is_causal = self.causal if is_causal is None else is_causal
         S = cache.length if k is None else offset + k.size(-2)
-        if self.position is not None:
+        local = (self.window is not None and S > self.window) or (self.chunk is not None and S > self.chunk)
+        if self.position is not None or local:
             positions, key_positions = self._positions(positions, key_positions, B, T, S, offset, query.device)
-            if k is not None:                   # the new keys' positions are the last ones
-                q, k = self.position.transform(q, k, positions, key_positions[..., S - k.size(-2):])
+        if local:
+            mask = combine_masks(mask, self._local_mask(positions, key_positions))
+        if self.position is not None and k is not None:    # the new keys' positions are the last ones
+            q, k = self.position.transform(q, k, positions, key_positions[..., S - k.size(-2):])
         reused = k is None                      # a static cache's memory (cross-attention after its first step)
         if cache is not None:
             k, v = cache.update(k, v)
@@ -480,10 +512,11 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         # one query attending a cache needs no causal mask: every cached key is in its past
         causal = is_causal and T > 1
-        out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights, self.scale)
+        out, weights = scaled_dot_product_attention(q, k, v, full, dropout_p, causal, return_weights, self.scale,
+                                                    self.softcap)
         if self.attention_record is not None and not recomputing():
             # a static cache counts no queries, so its later steps cannot say where theirs sit
-            self.attention_record(self._recorded(q, k, v, full, causal, weights, self.scale),
+            self.attention_record(self._recorded(q, k, v, full, causal, weights, self.scale, self.softcap),
                                   None if reused else offset, self._allowed(mask, kpm, causal, T, S, q.device))
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if packing is not None:
@@ -491,14 +524,28 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out), weights
 
     @staticmethod
-    def _recorded(q, k, v, mask, causal, weights, scale=None) -> Tensor:
+    def _recorded(q, k, v, mask, causal, weights, scale=None, softcap=None) -> Tensor:
         """Weights for ``attention_record``: detached, and computed apart from the output without
         autograd, so that recording changes neither the output nor what backward (or a
         checkpoint's recomputation) saves."""
         if weights is not None:
             return weights.detach()
         with torch.no_grad():
-            return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True, scale=scale)[1]
+            return scaled_dot_product_attention(q, k, v, mask, 0.0, causal, return_weights=True, scale=scale,
+                                                softcap=softcap)[1]
+
+    def _local_mask(self, positions: Tensor, key_positions: Tensor) -> Tensor:
+        """Boolean (T, S) or (B, 1, T, S), True where a key is inside the query's window and chunk
+        (keys ahead of the query are the causal mask's business)."""
+        q_pos, k_pos = positions[..., :, None], key_positions[..., None, :]
+        allowed = None
+        if self.window is not None:
+            allowed = q_pos - k_pos < self.window
+        if self.chunk is not None:
+            same = torch.div(q_pos, self.chunk, rounding_mode="floor") == torch.div(k_pos, self.chunk,
+                                                                                     rounding_mode="floor")
+            allowed = same if allowed is None else allowed & same
+        return allowed[:, None] if allowed.dim() == 3 else allowed
 
     @staticmethod
     def _allowed(mask, kpm, causal, T, S, device) -> Tensor:

@@ -32,6 +32,24 @@ class _Layer(nn.Module):
         self.norm_first = norm_first
         self.dropout = nn.Dropout(dropout)
 
+    def _set_norms(self, make, self_attn_norm, ff_norm, self_attn_out_norm, ff_out_norm) -> None:
+        """The two sublayers' norms: the given modules, else ``make()``; the output norms (Pre-Norm
+        only) registered only when given, so that layers without them keep their state-dict keys."""
+        if (self_attn_out_norm is not None or ff_out_norm is not None) and not self.norm_first:
+            raise ValueError(f"{type(self).__name__}: output norms (self_attn_out_norm, ff_out_norm) need "
+                             f"norm_first=True")
+        self.self_attn_norm = self_attn_norm if self_attn_norm is not None else make()
+        self.ff_norm = ff_norm if ff_norm is not None else make()
+        if self_attn_out_norm is not None:
+            self.self_attn_out_norm = self_attn_out_norm
+        if ff_out_norm is not None:
+            self.ff_out_norm = ff_out_norm
+
+    def _out(self, name: str, y: Tensor, sublayer: nn.Module) -> tuple[Tensor, nn.Module]:
+        """A sublayer's output through its output norm, if any, and the module that produced it."""
+        norm = getattr(self, name, None)
+        return (y, sublayer) if norm is None else (norm(y), norm)
+
     def _norm_in(self, norm: nn.Module, x: Tensor) -> Tensor:
         """The sublayer's input: normalised first in Pre-Norm, as is in Post-Norm."""
         return norm(x) if self.norm_first else x
@@ -57,6 +75,9 @@ class EncoderLayer(_Layer):
         norm: "layernorm" | "rmsnorm" | "dyt"; eps its epsilon; dyt_alpha DyT's initial alpha.
         self_attn, ff: ready-made modules to plug in instead of the defaults (for example an
             attention with a position module, or a gated MLP).
+        self_attn_norm, ff_norm: norm modules instead of ``norm``'s (``nn.Identity()`` for none).
+        self_attn_out_norm, ff_out_norm: Pre-Norm only: norms of each sublayer's output before the
+            residual sum, x = x + OutNorm(F(Norm(x))) ("sandwich" norms with both, Ding et al. 2021).
 
     Submodules: ``self_attn``, ``self_attn_norm``, ``ff``, ``ff_norm`` (each norm belongs to the
     sublayer it wraps: before it in Pre-Norm, after the residual sum in Post-Norm).
@@ -76,13 +97,15 @@ class EncoderLayer(_Layer):
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layernorm",
                  eps: float = 1e-5, bias: bool = True, dyt_alpha: float = 0.5,
-                 self_attn: nn.Module | None = None, ff: nn.Module | None = None):
+                 self_attn: nn.Module | None = None, ff: nn.Module | None = None,
+                 self_attn_norm: nn.Module | None = None, ff_norm: nn.Module | None = None,
+                 self_attn_out_norm: nn.Module | None = None, ff_out_norm: nn.Module | None = None):
         super().__init__(dropout, norm_first)
         self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias)
         self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
         # registered after the sublayers, so parameter order (optimizer state) is as before the renaming
-        self.self_attn_norm = make_norm(norm, d_model, eps, dyt_alpha)
-        self.ff_norm = make_norm(norm, d_model, eps, dyt_alpha)
+        self._set_norms(lambda: make_norm(norm, d_model, eps, dyt_alpha), self_attn_norm, ff_norm,
+                        self_attn_out_norm, ff_out_norm)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, key_padding_mask: Tensor | None = None, *,
                 packing: Packing | None = None, first_only: bool = False) -> Tensor:
@@ -98,8 +121,9 @@ class EncoderLayer(_Layer):
             x = x[:, :1]
         else:
             a, _ = self.self_attn(h, h, h, mask, key_padding_mask=key_padding_mask)
-        x = self._add_norm(self.self_attn_norm, x, a, self.self_attn)
-        return self._add_norm(self.ff_norm, x, self.ff(self._norm_in(self.ff_norm, x)), self.ff)
+        x = self._add_norm(self.self_attn_norm, x, *self._out("self_attn_out_norm", a, self.self_attn))
+        y = self.ff(self._norm_in(self.ff_norm, x))
+        return self._add_norm(self.ff_norm, x, *self._out("ff_out_norm", y, self.ff))
 
 
 class DecoderLayer(_Layer):
@@ -154,6 +178,8 @@ class CausalLayer(_Layer):
         Pre-Norm:  x = x + Attn(Norm(x));  x = x + FF(Norm(x))
 
     with the arguments and submodules of :class:`EncoderLayer` (the default attention is causal).
+    The output norms give x = x + OutNorm(Attn(Norm(x))): both norms are "sandwich" norms; an
+    identity input norm leaves only the norm of each residual branch.
 
     forward(x (B, T, E), key_padding_mask (B, S) True = real token (S = cached + new tokens),
     positions (T,) or (B, T) of the queries, key_positions (S,) or (B, S) of all keys, cache)
@@ -164,22 +190,24 @@ class CausalLayer(_Layer):
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layernorm",
                  eps: float = 1e-5, bias: bool = True, dyt_alpha: float = 0.5,
-                 self_attn: nn.Module | None = None, ff: nn.Module | None = None):
+                 self_attn: nn.Module | None = None, ff: nn.Module | None = None,
+                 self_attn_norm: nn.Module | None = None, ff_norm: nn.Module | None = None,
+                 self_attn_out_norm: nn.Module | None = None, ff_out_norm: nn.Module | None = None):
         super().__init__(dropout, norm_first)
         self.self_attn = self_attn or MultiHeadAttention(d_model, num_heads, dropout, bias=bias, causal=True)
         self.ff = ff or FeedForward(d_model, d_ff, dropout, activation=activation, bias=bias)
-        self.self_attn_norm = make_norm(norm, d_model, eps, dyt_alpha)
-        self.ff_norm = make_norm(norm, d_model, eps, dyt_alpha)
+        self._set_norms(lambda: make_norm(norm, d_model, eps, dyt_alpha), self_attn_norm, ff_norm,
+                        self_attn_out_norm, ff_out_norm)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *, positions: Tensor | None = None,
                 key_positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
         h = self._norm_in(self.self_attn_norm, x)
         a, _ = self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, cache=cache,
                               positions=positions, key_positions=key_positions)
-        x = self._add_norm(self.self_attn_norm, x, a, self.self_attn)
+        x = self._add_norm(self.self_attn_norm, x, *self._out("self_attn_out_norm", a, self.self_attn))
         h = self._norm_in(self.ff_norm, x)
         if isinstance(self.ff, SparseMoE):
             y = self.ff(h, None if key_padding_mask is None else key_padding_mask[:, -x.size(1):])
         else:
             y = self.ff(h)
-        return self._add_norm(self.ff_norm, x, y, self.ff)
+        return self._add_norm(self.ff_norm, x, *self._out("ff_out_norm", y, self.ff))

@@ -86,7 +86,7 @@ class FeedForward(nn.Module):
 class GatedMLP(nn.Module):
     r"""GatedMLP(x) = (act(x W_gate) * (x W_up)) W_down   (GLU variants, Shazeer 2020).
 
-    act = SiLU gives SwiGLU (LLaMA, Mistral, Mixtral experts), GELU gives GeGLU (Gemma uses
+    act = SiLU gives SwiGLU (LLaMA, Mixtral experts), GELU gives GeGLU (exact or
     "gelu_tanh"). Submodules ``gate_proj``, ``up_proj`` (E -> F) and ``down_proj`` (F -> E),
     named as in Hugging Face's LlamaMLP. Dropout, if any, acts on the gated hidden (..., F).
 

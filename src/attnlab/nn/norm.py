@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LayerNorm", "RMSNorm", "GatedRMSNorm", "DyT", "make_norm", "NORM_KINDS"]
+__all__ = ["LayerNorm", "RMSNorm", "JointHeadsRMSNorm", "GatedRMSNorm", "DyT", "make_norm", "NORM_KINDS"]
 
 
 def _check_width(name: str, d: int, x: Tensor | None = None) -> None:
@@ -57,25 +57,31 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     r"""RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight.
 
-    No centring and no bias (Zhang & Sennrich 2019); used by LLaMA, Mistral, T5. The
+    No centring and no bias (Zhang & Sennrich 2019); used by LLaMA and T5. The
     statistic and the scaling run in fp32, the result is cast back to the input dtype and
     only *then* multiplied by ``weight``, the order of Hugging Face's ``LlamaRMSNorm``, so
     bf16 outputs are bit-identical to it. As there, the output dtype is the promotion of
     the input and weight dtypes (cast the module with the model).
 
+    ``unit_offset=True``: the gain is ``1 + weight`` (weight initialised to 0, so weight decay
+    pulls the gain to 1, not 0), and the product is taken in fp32 before the cast back, so a bf16
+    model rounds once.
+
     Shapes: (..., E) -> (..., E). Parameter ``weight`` (E,).
     """
 
-    def __init__(self, d: int, eps: float = 1e-6):
+    def __init__(self, d: int, eps: float = 1e-6, *, unit_offset: bool = False):
         super().__init__()
         _check_width("RMSNorm", d)
-        self.d, self.eps = d, eps
-        self.weight = nn.Parameter(torch.ones(d))
+        self.d, self.eps, self.unit_offset = d, eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(d) if unit_offset else torch.ones(d))
 
     def forward(self, x: Tensor) -> Tensor:
         _check_width("RMSNorm", self.d, x)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def no_weight_decay(self) -> tuple[str, ...]:
@@ -83,7 +89,18 @@ class RMSNorm(nn.Module):
         return tuple(name for name, _ in self.named_parameters(recurse=False))
 
     def extra_repr(self) -> str:
-        return f"{self.d}, eps={self.eps}"
+        return f"{self.d}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
+
+
+class JointHeadsRMSNorm(RMSNorm):
+    r""":class:`RMSNorm` over all heads of a token at once: heads (B, H, T, D) -> (B, H, T, D),
+    the statistic taken over the H * D channels of each token (a QK-norm over the whole projection
+    width, before the split into heads, rather than per head). ``d`` = H * D; weight (H * D,)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, H, T, D = x.shape
+        y = super().forward(x.transpose(1, 2).reshape(B, T, H * D))
+        return y.view(B, T, H, D).transpose(1, 2)
 
 
 class GatedRMSNorm(RMSNorm):

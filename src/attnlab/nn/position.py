@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .rope import normalize_rope_scaling, rope_frequencies
+
 __all__ = ["AttentionPosition", "sinusoidal_table", "PositionalEncoding", "LearnedPositionalEmbedding",
            "RotaryEmbedding", "relative_position_bucket", "T5RelativePositionBias", "alibi_slopes", "ALiBi"]
 
@@ -140,9 +142,12 @@ class RotaryEmbedding(AttentionPosition):
             (RoFormer, Meta's complex-number code). The two differ by a permutation of the q/k
             projection rows, per head: a checkpoint in the other layout loads without error and gives
             wrong logits, so conversion permutes the rows (attnlab.models.convert).
-        scaling: None; ``{"type": "linear", "factor": f}`` divides theta_i by f (position
-            interpolation, Chen et al. 2023); ``{"type": "ntk", "factor": f}`` uses
-            base * f^(d/(d-2)) ("NTK-aware" scaling, bloc97 2023).
+        scaling: None, or ``{"rope_type": KIND, ...}`` with KIND one of :data:`attnlab.nn.rope.ROPE_TYPES`
+            and Hugging Face's ``rope_parameters`` keys (``"type"`` is read too): linear
+            (position interpolation), ntk, dynamic, llama3, yarn, longrope; :mod:`attnlab.nn.rope`
+            gives each one's frequencies and the factor on cos/sin (``attention_factor``).
+        max_position_embeddings: the trained context, which ``dynamic`` scales from and
+            ``longrope`` takes its factor from when the scaling gives none.
 
     ``transform(q (B, H, T, D), k (B, G, T', D), q_pos (T,) or (B, T), k_pos=None)`` returns
     rotated q, k in their dtype. Frequencies, angles, cos/sin and the rotation are computed in
@@ -151,29 +156,37 @@ class RotaryEmbedding(AttentionPosition):
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = False,
-                 scaling: dict | None = None, rotary_dim: int | None = None):
+                 scaling: dict | None = None, rotary_dim: int | None = None,
+                 max_position_embeddings: int | None = None):
         super().__init__()
         dim = head_dim if rotary_dim is None else rotary_dim
         if dim % 2 or not 0 < dim <= head_dim:
             raise ValueError(f"RotaryEmbedding: rotary_dim ({dim}) must be even and in (0, head_dim={head_dim}]")
-        kind, factor = None, 1.0
-        if scaling is not None:
-            kind, factor = scaling.get("type"), float(scaling.get("factor", 0.0))
-            if kind not in ("linear", "ntk") or factor <= 0 or (kind == "ntk" and dim <= 2):
-                raise ValueError(f"RotaryEmbedding: scaling must be {{'type': 'linear' or 'ntk', 'factor': > 0}} "
-                                 f"(ntk needs rotary_dim > 2), got {scaling}")
-        if kind == "ntk":
-            base = base * factor ** (dim / (dim - 2))
+        self.scaling = normalize_rope_scaling(scaling, dim)
+        self.kind = "default" if self.scaling is None else self.scaling["rope_type"]
+        if self.kind in ("dynamic", "longrope") and max_position_embeddings is None and \
+                (self.kind == "dynamic" or self.scaling.get("factor") is None):
+            raise ValueError(f"RotaryEmbedding: {self.kind} RoPE needs max_position_embeddings")
         self.head_dim, self.rotary_dim, self.base = head_dim, dim, base
-        self.interleaved, self.scaling = interleaved, scaling
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.interleaved, self.max_position_embeddings = interleaved, max_position_embeddings
         # plain attributes, not buffers: module.to(torch.bfloat16) must not round them
-        self.inv_freq: Tensor = inv_freq / factor if kind == "linear" else inv_freq
+        self.inv_freq, self.attention_factor = rope_frequencies(dim, base, self.scaling, max_position_embeddings)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
 
-    def _cos_sin(self, positions: Tensor, T: int) -> tuple[Tensor, Tensor]:
-        """fp32 cos/sin (T, d/2) or (B, 1, T, d/2) for the positions, from the grown cache."""
+    def frequencies(self, seq_len: int) -> Tensor:
+        """The (d/2,) fp32 inverse frequencies for a call whose longest sequence is ``seq_len``
+        (max position + 1): those of construction, except for the length-dependent kinds past
+        their trained context (``dynamic``: a larger base; ``longrope``: the long factors)."""
+        if self.kind == "dynamic" and seq_len > self.max_position_embeddings or \
+                self.kind == "longrope" and seq_len > self.scaling["original_max_position_embeddings"]:
+            return rope_frequencies(self.rotary_dim, self.base, self.scaling, self.max_position_embeddings,
+                                    seq_len)[0]
+        return self.inv_freq
+
+    def _cos_sin(self, positions: Tensor, T: int, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """fp32 cos/sin (T, d/2) or (B, 1, T, d/2) for the positions, times the attention factor:
+        from the grown cache, or computed for this call where the length changes the frequencies."""
         if positions.dim() not in (1, 2) or positions.shape[-1] != T or positions.is_floating_point():
             raise ValueError(f"RotaryEmbedding: positions must be integer (T,) or (B, T) with T = {T}, "
                              f"got {tuple(positions.shape)} {positions.dtype}")
@@ -181,12 +194,19 @@ class RotaryEmbedding(AttentionPosition):
         if lo < 0:
             raise ValueError(f"RotaryEmbedding: negative position {lo}")
         device = positions.device
-        if self._cos is None or self._cos.size(0) <= hi or self._cos.device != device:
-            cached = 0 if self._cos is None else self._cos.size(0)
-            t = torch.arange(max(hi + 1, 2 * cached), device=device, dtype=torch.float32)
-            angles = torch.outer(t, self.inv_freq.to(device))                # (L, d/2), fp32
-            self._cos, self._sin = angles.cos(), angles.sin()
-        cos, sin = self._cos[positions], self._sin[positions]
+        inv_freq = self.frequencies(hi + 1 if seq_len is None else seq_len)
+        if inv_freq is not self.inv_freq:
+            angles = positions.float()[..., None] * inv_freq.to(device)       # (..., T, d/2), fp32
+            cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        else:
+            if self._cos is None or self._cos.size(0) <= hi or self._cos.device != device:
+                cached = 0 if self._cos is None else self._cos.size(0)
+                t = torch.arange(max(hi + 1, 2 * cached), device=device, dtype=torch.float32)
+                angles = torch.outer(t, self.inv_freq.to(device))            # (L, d/2), fp32
+                self._cos, self._sin = angles.cos(), angles.sin()
+                if self.attention_factor != 1.0:
+                    self._cos, self._sin = self._cos * self.attention_factor, self._sin * self.attention_factor
+            cos, sin = self._cos[positions], self._sin[positions]
         if positions.dim() == 2:                                              # (B, T, d/2) -> (B, 1, T, d/2)
             cos, sin = cos[:, None], sin[:, None]
         return cos, sin
@@ -205,8 +225,10 @@ class RotaryEmbedding(AttentionPosition):
         return torch.cat((rot.to(x.dtype), x[..., d:]), dim=-1)
 
     def transform(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        cos, sin = self._cos_sin(q_pos, q.size(-2))
-        k_cos_sin = (cos, sin) if k_pos is None or k_pos is q_pos else self._cos_sin(k_pos, k.size(-2))
+        # the length-dependent kinds read the call's length from the queries (transformers: its position ids)
+        seq_len = int(q_pos.max()) + 1 if self.kind in ("dynamic", "longrope") else None
+        cos, sin = self._cos_sin(q_pos, q.size(-2), seq_len)
+        k_cos_sin = (cos, sin) if k_pos is None or k_pos is q_pos else self._cos_sin(k_pos, k.size(-2), seq_len)
         return self._rotate(q, cos, sin), self._rotate(k, *k_cos_sin)
 
 
