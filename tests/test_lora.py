@@ -172,3 +172,37 @@ def test_bad_adapter_files_name_the_problem(tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text('{"peft_type": "LORA", "use_dora": true}')
     with pytest.raises(ValueError, match="use_dora not supported"):
         load_adapter(from_pretrained(tmp_path / "base"), tmp_path / "a")
+
+
+def _causal_families():
+    from attnlab.models.registry import families
+    return [f.model_type for f in families("causal-lm") if "tiny" in f.presets]
+
+
+@pytest.mark.parametrize("model_type", _causal_families())
+def test_every_causal_family_takes_adapters_saves_them_and_merges(model_type, tmp_path):
+    """Any registered causal-LM family: adapters on all its adaptable layers, PEFT's files written and
+    read back (equal logits), merged = adapted (FP32)."""
+    from attnlab.models.registry import family
+    fam = family(model_type)
+    arch = fam.for_kind("causal-lm")
+    torch.manual_seed(0)
+    model = arch.build(fam.preset("tiny")).eval()
+    layers = adaptable_layers(model)
+    assert layers, f"{model_type}: no Linear layer can take an adapter"
+    targets = sorted({a.name.rsplit(".", 1)[-1] for a in layers})
+    add_lora(model, targets, rank=2, alpha=3.0)
+    with torch.no_grad():
+        for m in lora_layers(model).values():
+            m.lora_B.weight.normal_(0.0, 0.2)
+    save_adapter(model, tmp_path / "a")
+    fresh = arch.build(fam.preset("tiny")).eval()
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if ".lora_" not in k})
+    load_adapter(fresh, tmp_path / "a")
+    vocab = getattr(model.config, "vocab_size")
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = model(ids)
+        assert_close_scaled(fresh(ids), adapted, FP32)
+        merge_lora(model)
+        assert_close_scaled(model(ids), adapted, FP32)

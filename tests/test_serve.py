@@ -108,7 +108,11 @@ def test_stop_strings_and_seeded_sampling(served):
     assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
     a, b = (c.completions.create(model="tiny", prompt="fox", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
             .choices[0].text for _ in range(2))
-    assert a == b
+    want = complete(lm.model, lm.tokenizer, lm.tokenizer.encode("fox"), 20, eos_ids=lm.eos_ids, temperature=1.0,
+                    top_p=0.9, seed=7).text
+    assert a == b == want                   # the seed as `attnlab generate --seed 7` takes it
+    other = c.completions.create(model="tiny", prompt="fox", max_tokens=20, temperature=1.0, seed=8).choices[0].text
+    assert other != a
 
 
 def test_concurrent_requests_decode_together_and_equal_each_alone(served):

@@ -164,3 +164,35 @@ def test_lora_without_a_base_is_one_clear_line(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     r = run_cli("train", "lm", "--data", tmp_path / "c.jsonl", "--lora", "--out", tmp_path / "x", "--no-progress")
     assert r.returncode == 2 and "give it with --init DIR" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hf_base_with_its_own_template_gpt2_conv1d_and_export(tmp_path):
+    """--init a Hugging Face directory: its chat template (tokenizer_config.json) is used and recorded,
+    LoRA on GPT-2's Conv1D c_attn trains, export --merge equals the adapted run (FP32) and carries the
+    template into tokenizer_config.json."""
+    from _hf_fixtures import tiny_gpt2_dir
+    from attnlab.hub import from_pretrained
+    from attnlab.tasks.run import load_model, read_run
+    tiny_gpt2_dir(tmp_path / "gpt2", n_embd=16)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (tmp_path / "gpt2" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chats = [{"messages": [{"role": "user", "content": "the quick"}, {"role": "assistant", "content": w}]}
+             for w in ["brown fox", "lazy dog", "a cat"] * 4]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    r = run_cli("train", "lm", "--init", tmp_path / "gpt2", "--data", tmp_path / "c.jsonl", "--lora",
+                "--lora-targets", "c_attn", "--lora-rank", "2", "--steps", "3", "--batch-size", "4",
+                "--out", tmp_path / "run", "--sample-tokens", "0", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    ckpt = tmp_path / "run" / "step-0000003"
+    meta = json.loads((ckpt / "run.json").read_text())
+    assert meta["task_options"]["chat_template"] == template
+    assert meta["task_options"]["lora"]["target_modules"] == ["c_attn"]
+    e = run_cli("export", ckpt, tmp_path / "out", "--merge")
+    assert e.returncode == 0, e.stderr
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == template
+    assert ChatTemplate.for_model(tmp_path / "out").source == template
+    ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close_scaled(from_pretrained(tmp_path / "out").eval()(ids), load_model(read_run(ckpt)).eval()(ids),
+                            FP32)

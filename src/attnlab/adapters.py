@@ -10,7 +10,8 @@ family's registered weight map (our ``layers.0.self_attn.q_proj.weight`` is Llam
 ``model.layers.0.self_attn.q_proj.weight``; GPT-2's fused ``qkv_proj`` is ``transformer.h.0.attn.c_attn``),
 so PEFT's ``target_modules`` select the same layers here as in PEFT: a target matches a layer whose
 name is the target or ends with ``.`` + target. The short targets q, k, v, o, gate, up, down stand
-for q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. A layer whose weight the map
+for q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj where, read as PEFT reads them,
+they select nothing (Mixtral's router is called ``gate``: there ``gate`` is the router, as in PEFT). A layer whose weight the map
 fuses with or splits from others has no PEFT name and gets no adapter; an attnlab-native family
 (no Hugging Face map) is named by our own module names.
 
@@ -117,12 +118,18 @@ def resolve_targets(model: nn.Module, targets) -> tuple[list[AdapterLayer], list
         if not chosen:
             raise ValueError(f"LoRA: target pattern {targets!r} matches no layer of {type(model).__name__}")
         return chosen, targets
-    wanted = [SHORT_TARGETS.get(t, t) for t in targets]
-    if not wanted:
+    if not targets:
         raise ValueError("LoRA: no target layers given")
-    chosen = []
-    for t, given in zip(wanted, targets):
-        hits = [a for a in layers if a.name == t or a.name.endswith("." + t)]
+
+    def select(t: str) -> list[AdapterLayer]:
+        return [a for a in layers if a.name == t or a.name.endswith("." + t)]
+
+    chosen, wanted = [], []
+    for given in targets:
+        # as PEFT reads the name first (Mixtral's router is "gate"); the short form only where that selects nothing
+        t = given if select(given) or given not in SHORT_TARGETS else SHORT_TARGETS[given]
+        hits = select(t)
+        wanted.append(t)
         if not hits:
             names = ", ".join(dict.fromkeys(_leaf(a.name) for a in layers))
             raise ValueError(f"LoRA: target {given!r} matches no Linear layer of {type(model).__name__}; its "

@@ -92,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
         why = _tokenizer_files(tok, out, model_context(model), arch.family.special_tokens)
+        template = info.run.task_options.get("chat_template")
+        if template and not why:               # a fine-tuned chat model: transformers' apply_chat_template reads it
+            config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+            (out / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template), indent=2,
+                                                                  sort_keys=True) + "\n", encoding="utf-8")
     written = sorted(p.name for p in out.iterdir())
     print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
     if note:

@@ -124,7 +124,10 @@ class _Row:
         self.generator = None
         if r.temperature > 0:
             self.generator = torch.Generator(device)
-            self.generator.manual_seed(r.seed if r.seed is not None else int(torch.seed() % 2**63))
+            if r.seed is not None:                # the seed attnlab generate takes: the same draws
+                self.generator.manual_seed(r.seed)
+            else:                                 # this generator alone; torch's global one is left alone
+                self.generator.seed()
         self.hold = max((len(s) for s in r.stop), default=1) - 1     # text that may still become a stop
 
     def choose(self, logits: Tensor) -> int:
