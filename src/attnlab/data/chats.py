@@ -105,10 +105,13 @@ class ChatTemplate:
 
     @classmethod
     def for_model(cls, path: str | Path | None, tokenizer=None) -> "ChatTemplate":
-        """The template of a model directory (chat_template.jinja, or tokenizer_config.json's
-        ``chat_template``), else ChatML; the tokenizer's BOS and EOS tokens fill ``bos_token`` / ``eos_token``."""
+        """The template the tokenizer carries, else a model directory's (chat_template.jinja, or
+        tokenizer_config.json's ``chat_template``), else ChatML; the tokenizer's BOS and EOS tokens fill ``bos_token`` / ``eos_token``."""
         special = getattr(tokenizer, "special", None) or {}
         kw = {"bos_token": special.get("bos"), "eos_token": special.get("eos")}
+        own = getattr(tokenizer, "chat_template", None)       # a tokenizer that carries its template (GGUF's)
+        if isinstance(own, str) and own:
+            return cls(own, **kw)
         directory = Path(path) if path is not None else None
         if directory is not None and (directory / "chat_template.jinja").is_file():
             return cls((directory / "chat_template.jinja").read_text(encoding="utf-8"), **kw)

@@ -169,8 +169,7 @@ def _base(s: dict, resume_from: Path | None):
         template = ChatTemplate(source) if source else ChatTemplate.for_model(None, tok)
         model = _merged(model)
     else:
-        from ..hub import from_pretrained
-        from ..tokenizer import load_tokenizer
+        from ..hub import from_pretrained, load_tokenizer       # hub's: a GGUF file's tokenizer too
         model, tok = from_pretrained(s["init"]).train(), load_tokenizer(s["init"])
         template = ChatTemplate.for_model(s["init"], tok)
     if s.get("lora"):
