@@ -9,19 +9,20 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 LOCK=${LOCK:-requirements/lock.txt}
-# Debian's Chromium and its driver, for the explorer's browser tests (tests/test_explorer_browser.py):
-# a system package, so no Python package downloads a browser of its own
+# Debian's Chromium and its driver, for the explorer's and the site's browser tests, and Debian's KaTeX,
+# which the docs build copies into the site so formulas are typeset offline: system packages, so no
+# Python package downloads a browser of its own and no page loads a script from a CDN
 apt_install() {    # the package lists of a fresh machine may be missing: update once, then retry
-    "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null ||
-        { "$@" apt-get update -q >/dev/null && "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }
+    "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver libjs-katex >/dev/null ||
+        { "$@" apt-get update -q >/dev/null && "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver libjs-katex >/dev/null; }
 }
-if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f /usr/share/javascript/katex/katex.min.js ]; then
     if [ "$(id -u)" = 0 ]; then
         apt_install
     elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
         apt_install sudo -n
     else
-        echo "setup.sh: Chromium is missing (/usr/bin/chromium) and apt-get needs root: run 'sudo apt-get install -y chromium chromium-driver'" >&2
+        echo "setup.sh: Chromium or KaTeX is missing (/usr/bin/chromium, /usr/share/javascript/katex) and apt-get needs root: run 'sudo apt-get install -y chromium chromium-driver libjs-katex'" >&2
         exit 1
     fi
 fi

@@ -20,9 +20,11 @@ LAYERS = [
     {"attnlab.nn", "attnlab.data", "attnlab.tokenizer", "attnlab.processors",    # processors: tokenizers, images
      "attnlab.chat_template"},
     {"attnlab.generate", "attnlab.train"},
-    {"attnlab.models", "attnlab.hub", "attnlab", "attnlab.gguf"},   # the package's lazy top-level loaders are hub's
+    {"attnlab.models", "attnlab.hub", "attnlab", "attnlab.gguf",   # the package's lazy top-level loaders are hub's
+     "attnlab.adapters"},                                         # LoRA adapters on any family
     {"attnlab.viz", "attnlab.quantize"},
     {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
+    {"attnlab.serve"},                     # the OpenAI-compatible server over a loaded LM
     {"attnlab.cli", "attnlab.__main__"},   # python -m attnlab: the command
 ]
 

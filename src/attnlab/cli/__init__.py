@@ -9,6 +9,7 @@
     attnlab eval RUN ...        cli/eval.py       (dispatches on the run's recorded task)
     attnlab viz RUN ...         cli/viz.py
     attnlab export RUN OUT      cli/export.py     (a run as a Hugging Face directory)
+    attnlab serve MODEL         cli/serve.py      (an OpenAI-compatible HTTP server)
 
 A command module defines ``HELP``, ``EXAMPLE``, ``add_arguments(parser)`` and ``run(args)``; the
 work itself lives in the library (tasks/, generate/, viz/), imported when the command runs, so
@@ -53,7 +54,7 @@ from .. import __version__
 
 __all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere", "keep_freed_memory"]
 
-COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "eval", "viz", "export")
+COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "eval", "viz", "export", "serve")
 
 
 class UserError(Exception):

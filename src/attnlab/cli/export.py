@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the directory to write (new, or empty), or a FILE.gguf")
     p.add_argument("--qtype", choices=["F32", "F16", "Q8_0"], default="F32",
                    help="how a .gguf OUT stores the weight matrices (default F32; vectors stay F32)")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights and write "
+                   "the whole merged model (default: write the adapter alone, in PEFT's layout; a .gguf OUT always "
+                   "gets the merged model)")
 
 
 def _tokenizer_files(tok, out: Path, context: int | None, family_tokens: dict[str, str]) -> str | None:
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not an empty directory; give a new one")
+    if _lora_export(model, out, args, info.run.path):
+        return 0
     save_pretrained(model, out)
     processors = load_processors(info.run)
     why = note = None
@@ -99,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
         why = _tokenizer_files(tok, out, model_context(model), arch.family.special_tokens)
+        template = info.run.task_options.get("chat_template")
+        if template and not why:               # a fine-tuned chat model: transformers' apply_chat_template reads it
+            config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+            (out / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template), indent=2,
+                                                                  sort_keys=True) + "\n", encoding="utf-8")
     written = sorted(p.name for p in out.iterdir())
     print(f"{out}: {arch.name} ({arch.model_type}) from {info.run.path}: {', '.join(written)}", file=sys.stderr)
     if note:
@@ -120,7 +130,10 @@ def _gguf(args: argparse.Namespace, info) -> int:
                          else (info.path / "tokenizer.json").is_file())
         model, tok = from_pretrained(info.path), load_tokenizer(info.path) if has_tokenizer else None
     else:
+        from ..adapters import lora_layers, merge_lora
         model, tok = load_model(info.run).eval(), load_tokenizers(info.run).get("text")
+        if lora_layers(model):                           # GGUF has no adapters: the merged weights
+            merge_lora(model)
     out = Path(args.out)
     if out.suffix.lower() == ".gguf":
         if out.exists():
@@ -139,3 +152,21 @@ def _gguf(args: argparse.Namespace, info) -> int:
     print(f"{out}: {type(model).__name__} from {info.path}: {', '.join(sorted(p.name for p in out.iterdir()))}",
           file=sys.stderr)
     return 0
+
+
+def _lora_export(model, out: Path, args: argparse.Namespace, source: Path) -> bool:
+    """A LoRA run without --merge: write its adapter (PEFT's layout) and say so; True when done.
+    With --merge the adapters are folded into the weights (W + alpha/r B A) before the model is written."""
+    from . import UserError
+    from ..adapters import lora_layers, merge_lora, save_adapter
+    if not lora_layers(model):
+        if args.merge:
+            raise UserError(f"--merge: {source} has no LoRA adapters to merge")
+        return False
+    if args.merge:
+        merge_lora(model)
+        return False
+    save_adapter(model, out)
+    print(f"{out}: the LoRA adapter of {source} (adapter_config.json, adapter_model.safetensors); "
+          "--merge writes the whole merged model", file=sys.stderr)
+    return True

@@ -42,6 +42,7 @@ from .. import models as _models  # noqa: F401  (registers every family: the --m
 from ..models.registry import default_family
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
+from .sft import FINE_TUNING_OPTIONS, fine_tuning, prepare_fine_tuning
 from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context, resume_point,
                   write_run)
 
@@ -240,6 +241,7 @@ class LanguageModeling(TaskDefinition):
                resumable=True),
         Option("sample_tokens", int, 200, "tokens of the sample printed after training (0 = none)",
                check=non_negative, group=_D, resumable=True),
+        *FINE_TUNING_OPTIONS,
     ]
 
     eval_options = [
@@ -269,6 +271,8 @@ class LanguageModeling(TaskDefinition):
         return fam.for_kind(self.kind).build(config)
 
     def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+        if fine_tuning(s):                  # --init, --lora or a chat file: attnlab.tasks.sft
+            return prepare_fine_tuning(self, s, resume_from, LanguageModelTask)
         corpus = stdlib_corpus(int(s["corpus_mb"] * 1e6)) if s["data"] is None else text_file_corpus(s["data"],
                                                                                                       s["valid"])
         saved = None if resume_from is None else resume_point(resume_from, self.name)

@@ -297,6 +297,11 @@ def load_model(run: RunInfo) -> nn.Module:
     """The run's model with its trained weights (strict), in train mode on the CPU."""
     from safetensors.torch import load_file
     model = build_model(run.model_type, run.config, run.architecture)
+    lora = run.task_options.get("lora")
+    if lora:                                     # a LoRA run: its adapters go on before its weights load
+        from ..adapters import add_lora
+        add_lora(model, lora["target_modules"], int(lora["r"]), float(lora["lora_alpha"]),
+                 float(lora.get("lora_dropout", 0.0)))
     file = run.path / "model.safetensors"
     if not file.is_file() and (run.path / "shards").is_dir():     # a sharded run's (--shard): gathered here
         from ..train.sharded import load_gathered
