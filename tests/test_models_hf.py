@@ -388,7 +388,11 @@ def test_load_tokenizer_reads_both_formats(tmp_path):
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert attnlab.load_tokenizer is load_tokenizer                     # one loader
+    import attnlab.hub
+    # one loader: attnlab's is the hub's, which reads a GGUF file's tokenizer and hands every other
+    # path to attnlab.tokenizer.load_tokenizer
+    assert attnlab.load_tokenizer is attnlab.hub.load_tokenizer
+    assert load_tokenizer(tmp_path).encode("hello there world") == [0, 2, 1]
     hf = attnlab.load_tokenizer(tmp_path)
     assert isinstance(hf, HFTokenizer) and hf.encode("hello there world") == [0, 2, 1] and hf.unk_id == 2
     with pytest.raises(FileNotFoundError, match="nothing"):

@@ -251,7 +251,7 @@ PRESETS = {
 # LLAMA_WEIGHT_MAP names the keys of LlamaForCausalLM: the base's sit under "model."
 _BASE_RULES, _HEAD_RULES = split_prefix(LLAMA_WEIGHT_MAP, "model.")
 LLAMA = register_family("llama", LlamaConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
-                        limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
+                        limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len},
                         config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                         ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
                         token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})

@@ -160,7 +160,7 @@ _OPTIONS = (
                  check=lambda v: None if v >= 0 else "must be >= 0"),
 )
 MIXTRAL = register_family("mixtral", MixtralConfig, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
-                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
+                          limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len},
                           config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
                           ignore_on_load=(r"\.rotary_emb\.inv_freq$",), options=_OPTIONS,
                           token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
