@@ -163,6 +163,27 @@ def test_faults_get_openai_errors_and_the_server_keeps_serving(served):
     assert client(server).completions.create(model="tiny", prompt="the", max_tokens=3).choices[0].text is not None
 
 
+def test_a_huge_body_without_a_length_is_refused_while_it_streams_in(served):
+    # chunked transfer: no content-length to refuse on, so the limit (20 000 bytes here) is counted
+    # as the body arrives; 413, never the whole body held, and the server goes on
+    _, server = served
+    sent = []
+
+    def body():
+        for _ in range(200):                    # 200 x 10 000 bytes, far over the limit
+            sent.append(1)
+            yield b'{"prompt": "' if len(sent) == 1 else b"x" * 10_000
+
+    response = httpx.post(server.url + "/v1/completions", content=body(), timeout=30,
+                          headers={"content-type": "application/json", "Authorization": f"Bearer {KEY}"})
+    assert "content-length" not in response.request.headers and len(sent) == 200
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["code"] == 413 and "20000 bytes" in error["message"] and "Traceback" not in response.text
+    assert healthy(server)
+    assert client(server).completions.create(model="tiny", prompt="the", max_tokens=3).choices[0].text is not None
+
+
 def test_a_client_leaving_mid_stream_frees_its_row(served):
     _, server = served
     body = {"prompt": "the", "max_tokens": 64, "temperature": 0, "stream": True}
