@@ -277,3 +277,33 @@ def test_load_test_benchmark_quick_runs():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "batched (--max-batch 3)" in proc.stdout and "one at a time" in proc.stdout
     assert "throughput ratio" in proc.stdout
+
+
+@pytest.mark.slow
+def test_load_test_against_transformers_serve(tmp_path):
+    # opt-in (-m slow: two transformers serve start-ups); the default suite runs the quick load test
+    # above. A tiny random LLaMA saved by transformers with SmolLM2's tokenizer: both servers load
+    # the directory, serve the same greedy requests, and every reply is the same text.
+    import subprocess
+    import sys
+
+    import transformers
+    from _smollm import GGUF
+
+    from attnlab import load_tokenizer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer.json").write_text(load_tokenizer(GGUF).hf.to_str(), encoding="utf-8")
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}), encoding="utf-8")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "serve.py"), "--quick", "--model",
+                           str(tmp_path / "model"), "--against-transformers", "--log-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "failed:" not in proc.stdout, proc.stdout
+    for label in ("transformers serve ", "transformers serve --continuous-batching"):
+        assert label in proc.stdout
+    assert proc.stdout.count("greedy texts equal to attnlab batched: 3 of 3 requests") == 2, proc.stdout
