@@ -111,6 +111,12 @@ _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
 _DYT_ALPHA_LR = {"digits": 1.0, "folder": 1.0}
 
 
+def data_source(s) -> str:
+    """"digits" when the settings train on the embedded digits (no --data), else "folder": the one
+    place that decides which of the two the sizes, processor, data and schedule are for."""
+    return "digits" if s["data"] is None else "folder"
+
+
 def _digit_dyt_alphas(layers: int) -> str:
     """The digits' DyT alphas: 4 in the first layer, halved with each layer after, the final norm's as the last's."""
     alphas = [_DYT_ALPHA["digits"] * 0.5 ** i for i in range(layers)]
@@ -395,7 +401,7 @@ class ImageClassification(TaskDefinition):
         if s["data"] is None and s["valid"] is not None:
             raise ValueError("--valid: give the training images too (--data DIR); the embedded digits have their "
                              "own held-out split")
-        kind = "digits" if s["data"] is None else "folder"
+        kind = data_source(s)
         for name, value in _SIZES[kind].items():
             if s[name] is None:
                 s[name] = value
@@ -468,19 +474,19 @@ class ImageClassification(TaskDefinition):
     def _processor(s: dict) -> ImageProcessor:
         grey = [0.5] * s["channels"]
         # the digits were made by counting ink in blocks: averaging (box) reduces a larger digit the same way
-        resample = "box" if s["data"] is None else "bilinear"
+        resample = "box" if data_source(s) == "digits" else "bilinear"
         return ImageProcessor(size=s["image_size"], resample=resample, image_mean=grey, image_std=grey)
 
     def _labels(self, s: dict) -> list[str]:
         """The class names the data holds, before any image is read."""
-        if s["data"] is None:
+        if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS
             return list(DIGIT_LABELS)
         return self._folders(s)[0].classes
 
     def _data(self, s: dict, processor: ImageProcessor, labels: list[str] | None) -> dict:
         """The training, validation (and test) images as bytes with label indices, the labels and what they are."""
-        if s["data"] is None:
+        if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS, digits_split
             split = digits_split()
             sets = {k: (_bytes(_arrays(x.expand(-1, 3, -1, -1)), processor), y) for k, (x, y) in split.items()}
@@ -504,7 +510,7 @@ class ImageClassification(TaskDefinition):
         return fam.for_kind(self.kind).build(config)
 
     def _schedule(self, s: dict, n_images: int) -> dict:
-        kind = "digits" if s["data"] is None else "folder"
+        kind = data_source(s)
         epochs = max(100, min(5000, 10 * -(-n_images // s["batch_size"])))      # about ten epochs
         d = dict(steps=DIGIT_STEPS if kind == "digits" else epochs, lr=_LR[kind], weight_decay=_WEIGHT_DECAY[kind])
         return training_schedule(s, d, lambda steps, budget: 50 if budget else max(1, steps // 10),
@@ -566,7 +572,7 @@ class ImageClassification(TaskDefinition):
         beta2 = s["beta2"] if s["beta2"] is not None else 0.999
         # the digits' 100 validation images move accuracy in whole points, and a tie keeps the earlier
         # checkpoint: their loss tells two checkpoints apart, so it picks the best one there
-        best = ("val_loss", "min") if s["data"] is None else ("accuracy", "max")
+        best = ("val_loss", "min") if data_source(s) == "digits" else ("accuracy", "max")
         return dict(self._schedule(s, len(setup.task.train_y)), betas=(0.9, beta2), best_metric=best[0],
                     best_mode=best[1], ema_decay=s["ema"] or None)
 

@@ -41,7 +41,7 @@ from ..processors import ImageProcessor
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
 from .finetune import fine_tuning_start
 from .image import _SIZES as _IMAGE_SIZES
-from .image import IMAGE
+from .image import IMAGE, data_source
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
 from .settings import Settings
 
@@ -185,7 +185,7 @@ class MAEPretraining(TaskDefinition):
         # the image task's sizes for the same data, so that train image --init fits the encoder as it was trained
         for name in ("image_size", "patch_size", "channels"):
             if s[name] is None:
-                s[name] = _IMAGE_SIZES["digits" if s.data is None else "folder"][name]
+                s[name] = _IMAGE_SIZES[data_source(s)][name]
         if s.image_size % s.patch_size:
             raise ValueError(f"--image-size {s.image_size} is not a multiple of --patch-size {s.patch_size}")
 
