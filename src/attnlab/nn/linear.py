@@ -456,7 +456,8 @@ class StackedLinear:
         """Whether ``stack(x)`` may stand for calling ``layers`` (the owner's current ones) on x."""
         if len(layers) != len(self.layers) or any(a is not b for a, b in zip(layers, self.layers)):
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or any(l.weight.requires_grad for l in layers)):
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                l.weight.requires_grad or l.bias is not None and l.bias.requires_grad for l in layers)):
             return False
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
