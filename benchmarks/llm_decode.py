@@ -51,7 +51,7 @@ import attnlab  # noqa: E402
 AL = "attnlab (GGUF dequantised, fp32)"
 REF = "transformers LlamaForCausalLM (gguf_file=, fp32)"
 AA = " (A/A: again)"
-AL_PLAIN = "attnlab, plain nn.Linear (InferenceLinear taken out)"
+AL_PLAIN = "attnlab, plain nn.Linear (no InferenceLinear, no stacked q/k/v and gate/up)"
 LCPP = "llama.cpp (llama-cpp-python, Q4_1 blocks)"
 TARGETS = {1: 1.30}                      # the issue's goal: attnlab / transformers at batch 1
 
@@ -73,6 +73,23 @@ def bytes_per_step(model: nn.Module, batch: int, kv_positions: float) -> float:
     c = model.config
     kv = batch * kv_positions * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     return total + kv
+
+
+def ops_per_step(model: nn.Module, batch: int, steps: int = 4) -> tuple[float, float]:
+    """(matrix products, aten operators at every level) per cached decoding step, counted by
+    torch.profiler: the per-token work that does not depend on the machine's speed."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(0, model.config.vocab_size, (batch, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(ids, cache=cache)
+        model(ids[:, -1:], cache=cache)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                model(ids[:, -1:], cache=cache)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    products = sum(calls.get(k, 0) for k in ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"))
+    return products / steps, sum(c for k, c in calls.items() if k.startswith("aten::")) / steps
 
 
 def llama_cpp_row(path: Path, prompt: list[int], n: int):
@@ -126,6 +143,9 @@ def main() -> None:
           f"; {os.cpu_count()} CPUs visible")
     print(f"## decode: SmolLM2-135M-Instruct ({path.name}), prompt {P} tokens, {N} new tokens, greedy")
     print(f"# memory bandwidth (sum of a fp32 tensor, {torch.get_num_threads()} threads): {bw / 1e9:.1f} GB/s")
+    for name, model in ((AL, al), (AL_PLAIN, plain)):
+        products, ops = ops_per_step(model, 1)
+        print(f"# {name}: {products:.0f} matrix products and {ops:.0f} aten operators per decoding step (batch 1)")
     text = tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}],
                                    add_generation_prompt=True)
     base = tok.encode(text, add_special_tokens=False)

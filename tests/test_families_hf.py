@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import attnlab  # noqa: E402
+from attnlab.nn.cache import LayerCaches  # noqa: E402
 from _tolerance import FP32, assert_close_scaled  # noqa: E402
 
 V, CTX, T = 96, 64, 20          # T > every window below
@@ -44,8 +45,9 @@ CONFIGS = {      # family -> (model_type, config fields beyond BASE)
 }
 
 
-# LongRoPE's switch to its long factors at 12 tokens: transformers' Phi-3 generate recomputes its
-# cache there (attnlab keeps the keys' rotations), so Phi-3's prompts start past it
+# LongRoPE switches to its long factors past 12 tokens: transformers' Phi-3 generate recomputes its
+# cache there, and so does attnlab's Phi-3 (test_phi3_greedy_across_the_longrope_switch); the
+# cached-decoding test starts past it (a cache fed by hand crosses it with its keys as they were)
 PROMPT = {"phi3": 13}
 
 
@@ -127,6 +129,23 @@ def test_greedy_tokens_equal_transformers(saved, family):
                            do_sample=False, eos_token_id=None, pad_token_id=0)
     got = ours.generate(prompt, T)
     assert torch.equal(got, want), f"{family}: greedy tokens differ\nattnlab {got.tolist()}\nHF      {want.tolist()}"
+
+
+def test_phi3_greedy_across_the_longrope_switch(saved):
+    """A 5-token prompt decoded past the switch at 12 tokens: transformers drops its cache there and
+    recomputes every key with the long factors; so does attnlab's Phi-3, token for token. The
+    switch changes the logits (the test would not see a wrong recomputation otherwise)."""
+    hf, path = saved("phi3")
+    ours = attnlab.from_pretrained(path)
+    prompt = _ids(2, 5, seed=3)
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=T, min_new_tokens=T,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+        got = ours.generate(prompt, T)
+        ours.new_cache = lambda: LayerCaches(len(ours.layers))     # a plain cache keeps the short rotations
+        kept = ours.generate(prompt, T)
+    assert torch.equal(got, want), f"phi3: greedy tokens differ\nattnlab {got.tolist()}\nHF      {want.tolist()}"
+    assert not torch.equal(kept, want), "the switch changed nothing here: the test could not fail"
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

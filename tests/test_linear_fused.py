@@ -107,6 +107,15 @@ def test_feedforward_and_gated_mlp_fuse_their_activation_and_keep_their_values(k
     fast = optimize_for_inference(type(plain)(48, 96, **({"activation": "gelu"} if kind == "feedforward" else {})))
     fast.load_state_dict(plain.state_dict())
     x = torch.randn(2, 3, 48)
+    if kind == "gated":
+        # optimize_for_inference stacked gate and up into one product (StackedLinear), which the
+        # activation cannot ride on (it applies to half of the outputs): two products in all
+        with torch.no_grad():
+            got, want = fast(x), plain(x)
+        assert_close_scaled(got, want, FP32)
+        assert spy == [((2, 3, 48), None), ((2, 3, 96), None)]
+        spy.clear()
+        fast.__dict__.pop("_stacked_gate_up")         # unstacked: gate's product carries the activation
     with torch.no_grad():
         got, want = fast(x), plain(x)
     assert_close_scaled(got, want, FP32)

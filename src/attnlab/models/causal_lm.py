@@ -146,7 +146,10 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         keys = None
         if positions is None:
             if mask is None:
-                positions = torch.arange(past, past + T, device=device)
+                # the keys' positions made once for every layer; the queries' are a view of them,
+                # which tells a rotary module that the new keys sit where the queries do
+                keys = torch.arange(past + T, device=device)
+                positions = keys[past:]
             else:
                 keys = (mask.long().cumsum(-1) - 1).clamp(min=0)                 # (B, S)
                 positions = keys[:, -T:]

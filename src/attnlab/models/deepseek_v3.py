@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from .convert import Fuse, Rule, split_prefix
+from .convert import Fuse, Rule
 from ..nn.block import CausalLayer
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.mlp import GatedMLP, SigmoidTopK, SparseMoE
@@ -36,8 +36,7 @@ from ..nn.position import RotaryEmbedding
 from ..nn.rope import yarn_mscale
 from . import llama
 from .causal_lm import CausalLM
-from .llama import LlamaConfig
-from .registry import register_family
+from .llama import LlamaConfig, register_decoder
 
 __all__ = ["DeepseekV3Config", "DeepseekV3", "DEEPSEEK_V3_WEIGHT_MAP", "DEEPSEEK_V3", "build_config"]
 
@@ -215,10 +214,6 @@ PRESETS = {
                         max_position_embeddings=163840, q_lora_rank=1536, bos_token_id=0, eos_token_id=1),
 }
 
-_BASE_RULES, _HEAD_RULES = split_prefix(DEEPSEEK_V3_WEIGHT_MAP, "model.")
-DEEPSEEK_V3 = register_family("deepseek_v3", DeepseekV3Config, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
-                              limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
-                              config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                              ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
-                              token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
-DEEPSEEK_V3.register("DeepseekV3ForCausalLM", DeepseekV3, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)
+DEEPSEEK_V3 = register_decoder("deepseek_v3", DeepseekV3Config, DeepseekV3, "DeepseekV3ForCausalLM",
+                               weight_map=DEEPSEEK_V3_WEIGHT_MAP, config_from_hf=config_from_hf,
+                               config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config)

@@ -259,9 +259,10 @@ LLAMA.register("LlamaForCausalLM", Llama, kind="causal-lm", prefix="model.", hea
 
 
 def register_decoder(model_type: str, config_cls: type, model_cls: type, architecture: str, *,
-                     weight_map: list[Rule], config_from_hf, config_to_hf, presets: dict):
+                     weight_map: list[Rule], config_from_hf, config_to_hf, presets: dict, build_config=None):
     """Register a family built on LLaMA's skeleton (its keys under "model.", RoPE buffers ignored,
-    LLaMA's sizing builder with its own config class); returns the family."""
+    its context ``max_seq_len``; ``build_config`` None: LLaMA's sizing builder with its own config
+    class); returns the family."""
     def build(*, vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int,
               d_ff: int | None = None, dropout: float = 0.0, num_kv_heads: int | None = None,
               bos_token_id: int | None = None, eos_token_id: int | None = None):
@@ -273,7 +274,7 @@ def register_decoder(model_type: str, config_cls: type, model_cls: type, archite
     base, head = split_prefix(weight_map, "model.")
     fam = register_family(model_type, config_cls, base_rules=base, config_from_hf=config_from_hf,
                           limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_seq_len},
-                          config_to_hf=config_to_hf, presets=presets, build_config=build,
+                          config_to_hf=config_to_hf, presets=presets, build_config=build_config or build,
                           ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
                           token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
     fam.register(architecture, model_cls, kind="causal-lm", prefix="model.", head_rules=head)

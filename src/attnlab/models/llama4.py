@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .convert import Fuse, Op, Rule, split_prefix
+from .convert import Fuse, Op, Rule
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import CausalLayer
 from ..nn.mlp import GatedMLP, SigmoidTopK, SparseMoE
@@ -36,8 +36,7 @@ from ..nn.norm import RMSNorm
 from ..nn.position import AttentionPosition, RotaryEmbedding
 from . import llama
 from .causal_lm import CausalLM
-from .llama import LlamaConfig
-from .registry import register_family
+from .llama import LlamaConfig, register_decoder
 
 __all__ = ["Llama4Config", "Llama4", "Llama4Position", "LLAMA4_WEIGHT_MAP", "LLAMA4", "build_config"]
 
@@ -246,10 +245,6 @@ PRESETS = {
                                   max_position_embeddings=10485760, bos_token_id=200000, eos_token_id=200008),
 }
 
-_BASE_RULES, _HEAD_RULES = split_prefix(LLAMA4_WEIGHT_MAP, "model.")
-LLAMA4 = register_family("llama4_text", Llama4Config, base_rules=_BASE_RULES, config_from_hf=config_from_hf,
-                         limits=lambda c: {"vocab_size": c.vocab_size, "context": c.max_position_embeddings},
-                         config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config,
-                         ignore_on_load=(r"\.rotary_emb\.inv_freq$",),
-                         token_ids={"bos_token_id": "bos", "eos_token_id": "eos"})
-LLAMA4.register("Llama4ForCausalLM", Llama4, kind="causal-lm", prefix="model.", head_rules=_HEAD_RULES)
+LLAMA4 = register_decoder("llama4_text", Llama4Config, Llama4, "Llama4ForCausalLM",
+                          weight_map=LLAMA4_WEIGHT_MAP, config_from_hf=config_from_hf,
+                          config_to_hf=config_to_hf, presets=PRESETS, build_config=build_config)

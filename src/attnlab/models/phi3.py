@@ -11,18 +11,22 @@ of Phi-3's config.json and wins over the RoPE dict's (transformers reads it so);
 renames the older "su" and "yarn" types of Phi-3 configs to longrope, and so do we.
 
 LongRoPE switches from the short to the long factors once the sequence passes the original
-context. Our cache keeps each key as rotated when it was computed; transformers' Phi-3
-``generate`` instead drops its cache at the switch and recomputes every key with the long
-factors, so a greedy decode that crosses the switch differs from it from that step on (one
-that starts beyond it, or stays below it, is the same).
+context. A cache keeps each key as rotated when it was computed, with the short factors; at the
+switch transformers' Phi-3 ``generate`` drops its cache and recomputes the whole sequence with the
+long ones (every key, and so every later layer's input, changes). Phi-3 does the same: its cache
+(:meth:`Phi3.new_cache`) also keeps the token ids it has consumed, and the cached call that
+crosses the switch runs the whole sequence again into an emptied cache, so a greedy decode that
+crosses it gives transformers' tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from . import llama
+from ..nn.cache import KVCache, LayerCaches
 from .convert import Fuse, Rule
 from .llama import Llama, LlamaConfig, register_decoder
 
@@ -41,11 +45,60 @@ class Phi3Config(LlamaConfig):
             raise ValueError(f"Phi3Config: RoPE type must be default or longrope, got {self.rope_scaling}")
 
 
+class Phi3Cache(LayerCaches):
+    """Phi-3's KV cache: :class:`LayerCaches` that also keeps the token ids of the slots it holds
+    (B, S), following its reorder and truncation, so that the LongRoPE switch can recompute them."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(num_layers, cross=False)
+        self.ids: Tensor | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        super().reorder(index)
+        if self.ids is not None:
+            self.ids = self.ids.index_select(0, index.to(self.ids.device))
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        if self.ids is not None:
+            self.ids = self.ids[:, :length]
+
+    def clear(self) -> None:
+        """Forget every slot (the layers' caches are made anew)."""
+        self.self_attn = [KVCache() for _ in self.self_attn]
+        self.ids = None
+
+
 class Phi3(Llama):
     """Phi-3 language model. ``Phi3(Phi3Config(...))``; forward as :class:`CausalLM`."""
 
     def attention(self, i: int, **options) -> nn.Module:
         return super().attention(i, fused_qkv=True, **options)
+
+    def new_cache(self) -> Phi3Cache:
+        return Phi3Cache(len(self.layers))
+
+    def _switch(self) -> int | None:
+        """The length past which LongRoPE takes its long factors (None: no switch)."""
+        s = self.config.rope_scaling
+        return None if s is None else s["original_max_position_embeddings"]
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: LayerCaches | None = None) -> Tensor:
+        switch = self._switch()
+        if not isinstance(cache, Phi3Cache) or switch is None or positions is not None:
+            return super().forward(input_ids, attention_mask, positions, cache)
+        past, T = cache.length, input_ids.size(1)
+        if 0 < past <= switch < past + T and cache.ids is not None and cache.ids.size(1) == past:
+            # the call that crosses the switch: the whole sequence again, every key with the long factors
+            everything = torch.cat([cache.ids, input_ids], dim=1)
+            cache.clear()
+            logits = super().forward(everything, attention_mask, None, cache)[:, -T:]
+        else:
+            logits = super().forward(input_ids, attention_mask, None, cache)
+            everything = input_ids if cache.ids is None or past == 0 else torch.cat([cache.ids, input_ids], dim=1)
+        cache.ids = everything
+        return logits
 
 
 _L = "model.layers.{i}"

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .cache import KVCache
 from .checkpoint import recomputing
+from .linear import StackedLinear
 from .packing import Packing
 
 __all__ = [
@@ -176,7 +177,7 @@ def _learned_mask_on_cpu(q: Tensor, mask: Tensor | None) -> bool:
             and torch.is_grad_enabled())
 
 
-def _fused(q, k, v, mask, dropout_p, is_causal, scale) -> Tensor:
+def _fused(q, k, v, mask, dropout_p, is_causal, scale, gqa: bool = False) -> Tensor:
     """torch's SDPA kernel, the float mask in the computing dtype; bf16 inputs that autograd will
     differentiate on the CPU compute in fp32 (:func:`_fp32_for_backward`), returned in bf16."""
     if _fp32_for_backward(q, k, v):
@@ -187,6 +188,9 @@ def _fused(q, k, v, mask, dropout_p, is_causal, scale) -> Tensor:
         return out.to(q.dtype)
     if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
+    if gqa:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale)
 
@@ -255,7 +259,13 @@ def scaled_dot_product_attention(
         else:
             mask = mask.masked_fill(empty_rows, 0.0)
 
-    if q.dim() >= 3 and q.size(-3) != k.size(-3):                      # grouped-query heads
+    explicit = return_weights or _learned_mask_on_cpu(q, mask) or softcap is not None
+    grouped = q.dim() >= 3 and q.size(-3) != k.size(-3)                  # grouped-query heads
+    # without autograd torch's kernel reads each key/value head for its H/G query heads itself
+    # (enable_gqa: the same numbers, without copying the keys and values H/G times per call)
+    gqa = grouped and not explicit and q.dim() == 4 and not _fp32_for_backward(q, k, v) and not (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if grouped and not gqa:
         rep = q.size(-3) // k.size(-3)
         k = k.repeat_interleave(rep, dim=-3)
         v = v.repeat_interleave(rep, dim=-3)
@@ -263,10 +273,10 @@ def scaled_dot_product_attention(
     weights = None
     if return_weights:
         out, weights = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0, softcap)
-    elif _learned_mask_on_cpu(q, mask) or softcap is not None:
+    elif explicit:
         out, _ = _explicit(q, k, v, mask, dropout_p, scale, dropout_p > 0.0, softcap)
     else:
-        out = _fused(q, k, v, mask, dropout_p, is_causal, scale)
+        out = _fused(q, k, v, mask, dropout_p, is_causal, scale, gqa)
         # torch's fused CPU kernel returns zeros for a query row holding NaN (or inf) and for a
         # NaN scale, where the formula (and the explicit path) gives NaN: put NaN back in those
         # rows, so that a divergence shows instead of hiding. The check is one sum per row (a
@@ -274,12 +284,12 @@ def scaled_dot_product_attention(
         # overflow the scores too): ~15x cheaper than isfinite(q).all(-1), which cost as much as
         # the attention kernel at BERT-base shapes. On the CPU, where reading the flag costs no
         # device sync, the output is only copied when a row needs NaN.
+        # (On the CPU one sum over all of q says first whether any row can hold one.)
         if math.isnan(scale):
             out = out + float("nan")
-        else:
+        elif q.device.type != "cpu" or not math.isfinite(float(q.detach().sum())):
             bad = ~torch.isfinite(q.sum(dim=-1, keepdim=True))
-            if q.device.type != "cpu" or bool(bad.any()):
-                out = out.masked_fill(bad, float("nan"))
+            out = out.masked_fill(bad, float("nan"))
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
         if weights is not None:
@@ -372,6 +382,27 @@ class MultiHeadAttention(nn.Module):
     def fused_qkv(self) -> bool:
         return hasattr(self, "qkv_proj")
 
+    def stack_projections(self) -> None:
+        """Let self-attention compute q, k and v in one product from then on (the parameters become
+        views of one stacked weight, :class:`~attnlab.nn.linear.StackedLinear`; the state dict does
+        not change). :func:`~attnlab.nn.optimize_for_inference` calls it; idempotent."""
+        if self.fused_qkv:
+            return
+        layers, stacked = (self.q_proj, self.k_proj, self.v_proj), self.__dict__.get("_stacked_qkv")
+        if stacked is not None and stacked.layers == layers and stacked.intact():
+            return
+        try:
+            self.__dict__["_stacked_qkv"] = StackedLinear(layers)
+        except (TypeError, ValueError):         # not plain Linear layers of one input width: keep three products
+            self.__dict__.pop("_stacked_qkv", None)
+
+    def _stacked(self, x: Tensor) -> list[Tensor] | None:
+        """q, k, v of self-attention from the stacked product, or None where it cannot stand in."""
+        stacked = self.__dict__.get("_stacked_qkv")
+        if stacked is None or self.fused_qkv or not stacked.usable(x, self.q_proj, self.k_proj, self.v_proj):
+            return None
+        return stacked.stack(x)
+
     def _split(self, x: Tensor, heads: int) -> Tensor:
         B, L, _ = x.shape                                   # (B, L, heads*D) -> (B, heads, L, D)
         return x.view(B, L, heads, self.head_dim).transpose(1, 2)
@@ -396,12 +427,15 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and cache.static and cache.length > 0:
             q = self._split(self._q(query), self.num_heads)
             return q, None, None
-        if self.fused_qkv and key is query and value is query:                # self-attention
-            qkv = self.qkv_proj(query)
-            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([q_out, kv_out, kv_out], dim=-1)
-            return (self._split(q, self.num_heads), self._split(k, self.num_kv_heads),
-                    self._split(v, self.num_kv_heads))
+        if key is query and value is query:                                  # self-attention
+            if self.fused_qkv:
+                q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+                q, k, v = self.qkv_proj(query).split([q_out, kv_out, kv_out], dim=-1)
+            else:
+                q, k, v = self._stacked(query) or (None, None, None)
+            if q is not None:
+                return (self._split(q, self.num_heads), self._split(k, self.num_kv_heads),
+                        self._split(v, self.num_kv_heads))
         k, v = self.project_kv(key, value)
         return self._split(self._q(query), self.num_heads), k, v
 
@@ -416,8 +450,11 @@ class MultiHeadAttention(nn.Module):
         """Self-attention's Q, K, V in heads from packed rows x (N, E): projected on the N real
         tokens, then scattered to the (B, T) layout (zeros at padding, which the key mask hides)."""
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        stacked = None if self.fused_qkv else self._stacked(x)
         if self.fused_qkv:
             q, k, v = packing.unpack(self.qkv_proj(x)).split([q_out, kv_out, kv_out], dim=-1)
+        elif stacked is not None:
+            q, k, v = (packing.unpack(t) for t in stacked)
         else:
             q, k, v = (packing.unpack(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         return self._split(q, self.num_heads), self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads)
@@ -564,6 +601,9 @@ class MultiHeadAttention(nn.Module):
     @staticmethod
     def _positions(positions, key_positions, B, T, S, offset, device) -> tuple[Tensor, Tensor]:
         """Query positions (T,) / (B, T) and key positions (S,) / (B, S), defaults filled in."""
+        if positions is None and key_positions is None and S - T == offset:
+            key_positions = torch.arange(S, device=device)
+            positions = key_positions[offset:]          # one tensor: RoPE sees the new keys at the queries' places
         if positions is None:
             positions = torch.arange(offset, offset + T, device=device)
         if key_positions is None:

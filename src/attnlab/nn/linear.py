@@ -40,17 +40,19 @@ weights. The copies are rebuilt whenever a parameter changes (its version counte
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
 from .inplace import hooked
 
 __all__ = ["InferenceLinear", "optimize_for_inference", "set_inference_dtype", "inference_dtype",
            "prepare_for_inference", "onednn_available", "narrow_onednn", "post_op", "fused_activation",
            "fp32_onednn", "compute_bound_onednn", "MIN_WEIGHT_ELEMENTS", "MAX_FP32_ONEDNN_ROWS",
-           "MAX_NARROW_ONEDNN_FEATURES", "packed_bf16_available"]
+           "MAX_NARROW_ONEDNN_FEATURES", "packed_bf16_available", "StackedLinear"]
 
 _ONEDNN: bool | None = None            # decided on first use by _self_check
 _FP32_ONEDNN: bool | None = None       # whether fp32 products take oneDNN: decided once by fp32_onednn()
@@ -399,18 +401,102 @@ def fused_activation(owner: nn.Module, linear: nn.Module, act: nn.Module, x: Ten
     return linear.forward_activated(x, act)
 
 
+class StackedLinear:
+    """Several ``nn.Linear`` layers that read the same input, computed as one product: their
+    weights (and biases) are copied once into one stacked tensor, and each layer's parameter then
+    becomes a view of its rows, so the parameters stay the same objects, hold the same values and
+    take no extra memory, and an in-place update of one (an optimizer step, ``load_state_dict``)
+    is seen by the stacked product. A decoding step multiplies one row by each weight: one call of
+    E -> (q + k + v) instead of three (or gate + up instead of two) saves the fixed cost of the
+    calls, and the larger weight streams faster (:class:`InferenceLinear`'s oneDNN route).
+
+    Not a module (its owner keeps it outside the module tree: no state-dict key, no ``.to()``):
+    ``usable(x)`` says whether the stacked product may stand for the layers' own calls -- the
+    owner still holds them, unhooked, as plain Linear layers whose parameters still view the
+    stacked tensor (``.to()``, a LoRA or quantized layer put in their place, a deep copy all end
+    that), and no gradient is wanted; ``stack(x)`` then returns each layer's output, in order.
+    Values: those of the separate products up to the order of the sums (~1e-7 relative).
+    """
+
+    def __init__(self, layers: Sequence[nn.Linear]):
+        first = layers[0]
+        if len(layers) < 2 or any(type(l) not in (nn.Linear, InferenceLinear) for l in layers):
+            raise TypeError("StackedLinear: needs two or more nn.Linear layers")
+        w = first.weight
+        if any(l.in_features != first.in_features or l.weight.dtype != w.dtype or l.weight.device != w.device
+               or (l.bias is None) != (first.bias is None) for l in layers):
+            raise ValueError("StackedLinear: the layers must share in_features, dtype, device and bias")
+        self.layers, self.sizes = tuple(layers), [l.out_features for l in layers]
+        with torch.no_grad():
+            weight = torch.cat([l.weight.detach() for l in layers])
+            bias = None if first.bias is None else torch.cat([l.bias.detach() for l in layers])
+        start = 0
+        for l, n in zip(layers, self.sizes):
+            l.weight.data = weight[start:start + n]
+            if bias is not None:
+                l.bias.data = bias[start:start + n]
+            start += n
+        self.linear = InferenceLinear(first.in_features, start, bias=bias is not None, device="meta")
+        self.linear.weight = nn.Parameter(weight, requires_grad=False)
+        self.linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._ptrs = self._pointers()
+        self._versions = self._counters()
+
+    def _pointers(self) -> tuple:
+        return tuple((l.weight.data_ptr(), None if l.bias is None else l.bias.data_ptr()) for l in self.layers)
+
+    def _counters(self) -> tuple:
+        return tuple((l.weight._version, None if l.bias is None else l.bias._version) for l in self.layers)
+
+    def intact(self) -> bool:
+        """Whether every layer's parameters still view the stacked tensor."""
+        return self._pointers() == self._ptrs
+
+    def usable(self, x: Tensor, *layers: nn.Module) -> bool:
+        """Whether ``stack(x)`` may stand for calling ``layers`` (the owner's current ones) on x."""
+        if len(layers) != len(self.layers) or any(a is not b for a, b in zip(layers, self.layers)):
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                l.weight.requires_grad or l.bias is not None and l.bias.requires_grad for l in layers)):
+            return False
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+            return False
+        w = self.linear.weight
+        if any(l._forward_hooks or l._forward_pre_hooks or l.weight.dtype != w.dtype for l in layers) \
+                or not self.intact():
+            return False
+        dtypes = {getattr(l, "compute_dtype", None) for l in layers}
+        if len(dtypes) != 1:
+            return False
+        self.linear.compute_dtype = dtypes.pop()
+        versions = self._counters()
+        if versions != self._versions:          # a layer changed in place: its low-precision copy is stale
+            self.linear.__dict__.pop("_low_precision_cache", None)
+            self._versions = versions
+        return True
+
+    def stack(self, x: Tensor) -> list[Tensor]:
+        """Each layer's output on ``x``: (..., out_i) views of one product."""
+        return list(self.linear(x).split(self.sizes, dim=-1))
+
+
 def optimize_for_inference(model: nn.Module) -> nn.Module:
     """Replace every ``nn.Linear`` inside ``model`` (the model itself included) by an
     :class:`InferenceLinear` sharing its parameters; returns the model (a new module only when
     ``model`` itself is an ``nn.Linear``). Idempotent; subclasses of ``nn.Linear`` other than
     plain ones (e.g. a user's custom layer) are left alone, as are non-Linear layers such as
-    :class:`attnlab.quantize.Int8Linear`."""
+    :class:`attnlab.quantize.Int8Linear`. Modules with a ``stack_projections()`` method (attention's
+    q/k/v, a gated MLP's gate/up) then stack those layers' weights (:class:`StackedLinear`)."""
     if type(model) is nn.Linear:
         return InferenceLinear.from_linear(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, InferenceLinear.from_linear(child))
+    for m in model.modules():                  # layers reading one input: one product (StackedLinear)
+        stack = getattr(m, "stack_projections", None)
+        if callable(stack):
+            stack()
     return model
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import recomputing
-from .inplace import activate_in_place, may_overwrite
-from .linear import fused_activation
+from .inplace import activate_in_place, hooked, may_overwrite
+from .linear import StackedLinear, fused_activation
 
 __all__ = ["FeedForward", "GatedMLP", "SparseMoE", "SoftmaxTopK", "SigmoidTopK", "load_balancing_loss",
            "expert_counts", "make_activation", "ACTIVATIONS"]
@@ -107,8 +107,25 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
+    def stack_projections(self) -> None:
+        """Compute gate and up in one product from then on (:class:`~attnlab.nn.linear.StackedLinear`:
+        the parameters become views of one stacked weight, the state dict does not change).
+        :func:`~attnlab.nn.optimize_for_inference` calls it; idempotent."""
+        layers, stacked = (self.gate_proj, self.up_proj), self.__dict__.get("_stacked_gate_up")
+        if stacked is not None and stacked.layers == layers and stacked.intact():
+            return
+        try:
+            self.__dict__["_stacked_gate_up"] = StackedLinear(layers)
+        except (TypeError, ValueError):         # not plain Linear layers: keep two products
+            self.__dict__.pop("_stacked_gate_up", None)
+
     def forward(self, x: Tensor) -> Tensor:
         _check_input("GatedMLP", x, self.d_model)
+        stacked = self.__dict__.get("_stacked_gate_up")
+        if stacked is not None and stacked.usable(x, self.gate_proj, self.up_proj) and not hooked(self):
+            gate, up = stacked.stack(x)         # views of one fresh product: overwritten in place
+            act = activate_in_place(self.act, gate)
+            return self.down_proj(self.dropout(self.act(gate) * up if act is None else act.mul_(up)))
         fused = fused_activation(self, self.gate_proj, self.act, x)
         if fused is not None:
             return self.down_proj(self.dropout(fused.mul_(self.up_proj(x))))

@@ -173,6 +173,10 @@ class RotaryEmbedding(AttentionPosition):
         self.inv_freq, self.attention_factor = rope_frequencies(dim, base, self.scaling, max_position_embeddings)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
+        # the cos/sin of the last positions looked up, kept with the positions tensor itself (so
+        # that its memory is not reused while the entry lives): every layer of a decoding step
+        # rotates by the same positions, looked up once (_looked_up)
+        self._last: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
     def frequencies(self, seq_len: int) -> Tensor:
         """The (d/2,) fp32 inverse frequencies for a call whose longest sequence is ``seq_len``
@@ -183,6 +187,30 @@ class RotaryEmbedding(AttentionPosition):
             return rope_frequencies(self.rotary_dim, self.base, self.scaling, self.max_position_embeddings,
                                     seq_len)[0]
         return self.inv_freq
+
+    @staticmethod
+    def _key(positions: Tensor, seq_len: int | None) -> tuple | None:
+        """What identifies a positions tensor's values without reading them: its memory, layout and
+        version counter (an in-place write moves the counter; views of one tensor share it). None
+        for a tensor made under ``torch.inference_mode``, which keeps no version counter."""
+        if positions.is_inference():
+            return None
+        return (positions.data_ptr(), positions.device, positions.dtype, positions.shape, positions.stride(),
+                positions._version, seq_len)
+
+    def _looked_up(self, positions: Tensor, T: int, seq_len: int | None) -> tuple[Tensor, Tensor]:
+        """:meth:`_cos_sin`, reusing an earlier call's result for the same positions (the next
+        layer's: the queries' and the new keys' positions, two entries at most)."""
+        key = self._key(positions, seq_len)
+        if key is None:
+            return self._cos_sin(positions, T, seq_len)
+        memo = self.__dict__.setdefault("_last", {})
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) >= 2:
+                memo.clear()
+            hit = memo[key] = (positions, *self._cos_sin(positions, T, seq_len))
+        return hit[1], hit[2]
 
     def _cos_sin(self, positions: Tensor, T: int, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         """fp32 cos/sin (T, d/2) or (B, 1, T, d/2) for the positions, times the attention factor:
@@ -222,14 +250,22 @@ class RotaryEmbedding(AttentionPosition):
             x1, x2 = xr[..., : d // 2], xr[..., d // 2:]
         r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         rot = torch.stack((r1, r2), dim=-1).flatten(-2) if self.interleaved else torch.cat((r1, r2), dim=-1)
-        return torch.cat((rot.to(x.dtype), x[..., d:]), dim=-1)
+        rot = rot.to(x.dtype)
+        return rot if d == x.size(-1) else torch.cat((rot, x[..., d:]), dim=-1)
 
     def transform(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # the length-dependent kinds read the call's length from the queries (transformers: its position ids)
         seq_len = int(q_pos.max()) + 1 if self.kind in ("dynamic", "longrope") else None
-        cos, sin = self._cos_sin(q_pos, q.size(-2), seq_len)
-        k_cos_sin = (cos, sin) if k_pos is None or k_pos is q_pos else self._cos_sin(k_pos, k.size(-2), seq_len)
-        return self._rotate(q, cos, sin), self._rotate(k, *k_cos_sin)
+        cos, sin = self._looked_up(q_pos, q.size(-2), seq_len)
+        if k_pos is not None and k_pos is not q_pos:
+            key = self._key(k_pos, seq_len)
+            if key is None or key != self._key(q_pos, seq_len):
+                return self._rotate(q, cos, sin), self._rotate(k, *self._looked_up(k_pos, k.size(-2), seq_len))
+        if q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:] \
+                and q.dtype == k.dtype and q.device == k.device:
+            qk = self._rotate(torch.cat((q, k), dim=1), cos, sin)     # side by side: half the small ops
+            return qk[:, :q.size(1)], qk[:, q.size(1):]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
 # --------------------------------------------------------------------------- T5 relative bias
