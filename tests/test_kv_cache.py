@@ -62,7 +62,7 @@ def _ids(B, L, seed):
 
 def _stepwise(model, ids, mask, kind, prompt=4):
     """Logits of a prefill of ``prompt`` slots and then one slot per call, with a cache of ``kind``."""
-    cache = model.new_cache().use(kind)
+    cache = model.new_cache().use(KVCacheKind.of(kind))
     out = [model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache)]
     for t in range(prompt, ids.size(1)):
         out.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache))
@@ -273,7 +273,7 @@ def test_chunked_prefill_equals_one_shot(tmp_path_factory):
     with torch.no_grad():
         want = ours(ids, attention_mask=mask)
         for kind in ("full", "sliding"):
-            cache = ours.new_cache().use(kind)
+            cache = ours.new_cache().use(KVCacheKind(kind))
             got = torch.cat([ours(ids[:, i:i + 8], attention_mask=mask[:, :i + 8], cache=cache)
                              for i in range(0, 37, 8)], 1)
             assert_close_scaled(got[mask], want[mask], FP32, f"chunked prefill, {kind} cache")

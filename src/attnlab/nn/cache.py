@@ -179,9 +179,10 @@ class LayerCaches:
 
     def use(self, kind) -> "LayerCaches":
         """Give every self-attention layer an empty cache of ``kind`` (a
-        :class:`~attnlab.nn.kv_cache.KVCacheKind` or its name); returns self."""
-        from .kv_cache import KVCacheKind
-        kind = KVCacheKind.of(kind)
+        :class:`~attnlab.nn.kv_cache.KVCacheKind`: anything whose ``new()`` makes one layer's
+        cache); returns self."""
+        if not callable(getattr(kind, "new", None)):
+            raise ValueError(f"LayerCaches.use: expected a KVCacheKind, got {type(kind).__name__}")
         if self.length:
             raise ValueError("LayerCaches.use: choose the cache kind before the first step")
         self.self_attn = [kind.new() for _ in self.self_attn]

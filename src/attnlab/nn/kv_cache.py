@@ -7,7 +7,7 @@ behind the same decoding-state protocol (``length``, ``reorder``, ``can_rewind``
 
 - ``sliding`` (:class:`SlidingKVCache`): the last ``window - 1`` slots, so that the next query
   sees ``window`` keys, itself included. Constant memory. On a layer whose attention already has a
-  window (Mistral, the sliding layers of Qwen2 and Gemma 2/3) and without a window of its own it
+  window (a model trained with sliding-window layers) and without a window of its own it
   keeps that layer's window and changes no logit; a layer without one (a global layer) keeps every
   key. A window of its own imposes local attention on every layer.
 - ``sink`` (:class:`SinkKVCache`, StreamingLLM, Xiao et al. 2023): the first ``sink_tokens`` slots
