@@ -183,8 +183,9 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
             raise ValueError(f"{type(self).__name__}: cache has {len(cache.self_attn)} layers, the model "
                              f"{len(self.layers)}; use model.new_cache()")
         mask = self._padding(attention_mask, B, past + T)
-        # a cache that places keys at positions of its own (attention sinks) reads past the context
-        bounded = cache is None or not cache.rebases_positions
+        # a cache that places keys at positions of its own (attention sinks) reads past the context,
+        # unless the model also embeds absolute positions (its own embed)
+        bounded = cache is None or not cache.rebases_positions or type(self).embed is not CausalLM.embed
         positions, key_positions = self._positions(positions, mask, past, B, T, input_ids.device, bounded)
         x = self.embed(input_ids, positions)
         for i, layer in enumerate(self.layers):
