@@ -46,3 +46,25 @@ def test_chat_and_generate_take_the_flags():
         args = parser.parse_args([command, "m.gguf", "--kv-cache", "sink", "--window", "64", "--sink-tokens", "2",
                                   "--prefill-chunk", "128"])
         assert (args.kv_cache, args.window, args.sink_tokens, args.prefill_chunk) == ("sink", 64, 2, 128)
+
+
+def test_eval_reads_the_text_through_the_chosen_cache(tmp_path, capsys):
+    """``eval --kv-cache``: the streamed perplexity with a full cache equals the one computed
+    from the full forward of the same tokens (transformers' GPT-2), and int8 stays near it."""
+    transformers = pytest.importorskip("transformers")
+    import math
+    hf, tok = tiny_gpt2_dir(tmp_path / "m", n_embd=32)          # context 16
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog a cat the dog")
+    ids = tok.encode(text.read_text()).ids[:16]
+    import torch
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1]
+    want = math.exp(float(torch.nn.functional.cross_entropy(logits.double(), torch.tensor(ids[1:]))))
+    assert main(["eval", str(tmp_path / "m"), "--data", str(text), "--kv-cache", "sliding", "--window", "16",
+                 "--prefill-chunk", "3", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    got = float(out.split("perplexity ")[1].split()[0])
+    assert abs(got - want) <= 1e-3 * want and "read once through a sliding KV cache in chunks of 3" in out
+    assert main(["eval", str(tmp_path / "m"), "--data", str(text), "--kv-cache", "int8", "--window", "3"]) == 2
+    assert "--window: only with --kv-cache sliding or sink" in capsys.readouterr().err
