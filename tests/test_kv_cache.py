@@ -251,9 +251,9 @@ def test_rewinding_past_what_is_kept_is_refused_in_one_line():
 def test_bad_kinds_and_recurrent_states_are_refused(tmp_path_factory):
     with pytest.raises(ValueError, match="unknown kind 'int3'"):
         KVCacheKind("int3")
-    with pytest.raises(ValueError, match="sink cache needs a window"):
+    with pytest.raises(ValueError, match="kv_cache sink: needs window N"):
         KVCacheKind("sink")
-    with pytest.raises(ValueError, match="window belongs to the sliding and sink"):
+    with pytest.raises(ValueError, match=r"window: only with kv_cache sliding or sink \(not int8\)"):
         KVCacheKind("int8", window=4)
     from attnlab.models.mamba import MAMBA, Mamba
     mamba = Mamba(MAMBA.preset("tiny")).eval()

@@ -27,15 +27,11 @@ def options(args: argparse.Namespace) -> dict:
     mistake refused in one line naming the flag."""
     from . import UserError
     from ..nn.kv_cache import KVCacheKind
-    for flag, value, low in (("--window", args.window, 1), ("--sink-tokens", args.sink_tokens, 0),
-                             ("--prefill-chunk", args.prefill_chunk, 1)):
-        if value is not None and value < low:
-            raise UserError(f"{flag}: must be at least {low}, got {value}")
-    if args.window is not None and args.kv_cache not in ("sliding", "sink"):
-        raise UserError(f"--window: only with --kv-cache sliding or sink (not {args.kv_cache})")
-    if args.sink_tokens is not None and args.kv_cache != "sink":
-        raise UserError(f"--sink-tokens: only with --kv-cache sink (not {args.kv_cache})")
-    if args.kv_cache == "sink" and args.window is None:
-        raise UserError("--kv-cache sink: needs --window N, the recent slots kept beside the sinks")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise UserError(f"--prefill-chunk: must be at least 1, got {args.prefill_chunk}")
+    problem = KVCacheKind.problem(args.kv_cache, args.window, args.sink_tokens,
+                                  {"kind": "--kv-cache", "window": "--window", "sink_tokens": "--sink-tokens"})
+    if problem is not None:
+        raise UserError(problem)
     kind = None if args.kv_cache == "full" else KVCacheKind(args.kv_cache, args.window, args.sink_tokens)
     return {"kv_cache": kind, "prefill_chunk": args.prefill_chunk}

@@ -71,20 +71,29 @@ class KVCacheKind:
     group: int = 32
 
     def __post_init__(self):
-        if self.kind not in KV_CACHE_KINDS:
-            raise ValueError(f"kv_cache: unknown kind {self.kind!r}; choose one of {', '.join(KV_CACHE_KINDS)}")
-        if self.window is not None and _bad_int(self.window, 1):
-            raise ValueError(f"kv_cache: window must be an int >= 1, got {self.window!r}")
-        if self.sink_tokens is not None and _bad_int(self.sink_tokens, 0):
-            raise ValueError(f"kv_cache: sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
-        if self.window is not None and self.kind not in ("sliding", "sink"):
-            raise ValueError(f"kv_cache: a window belongs to the sliding and sink caches, not to {self.kind!r}")
-        if self.sink_tokens is not None and self.kind != "sink":
-            raise ValueError(f"kv_cache: sink_tokens belongs to the sink cache, not to {self.kind!r}")
-        if self.kind == "sink" and self.window is None:
-            raise ValueError("kv_cache: the sink cache needs a window (the recent slots it keeps beside the sinks)")
-        if _bad_int(self.residual, 0) or _bad_int(self.group, 1):
-            raise ValueError(f"kv_cache: residual must be >= 0 and group >= 1, got {self.residual}, {self.group}")
+        problem = self.problem(self.kind, self.window, self.sink_tokens)
+        if problem is None and (_bad_int(self.residual, 0) or _bad_int(self.group, 1)):
+            problem = f"residual must be >= 0 and group >= 1, got {self.residual}, {self.group}"
+        if problem is not None:
+            raise ValueError(f"kv_cache: {problem}" if not problem.startswith("kv_cache") else problem)
+
+    @staticmethod
+    def problem(kind, window, sink_tokens, names: dict | None = None) -> str | None:
+        """What is wrong with this choice, in one line naming the options as ``names`` spells them
+        (the command line passes its flags), or None."""
+        n = {"kind": "kv_cache", "window": "window", "sink_tokens": "sink_tokens", **(names or {})}
+        if kind not in KV_CACHE_KINDS:
+            return f"{n['kind']}: unknown kind {kind!r}; choose one of {', '.join(KV_CACHE_KINDS)}"
+        for name, value, low in (("window", window, 1), ("sink_tokens", sink_tokens, 0)):
+            if value is not None and _bad_int(value, low):
+                return f"{n[name]}: must be at least {low}, got {value!r}"
+        if window is not None and kind not in ("sliding", "sink"):
+            return f"{n['window']}: only with {n['kind']} sliding or sink (not {kind})"
+        if sink_tokens is not None and kind != "sink":
+            return f"{n['sink_tokens']}: only with {n['kind']} sink (not {kind})"
+        if kind == "sink" and window is None:
+            return f"{n['kind']} sink: needs {n['window']} N, the recent slots kept beside the sinks"
+        return None
 
     @classmethod
     def of(cls, spec) -> "KVCacheKind":
