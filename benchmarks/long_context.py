@@ -15,6 +15,11 @@ quality, what chunked prefill saves, and recurrent models reading a long stream 
    the last logits.
 4. Recurrent models (tiny Mamba, Mamba-2, RWKV-7 presets, random weights) reading ``--stream``
    tokens in chunks of 4096: state bytes at the start and the end, and time per token.
+5. Needle in a haystack: a sentence with a number buried at 10/50/90 % of ``--tokens`` / 2 tokens
+   of source, then its first words: does greedy decoding with each kind complete the number?
+6. Perplexity of 128 tokens against the context before them, with the checkpoint's RoPE and with
+   linear and YaRN stretching by 2 (inside the trained context of 8,192: stretching past it would
+   need 16k-token reads, beyond a few minutes of this shared CPU).
 
 Usage:
   python benchmarks/long_context.py                 # the results in benchmarks/results/long_context.md
@@ -151,6 +156,58 @@ def recurrent_rows(stream: int) -> list[list]:
     return rows
 
 
+@torch.no_grad()
+def needle_rows(model, tok, haystack: str, length: int, window: int) -> list[list]:
+    """A sentence with a number, buried at 10 %, 50 % and 90 % of ``length`` tokens of source
+    text; then its first words again: does greedy decoding with each kind say the number?"""
+    from attnlab.generate import generate
+    needle, ask, answer = " The secret number is 7381. ", " The secret number is", "7381"
+    hay = tok.encode(haystack)
+    rows = []
+    for name, kind in kinds(window).items():
+        found = []
+        for depth in (0.1, 0.5, 0.9):
+            at = int(depth * length)
+            ids = hay[:at] + tok.encode(needle) + hay[at:length] + tok.encode(ask)
+            out = generate(model, torch.tensor([ids]), 8, kv_cache=kind, prefill_chunk=256)
+            found.append(answer in tok.decode(out[0, len(ids):].tolist()))
+        rows.append([name] + ["yes" if f else "no" for f in found])
+    return rows
+
+
+@torch.no_grad()
+def stretch_rows(model, ids: torch.Tensor, contexts: list[int], scored: int) -> list[list]:
+    """Perplexity of the last ``scored`` tokens of ``ids`` given ``context`` tokens before them,
+    with the checkpoint's RoPE and with linear and YaRN stretching by 2 (what reading past the
+    trained context would use), the text read in chunks of 256 through one full cache."""
+    from attnlab.nn.position import RotaryEmbedding
+    originals = [layer.self_attn.position for layer in model.layers]
+    first = originals[0]
+    schemes = {"checkpoint": None, "linear x2": {"rope_type": "linear", "factor": 2.0},
+               "yarn x2": {"rope_type": "yarn", "factor": 2.0,
+                           "original_max_position_embeddings": model.config.max_seq_len}}
+    rows = []
+    try:
+        for name, scaling in schemes.items():
+            for layer, pos in zip(model.layers, originals):
+                layer.self_attn.position = pos if scaling is None else RotaryEmbedding(
+                    first.head_dim, first.base, first.interleaved, scaling, first.rotary_dim,
+                    first.max_position_embeddings)
+            row = [name]
+            for c in contexts:
+                x = ids[-(c + scored):]
+                nll = []
+                stream_logits(model, x, 256, None, lambda st, lg: nll.append((st, lg)))
+                logits = torch.cat([lg for _, lg in nll])[c - 1:-1]
+                loss = torch.nn.functional.cross_entropy(logits.double(), x[c:])
+                row.append(f"{math.exp(float(loss)):.3f}")
+            rows.append(row)
+    finally:
+        for layer, pos in zip(model.layers, originals):
+            layer.self_attn.position = pos
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -159,30 +216,50 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--stream", type=int, default=1_000_000)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,stretch",
+                   help="which tables, comma-separated (default all)")
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.chunk, a.window, a.prefill, a.stream = 96, 32, 32, 96, 8192
+    elif a.tokens < 512:
+        p.error("--tokens must be at least 512 (the needle and stretch tables read half and all of it)")
     torch.manual_seed(0)
     print(environment("cpu", torch.float32), "- measured on a loaded machine")
     model, tok = smollm()
     import argparse as _source
     text = Path(_source.__file__).read_text()
     ids = torch.tensor(tok.encode(text)[:a.tokens])
-    print(f"\n## Cache bytes per token, SmolLM2-135M (fp32), after {a.tokens} tokens of argparse.py\n")
-    print(render_table(["kind", "tokens", "MiB", "bytes/token"], bytes_per_token(model, ids, a.window), True))
-    print("\n## Full cache (or state) per token, tiny presets of each family, 256 tokens\n")
-    print(render_table(["family", "tokens", "bytes", "bytes/token"], family_rows(), True))
-    print(f"\n## Quality against the full cache, SmolLM2-135M, {a.tokens} tokens of argparse.py, chunks of {a.chunk}\n")
-    print(render_table(["kind", "PPL", "ΔPPL", "KL/token", "top-1 agree", "tokens/s", "time / full's",
-                        "cache MiB"],
-                       quality(model, ids, a.chunk, a.window), True))
-    print(f"\n## Chunked prefill, SmolLM2-135M, {a.prefill} tokens\n")
-    pre = torch.tensor(tok.encode(text * 4)[:a.prefill])
-    print(render_table(["tokens", "prefill", "peak MiB", "max |Δ last logits| / scale"],
-                       prefill_memory(model, pre, max(a.chunk, 256) if not a.quick else a.chunk), True))
-    print(f"\n## Recurrent models reading {a.stream:,} tokens (tiny presets, chunks of 4096)\n")
-    print(render_table(["family", "tokens", "state bytes (first chunk)", "state bytes (end)", "seconds",
-                        "µs/token"], recurrent_rows(a.stream), True))
+    want = set(a.sections.split(","))
+    if "bytes" in want:
+        print(f"\n## Cache bytes per token, SmolLM2-135M (fp32), after {a.tokens} tokens of argparse.py\n")
+        print(render_table(["kind", "tokens", "MiB", "bytes/token"], bytes_per_token(model, ids, a.window), True))
+    if "families" in want:
+        print("\n## Full cache (or state) per token, tiny presets of each family\n")
+        print(render_table(["family", "tokens", "bytes", "bytes/token"], family_rows(), True))
+    if "quality" in want:
+        print(f"\n## Quality against the full cache, SmolLM2-135M, {a.tokens} tokens of argparse.py, "
+              f"chunks of {a.chunk}\n")
+        print(render_table(["kind", "PPL", "ΔPPL", "KL/token", "top-1 agree", "tokens/s", "time / full's",
+                            "cache MiB"], quality(model, ids, a.chunk, a.window), True))
+    if "prefill" in want:
+        print(f"\n## Chunked prefill, SmolLM2-135M, {a.prefill} tokens\n")
+        pre = torch.tensor(tok.encode(text * 4)[:a.prefill])
+        print(render_table(["tokens", "prefill", "peak MiB", "max |Δ last logits| / scale"],
+                           prefill_memory(model, pre, max(a.chunk, 256) if not a.quick else a.chunk), True))
+    if "recurrent" in want:
+        print(f"\n## Recurrent models reading {a.stream:,} tokens (tiny presets, chunks of 4096)\n")
+        print(render_table(["family", "tokens", "state bytes (first chunk)", "state bytes (end)", "seconds",
+                            "µs/token"], recurrent_rows(a.stream), True))
+    if "needle" in want:
+        n = 128 if a.quick else a.tokens // 2
+        print(f"\n## Needle in a haystack, SmolLM2-135M, {n} tokens of argparse.py (found at depth 10/50/90 %)\n")
+        print(render_table(["kind", "10 %", "50 %", "90 %"], needle_rows(model, tok, text, n, a.window), True))
+    if "stretch" in want:
+        contexts = [32, 64] if a.quick else [256, 1024, a.tokens - 128]
+        print(f"\n## Perplexity of 128 tokens of argparse.py against the context before them, RoPE stretched\n")
+        full_ids = torch.tensor(tok.encode(text)[:max(contexts) + 128])
+        print(render_table(["RoPE"] + [f"context {c}" for c in contexts],
+                           stretch_rows(model, full_ids, contexts, 128), True))
     return 0
 
 
