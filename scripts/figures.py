@@ -221,6 +221,30 @@ def data_kv_cache() -> dict:
     return {"cached": np.array(cached, dtype=np.float64), "recomputed": np.array(full, dtype=np.float64)}
 
 
+def data_kv_memory() -> dict:
+    """Long context: bytes a "tiny" LLaMA's decoding state holds after L tokens, L = 32 .. 512, for
+    each cache kind (full, sliding window 64, sink 4 + 60, int8, int4 with 32 full-precision
+    recent tokens), read with attnlab.nn.kv_cache.cache_bytes after streaming L tokens."""
+    from attnlab.generate import stream_logits
+    from attnlab.models.llama import LLAMA
+    from attnlab.nn.kv_cache import KVCacheKind, cache_bytes
+    torch.manual_seed(0)
+    model = LLAMA.architecture(None).build(LLAMA.preset("tiny", max_position_embeddings=1024)).eval()
+    lengths = np.arange(32, 513, 32)
+    kinds = {"full": KVCacheKind("full"), "sliding": KVCacheKind("sliding", window=64),
+             "sink": KVCacheKind("sink", window=60, sink_tokens=4), "int8": KVCacheKind("int8"),
+             "int4": KVCacheKind("int4")}
+    ids = torch.randint(0, 96, (1, int(lengths[-1])), generator=torch.Generator().manual_seed(0))
+    data = {"length": lengths.astype(np.float64)}
+    for name, kind in kinds.items():
+        sizes = []
+        with torch.no_grad():
+            for L in lengths:
+                sizes.append(cache_bytes(stream_logits(model, ids[:, :int(L)], 32, kind)))
+        data[name] = np.array(sizes, dtype=np.float64)
+    return data
+
+
 def data_t5_buckets() -> dict:
     """Section 6.5: T5's bucket of every relative position (key - query) from -160 to 160."""
     from attnlab.nn.position import relative_position_bucket
@@ -426,6 +450,16 @@ def draw_kv_cache(data, path):
     _save(fig, path)
 
 
+def draw_kv_memory(data, path):
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for name, style in (("full", "o-"), ("int8", "s-"), ("int4", "^-"), ("sink", "v-"), ("sliding", "d-")):
+        ax.plot(data["length"], data[name] / 1024, style, ms=3, label=name)
+    ax.set_xlabel("tokens read")
+    ax.set_ylabel("cache, KiB (tiny LLaMA, fp32)")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
 def draw_t5_buckets(data, path):
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ax.step(data["relative"], data["bidirectional"], where="mid", label="encoder (bidirectional)")
@@ -496,7 +530,7 @@ FIGURES_BY_PAGE = {
     "extrapolation": "positions.md", "encoder_influence": "encoder-decoder.md", "ffn_width": "feed-forward.md",
     "position_offset": "positions.md", "accumulation": "trainer.md", "parameter_budget": "summary.md",
     "shapes": "index.md", "block_stream": "classification.md", "torch_parity": "masks.md",
-    "architecture": "encoder-decoder.md", "rope_types": "llms.md",
+    "architecture": "encoder-decoder.md", "rope_types": "llms.md", "kv_memory": "long-context.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md",
             "explorer_image_view": "vision.md"}

@@ -17,6 +17,8 @@ import argparse
 import math
 import sys
 
+from . import kv_options
+
 HELP = "talk to a chat model (a GGUF file or Hugging Face directory with a chat template), replies streamed"
 EXAMPLE = ("attnlab chat SmolLM2-135M-Instruct.Q4_1.gguf --system \"Answer in one sentence.\"\n"
            "  attnlab chat model.gguf --message \"What is attention?\" --temperature 0\n"
@@ -39,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="precision of the large Linear layers' products, as for 'attnlab generate' (default auto)")
+    kv_options.add_arguments(p)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -52,6 +55,7 @@ def _check_options(args: argparse.Namespace) -> None:
              math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0, "> 0")]:
         if not ok:
             raise UserError(f"{flag}: must be {want}, got {value}")
+    kv_options.options(args)
 
 
 class Conversation:
@@ -87,7 +91,8 @@ class Conversation:
             raise ValueError(f"the message is {len(ids)} tokens with its template, but the model's context is "
                              f"{self.lm.context} tokens")
         result = self.lm.complete(ids, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                  repetition_penalty=a.repetition_penalty, seed=a.seed + self.turns, on_text=emit)
+                                  repetition_penalty=a.repetition_penalty, seed=a.seed + self.turns, on_text=emit,
+                                  **kv_options.options(a))
         self.turns += 1
         self.history += [{"role": "user", "content": message}, {"role": "assistant", "content": result.text}]
         return result.text

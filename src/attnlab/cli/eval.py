@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 
+from . import kv_options
+
 HELP = ("score a model on your data: BLEU, chrF and exact match of a translation run on a TSV, the "
         "perplexity of a language model on a text file, a classifier's accuracy, macro-F1 and confusion matrix, "
         "an image classifier's on an image folder (confusion.png in its run directory), or a masked-LM run's "
         "masked-token accuracy on a documents file")
 EXAMPLE = ("attnlab eval runs/multi30k --data valid.de-en.tsv\n"
            "  attnlab eval runs/lm --data held_out.txt --quantize int8\n"
+           "  attnlab eval model.gguf --data book.txt --kv-cache int8 --prefill-chunk 256 --limit 4000\n"
            "  attnlab eval runs/classify --data test.tsv --plot confusion.png\n"
            "  attnlab eval runs/image --data photos/val              # writes runs/image/confusion.png")
 
@@ -35,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision of the large Linear layers' products (bf16 weight copies, fp32 activations); "
                    "auto = bf16 where the device does bf16 natively, fp32 elsewhere (default: auto for a "
                    "language model, fp32 for translation)")
+    kv_options.add_arguments(p)
     seen: set[str] = set()
     for name, task in registered_tasks().items():
         group = p.add_argument_group(f"{name} runs")
@@ -68,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
                 for o in task.eval_options}
     for o in task.eval_options:
         o.validate(settings[o.name])
+    kv = kv_options.options(args)
+    if kv["kv_cache"] is not None or kv["prefill_chunk"] is not None:
+        if task.kind != "causal-lm":
+            raise UserError(f"--kv-cache, --prefill-chunk: for a language model, not for {info.describe()}")
+        settings["kv"] = kv
     dtype = {} if args.dtype is None else {"dtype": args.dtype}          # None: the task's own default
     task.evaluate_file(args.checkpoint, info, args.data, settings, args.device, **dtype)
     return 0

@@ -5,8 +5,11 @@ import argparse
 import math
 import sys
 
+from . import kv_options
+
 HELP = "continue a prompt with a language model (an LM run or a Hugging Face directory), streaming the text"
-EXAMPLE = 'attnlab generate runs/lm --prompt "def fibonacci(n):" --max-new-tokens 200'
+EXAMPLE = ('attnlab generate runs/lm --prompt "def fibonacci(n):" --max-new-tokens 200\n'
+           '  attnlab generate model.gguf --prompt "Once upon a time" --kv-cache sliding --window 256')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int8: int8 weight-only quantisation of every Linear layer, the output head included "
                    "(and the draft's), after loading: Linear weights 4x smaller, faster decoding on CPU "
                    "(attnlab.quantize; default none)")
+    kv_options.add_arguments(p)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -49,6 +53,7 @@ def _check_options(args: argparse.Namespace) -> None:
     for flag, value, ok, want in problems:
         if not ok:
             raise UserError(f"{flag}: must be {want}, got {value}")
+    kv_options.options(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     emit(args.prompt)
     result = lm.complete(ids, args.max_new_tokens, draft, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                         num_draft_tokens=args.num_draft_tokens, on_text=emit)
+                         num_draft_tokens=args.num_draft_tokens, on_text=emit, **kv_options.options(args))
     emit("\n")
     if result.max_new_tokens < args.max_new_tokens and result.new_tokens == result.max_new_tokens:
         print(f"note: stopped after {result.new_tokens} new tokens: the context is full", file=sys.stderr)

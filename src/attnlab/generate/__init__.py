@@ -38,8 +38,9 @@ from .search import GenerationStats, Hypothesis, Rows, Sampling, run_beam_search
 from .speculative import run_speculative
 from .seq2seq import greedy_decode, sample_decode, speculative_decode, beam_search, beam_search_nbest, translate
 from .causal import generate
+from .stream import stream_logits, stream_nll
 
 __all__ = ["top_k_filter", "top_p_filter", "token_probs", "sample", "seen_tokens", "apply_repetition_penalty",
            "CausalState", "Seq2SeqState", "GenerationStats", "Hypothesis", "Rows", "Sampling", "run_beam_search",
            "run_sampling", "run_speculative", "greedy_decode", "sample_decode", "speculative_decode", "beam_search",
-           "beam_search_nbest", "translate", "generate"]
+           "beam_search_nbest", "translate", "generate", "stream_logits", "stream_nll"]

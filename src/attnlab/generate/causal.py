@@ -12,6 +12,7 @@ from .sampling import _check_sampling, seen_tokens
 from .search import GenerationStats, Rows, Sampling, check_beam_options, run_beam_search, run_sampling
 from .speculative import run_speculative
 from .state import CausalState, context_of
+from ..nn.kv_cache import KVCacheKind
 
 
 def _ids_list(name: str, value, V: int) -> list[int]:
@@ -42,8 +43,16 @@ def _check_causal(model, draft_model, input_ids, attention_mask, max_new_tokens:
     if not bool(mask[:, -1].all()):
         raise ValueError("generate: every prompt must end with a real token: pad batched prompts on the LEFT")
     longest = int(mask.sum(-1).max())
+    kind = KVCacheKind.of(opts["kv_cache"])
+    chunk = opts["prefill_chunk"]
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"generate: prefill_chunk must be an int >= 1 or None, got {chunk!r}")
+    if (chunk is not None or kind.kind != "full") and not opts["use_cache"]:
+        raise ValueError("generate: kv_cache and prefill_chunk need use_cache=True")
     for who, m in (("the model", model), ("the draft model", draft_model)):
         context = None if m is None else context_of(m)          # None: no positions, no limit
+        if m is model and kind.kind == "sink":
+            context = None                          # positions inside the cache: never past s + window
         if context is not None and longest + max_new_tokens > context:
             raise ValueError(f"generate: {longest} prompt + {max_new_tokens} new tokens exceed {who}'s context of "
                              f"{context} tokens")
@@ -87,7 +96,8 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
              attention_mask: Tensor | None = None, repetition_penalty: float = 1.0,
              generator: torch.Generator | None = None, num_draft_tokens: int = 4, streamer=None,
              pad_token_id: int | None = None, use_cache: bool = True, stats: GenerationStats | None = None,
-             num_beams: int = 1, length_penalty: float = 1.0) -> Tensor:
+             num_beams: int = 1, length_penalty: float = 1.0, kv_cache=None,
+             prefill_chunk: int | None = None) -> Tensor:
     """Continue the prompts ``input_ids`` (B, T) of a causal LM -> (B, T + n), n <= max_new_tokens.
 
     ``model`` is a :class:`~attnlab.models.CausalLM`, or any model with ``forward(ids,
@@ -119,21 +129,28 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
     ``num_draft_tokens`` tokens per round, the model scores them in one pass, and the accept /
     resample rule keeps the output distribution the model's own; greedy output is identical to
     plain greedy. Both models' states must be able to rewind (``can_rewind``: a KV cache, or a
-    recurrent state that keeps snapshots); one that cannot is refused before any forward pass. ``stats`` (a
+    recurrent state that keeps snapshots); one that cannot is refused before any forward pass.
+
+    ``kv_cache`` chooses what the model's attention layers keep (:mod:`attnlab.nn.kv_cache`): a
+    :class:`~attnlab.nn.kv_cache.KVCacheKind` or a kind's name (``"full"``, ``"sliding"``,
+    ``"sink"``, ``"int8"``, ``"int4"``); None, the model's own full cache. The draft model keeps
+    its own. With a sink cache positions stay inside the cache, so prompt + new tokens may run
+    past the model's context. ``prefill_chunk`` feeds a long prompt to the model that many slots
+    at a time (the same logits; the memory of one chunk's activations instead of the prompt's). ``stats`` (a
     :class:`GenerationStats`) counts forward passes. ``use_cache=False`` recomputes the whole
     prefix each step (for tests). Models keep their train/eval mode: call ``.eval()`` first, or
     dropout makes every pass random.
     """
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                 num_draft_tokens=num_draft_tokens, use_cache=use_cache, streamer=streamer, num_beams=num_beams,
-                length_penalty=length_penalty)
+                length_penalty=length_penalty, kv_cache=kv_cache, prefill_chunk=prefill_chunk)
     mask = _check_causal(model, draft_model, input_ids, attention_mask, max_new_tokens, opts)
     V = model.config.vocab_size
     eos = None if eos_token_id is None else _ids_list("eos_token_id", eos_token_id, V)
     fill = _ids_list("pad_token_id", pad_token_id, V)[0] if pad_token_id is not None else eos[0] if eos else 0
     input_ids = input_ids.long()
     stats = GenerationStats() if stats is None else stats
-    state = CausalState(model, input_ids, mask, use_cache)
+    state = CausalState(model, input_ids, mask, use_cache, kv_cache, prefill_chunk)
     if num_beams > 1:
         out = _beam_output(run_beam_search(state, [max_new_tokens] * input_ids.size(0), eos or [],
                                            beam_size=num_beams, length_penalty=length_penalty, stats=stats), fill)
@@ -145,7 +162,7 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
         if draft_model is None:
             out = run_sampling(state, rows, sampling, generator, stats, streamer)
         else:
-            draft = CausalState(draft_model, input_ids, mask)
+            draft = CausalState(draft_model, input_ids, mask, prefill_chunk=prefill_chunk)
             out = run_speculative(state, draft, rows, num_draft_tokens, sampling, generator, stats, streamer)
     stats.new_tokens += out.size(1)
     return torch.cat([input_ids, out.to(input_ids.device)], dim=1)

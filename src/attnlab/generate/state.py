@@ -43,6 +43,22 @@ def context_of(model) -> int | None:
     return getattr(getattr(model, "config", None), "max_seq_len", None)
 
 
+def new_state(model, kv_cache=None):
+    """``model.new_cache()``, its self-attention caches of the kind ``kv_cache`` names (a
+    :class:`~attnlab.nn.kv_cache.KVCacheKind`, a kind's name, or None for the model's own)."""
+    from ..nn.kv_cache import KVCacheKind
+    state = model.new_cache()
+    kind = KVCacheKind.of(kv_cache)
+    if kind.kind == "full" and kv_cache is None:
+        return state
+    if not callable(getattr(state, "use", None)):
+        if kind.kind == "full":
+            return state
+        raise ValueError(f"kv_cache={kind.kind!r}: this model's decoding state is a {type(state).__name__}, not a "
+                         f"KV cache (a recurrent state is already of constant size)")
+    return state.use(kind)
+
+
 def _check_rewind(who: str, start, keep: Tensor, length: int) -> int:
     """Validate ``rewind(start, keep)`` on ``length`` slots; return ``max(keep)``."""
     if isinstance(start, bool) or not isinstance(start, int) or not 0 < start <= length:
@@ -97,8 +113,10 @@ class CausalState(_Rewinding):
     history, so a step of a recurrent model costs the same after 100 tokens as after 100,000.
     """
 
-    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None, use_cache: bool = True):
+    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None, use_cache: bool = True,
+                 kv_cache=None, prefill_chunk: int | None = None):
         self.model = model
+        self.prefill_chunk = prefill_chunk
         ids = input_ids.long()
         mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None \
             else attention_mask.bool().to(ids.device)
@@ -106,7 +124,7 @@ class CausalState(_Rewinding):
         # own copies (never the caller's tensors, which rewinding edits in place), with room to grow
         self._seq = self._room(ids, 2 * self._length + 64)
         self._mask = self._room(mask, self._seq.size(1))
-        self.cache = model.new_cache() if use_cache else None
+        self.cache = new_state(model, kv_cache) if use_cache else None
 
     def _room(self, t: Tensor, capacity: int) -> Tensor:
         """``t`` (N, L) copied into the first L columns of a new (N, capacity) buffer."""
@@ -138,6 +156,12 @@ class CausalState(_Rewinding):
         if new.size(1) < last:
             raise RuntimeError(f"CausalState.logits: {new.size(1)} new slots, asked for the last {last}: "
                                f"append tokens before asking again")
+        chunk = self.prefill_chunk
+        while chunk is not None and self._length - self.cache.length > max(chunk, last):
+            n = self.cache.length                    # a long prompt in pieces: the cache takes each in turn
+            m = min(chunk, self._length - n - last)
+            self.model(self._seq[:, n:n + m], attention_mask=self._mask[:, :n + m], cache=self.cache)
+            new = self.seq[:, self.cache.length:]
         return self.model(new, attention_mask=self.mask, cache=self.cache)[:, -last:]
 
     def next_logits(self) -> Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor
 from .causal import generate
 from .search import GenerationStats
 from .state import context_of
+from ..nn.kv_cache import KVCacheKind
 
 __all__ = ["TextStreamer", "Completion", "complete"]
 
@@ -86,11 +87,14 @@ class Completion:
 def complete(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, *, eos_ids: Sequence[int] = (),
              temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, seed: int = 0, draft_model=None, num_draft_tokens: int = 4,
-             on_text: Callable[[str], None] | None = None) -> Completion:
+             on_text: Callable[[str], None] | None = None, kv_cache=None,
+             prefill_chunk: int | None = None) -> Completion:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` (capped so that prompt + new tokens fit
     the context of the model and of the draft), stopping at any of ``eos_ids``; ``on_text`` gets
-    the text as it is produced. ``draft_model`` turns on speculative decoding."""
-    contexts = [context_of(m) for m in (model, draft_model) if m is not None]
+    the text as it is produced. ``draft_model`` turns on speculative decoding; ``kv_cache`` and
+    ``prefill_chunk`` go to :func:`attnlab.generate.generate` (a sink cache has no context cap)."""
+    sink = KVCacheKind.of(kv_cache).kind == "sink"
+    contexts = [context_of(m) for m in (model, draft_model) if m is not None and not (m is model and sink)]
     context = min((c for c in contexts if c is not None), default=None)      # None: a model without positions
     budget = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
     if context is not None and budget < 1:
@@ -102,5 +106,6 @@ def complete(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, *, eo
     out = generate(model, torch.tensor([prompt_ids], device=device), budget, temperature, top_k, top_p,
                    eos_token_id=list(eos_ids) or None, draft_model=draft_model,
                    repetition_penalty=repetition_penalty, generator=generator,
-                   num_draft_tokens=num_draft_tokens, streamer=streamer, stats=stats)
+                   num_draft_tokens=num_draft_tokens, streamer=streamer, stats=stats, kv_cache=kv_cache,
+                   prefill_chunk=prefill_chunk)
     return Completion(streamer.end(), out.size(1) - len(prompt_ids), budget, stats)

@@ -141,7 +141,7 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         return None if bool(mask.all()) else mask      # no padding: keep the fused causal path
 
     def _positions(self, positions: Tensor | None, mask: Tensor | None, past: int, B: int, T: int,
-                   device) -> tuple[Tensor, Tensor | None]:
+                   device, bounded: bool = True) -> tuple[Tensor, Tensor | None]:
         """(query positions (T,) or (B, T), key positions (B, S) or None = arange(S))."""
         keys = None
         if positions is None:
@@ -159,7 +159,7 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         elif past == 0:
             keys = positions                         # without a cache the keys are these tokens
         hi, limit = int(positions.max()), self.config.max_seq_len
-        if hi >= limit:
+        if bounded and hi >= limit:
             raise ValueError(f"{type(self).__name__}: position {hi} is beyond the model's context of {limit} "
                              f"tokens (cached + new)")
         return positions, keys
@@ -186,7 +186,10 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
             raise ValueError(f"{type(self).__name__}: cache has {len(cache.self_attn)} layers, the model "
                              f"{len(self.layers)}; use model.new_cache()")
         mask = self._padding(attention_mask, B, past + T)
-        positions, key_positions = self._positions(positions, mask, past, B, T, input_ids.device)
+        # a cache that places keys at positions of its own (attention sinks) reads past the context,
+        # unless the model also embeds absolute positions (its own embed)
+        bounded = cache is None or not cache.rebases_positions or type(self).embed is not CausalLM.embed
+        positions, key_positions = self._positions(positions, mask, past, B, T, input_ids.device, bounded)
         x = self.embed(input_ids, positions)
         for i, layer in enumerate(self.layers):
             x = self._run(layer, x, mask, positions=positions, key_positions=key_positions,

@@ -528,15 +528,21 @@ class MultiHeadAttention(nn.Module):
         is_causal = self.causal if is_causal is None else is_causal
         S = cache.length if k is None else offset + k.size(-2)
         local = (self.window is not None and S > self.window) or (self.chunk is not None and S > self.chunk)
-        if self.position is not None or local:
+        selects = k is not None and getattr(cache, "selects", False)     # a cache kind of attnlab.nn.kv_cache
+        if self.position is not None or local or selects:
             positions, key_positions = self._positions(positions, key_positions, B, T, S, offset, query.device)
         if local:
             mask = combine_masks(mask, self._local_mask(positions, key_positions))
-        if self.position is not None and k is not None:    # the new keys' positions are the last ones
-            q, k = self.position.transform(q, k, positions, key_positions[..., S - k.size(-2):])
         reused = k is None                      # a static cache's memory (cross-attention after its first step)
-        if cache is not None:
-            k, v = cache.update(k, v)
+        if selects:                             # the cache kind decides which keys stay, at which positions
+            q, k, v, positions, key_positions, key_padding_mask, mask = cache.attend(
+                self, q, k, v, positions, key_positions, key_padding_mask, mask)
+            S = k.size(-2)
+        else:
+            if self.position is not None and k is not None:    # the new keys' positions are the last ones
+                q, k = self.position.transform(q, k, positions, key_positions[..., S - k.size(-2):])
+            if cache is not None:
+                k, v = cache.update(k, v)
 
         bias = None if self.position is None else self.position.bias(q, k, positions, key_positions)
         kpm = None

@@ -168,13 +168,35 @@ class KVCache:
 class LayerCaches:
     """One self-attention cache (and optionally one cross-attention cache) per layer; meets the
     decoding state protocol, its ``length`` being the decoder positions seen. It rewinds by
-    truncating: the keys of the slots that become holes stay, and the attention mask hides them."""
+    truncating: the keys of the slots that become holes stay, and the attention mask hides them.
 
-    can_rewind = True
+    The self-attention caches are full :class:`KVCache` s unless :meth:`use` swaps them for
+    another kind (:mod:`attnlab.nn.kv_cache`: sliding, sink, int8, int4) before the first step."""
 
     def __init__(self, num_layers: int, cross: bool = False, capacity: int = 64):
         self.self_attn = [KVCache(capacity=capacity) for _ in range(num_layers)]
         self.cross_attn = [KVCache(static=True) for _ in range(num_layers)] if cross else None
+
+    def use(self, kind) -> "LayerCaches":
+        """Give every self-attention layer an empty cache of ``kind`` (a
+        :class:`~attnlab.nn.kv_cache.KVCacheKind`: anything whose ``new()`` makes one layer's
+        cache); returns self."""
+        if not callable(getattr(kind, "new", None)):
+            raise ValueError(f"LayerCaches.use: expected a KVCacheKind, got {type(kind).__name__}")
+        if self.length:
+            raise ValueError("LayerCaches.use: choose the cache kind before the first step")
+        self.self_attn = [kind.new() for _ in self.self_attn]
+        return self
+
+    @property
+    def can_rewind(self) -> bool:
+        return all(getattr(c, "can_rewind", True) for c in self.self_attn)
+
+    @property
+    def rebases_positions(self) -> bool:
+        """True when the caches place keys at positions of their own (a sink cache): the
+        model's positions may then run past its trained context."""
+        return bool(self.self_attn) and all(getattr(c, "rebases_positions", False) for c in self.self_attn)
 
     @property
     def length(self) -> int:
@@ -191,7 +213,11 @@ class LayerCaches:
             c.truncate(length)
 
     def mark(self, length: int) -> None:
-        """Nothing to keep: every position's keys stay until a rewind."""
+        """A full cache has nothing to keep (every position's keys stay until a rewind); a kind
+        that drops or quantises keys keeps those a rewind to ``length`` needs."""
+        for c in self.self_attn:
+            if hasattr(c, "mark"):
+                c.mark(length)
 
     def rewind(self, keep: Tensor, length: int) -> None:
         _check_rewind("LayerCaches", keep, length, self.length)

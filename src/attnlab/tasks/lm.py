@@ -370,15 +370,20 @@ class LanguageModeling(TaskDefinition):
         lm.warn_unknown(lm.tokenizer.encode(text), data)
         progress = sys.stderr.isatty()
 
+        kv = settings.get("kv")                 # --kv-cache / --prefill-chunk: the text read through one cache
+
         def score(label: str) -> dict:
+            if kv is not None:
+                return _streamed(lm, text, kv, settings["limit"], label)
             r = text_perplexity(lm, text, stride=settings["stride"], max_tokens=settings["limit"], progress=progress)
             print(f"{label}: loss {r['loss']:.4f} nats/token, perplexity {r['ppl']:.4f}, "
                   f"{r['bits_per_byte']:.4f} bits per byte")
             return r
 
         first = score(f"{data}: {lm.path}")
-        print(f"  ({first['tokens']:,} tokens scored in {first['windows']} windows of up to {first['context']} "
-              f"tokens, stride {first['stride']})")
+        if kv is None:
+            print(f"  ({first['tokens']:,} tokens scored in {first['windows']} windows of up to "
+                  f"{first['context']} tokens, stride {first['stride']})")
         if settings["quantize"] == "int8":
             from ..quantize import quantize_int8
             quantize_int8(lm.model)
@@ -387,6 +392,28 @@ class LanguageModeling(TaskDefinition):
 
 
 LM = register_task(LanguageModeling())
+
+
+def _streamed(lm: LoadedLM, text: str, kv: dict, limit: int | None, label: str) -> dict:
+    """Perplexity of ``text`` read once through one cache of the kind ``kv`` names (each token
+    predicted from what the cache kept of everything before it), in chunks of --prefill-chunk
+    tokens (default 256), as far as the model's context allows (a sink cache: the whole text)."""
+    import math
+    from ..generate import stream_nll
+    ids = lm.tokenizer.encode(text)
+    sink = kv["kv_cache"] is not None and kv["kv_cache"].kind == "sink"
+    cap = [c for c in (limit, None if sink else lm.context) if c is not None]
+    ids = ids[:min(cap)] if cap else ids
+    if len(ids) < 2:
+        raise ValueError(f"the text has {len(ids)} token(s); a perplexity needs at least 2")
+    device = next(lm.model.parameters()).device
+    chunk = kv["prefill_chunk"] or 256
+    nll = stream_nll(lm.model, torch.tensor(ids, device=device), chunk, kv["kv_cache"])
+    loss = float(nll.mean())
+    kind = "full" if kv["kv_cache"] is None else kv["kv_cache"].kind
+    print(f"{label}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f}")
+    print(f"  ({len(ids) - 1:,} tokens scored, read once through a {kind} KV cache in chunks of {chunk} tokens)")
+    return {"loss": loss, "ppl": math.exp(loss), "tokens": len(ids) - 1}
 
 
 def load_hf_lm(path: Path, device: str | None = None, dtype: str = "auto") -> LoadedLM:

