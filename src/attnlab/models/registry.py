@@ -58,6 +58,10 @@ MODALITIES = {
     "text": Modality("text", "input_ids", ("vocab_size", "context"), ("vocab_size", "context"), "tokenizer"),
     "image": Modality("image", "pixel_values", ("image_size", "patch_size", "in_channels"),
                       ("image_size", "patch_size", "in_channels"), "image"),
+    # images and texts side by side (a contrastive model): both processors, both sets of sizes
+    "image-text": Modality("image-text", "pixel_values", ("image_size", "patch_size", "in_channels", "vocab_size",
+                                                          "context"),
+                           ("image_size", "patch_size", "in_channels", "vocab_size", "context"), "image+tokenizer"),
 }
 # the model's own sizes, the same for every modality
 MODEL_SIZES = ("d_model", "num_heads", "num_layers", "d_ff", "dropout")

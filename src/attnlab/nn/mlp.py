@@ -17,16 +17,23 @@ from .inplace import activate_in_place, hooked, may_overwrite
 from .linear import StackedLinear, fused_activation
 
 __all__ = ["FeedForward", "GatedMLP", "SparseMoE", "SoftmaxTopK", "SigmoidTopK", "load_balancing_loss",
-           "expert_counts", "make_activation", "ACTIVATIONS"]
+           "expert_counts", "make_activation", "ACTIVATIONS", "QuickGELU"]
 
-ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh", "quick_gelu")
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the sigmoid approximation of GELU that OpenAI's CLIP was trained with."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
 
 
 def _activation(owner: str, name: str, valid: tuple[str, ...]) -> nn.Module:
     if name not in valid:
         raise ValueError(f"{owner}: unknown activation {name!r}; valid activations are {', '.join(valid)}")
     return {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU,
-            "gelu_tanh": partial(nn.GELU, approximate="tanh")}[name]()
+            "gelu_tanh": partial(nn.GELU, approximate="tanh"), "quick_gelu": QuickGELU}[name]()
 
 
 def make_activation(name: str) -> nn.Module:
@@ -59,7 +66,7 @@ class FeedForward(nn.Module):
     Shapes: (..., E) -> (..., E).
     """
 
-    ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+    ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "quick_gelu")
     returns_new_tensor = True           # the caller may overwrite the output (attnlab.nn.inplace)
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu",

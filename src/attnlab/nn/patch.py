@@ -35,7 +35,8 @@ def patch_grid(height: int, width: int, patch_size: int) -> tuple[int, int]:
 class PatchEmbedding(nn.Module):
     """Cut an image into p x p patches and map each linearly to ``embed_dim`` values.
 
-    ``PatchEmbedding(img_size, patch_size, in_channels, embed_dim)``: the chapter's names.
+    ``PatchEmbedding(img_size, patch_size, in_channels, embed_dim)``: the chapter's names (``bias``
+    False: a projection without bias, as CLIP's).
     ``proj`` is the Conv2d(in_channels, embed_dim, kernel_size=p, stride=p); ``grid`` the patch
     grid of an ``img_size`` image and ``num_patches`` its size.
 
@@ -44,7 +45,7 @@ class PatchEmbedding(nn.Module):
     """
 
     def __init__(self, img_size: int | tuple[int, int] = 224, patch_size: int = 16, in_channels: int = 3,
-                 embed_dim: int = 768):
+                 embed_dim: int = 768, bias: bool = True):
         super().__init__()
         self.img_size = _pair(img_size)
         for name, v in (("patch_size", patch_size), ("in_channels", in_channels), ("embed_dim", embed_dim),
@@ -56,7 +57,7 @@ class PatchEmbedding(nn.Module):
         self.patch_size, self.in_channels, self.embed_dim = patch_size, in_channels, embed_dim
         self.grid = patch_grid(*self.img_size, patch_size)
         self.num_patches = self.grid[0] * self.grid[1]
-        self.proj = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.size(1) != self.in_channels:
