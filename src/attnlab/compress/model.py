@@ -175,6 +175,7 @@ def save_quantized_gguf(model: nn.Module, path, tokenizer=None, name: str | None
         raise ValueError(f"GGUF blocks hold 32 values: {bad[0]} is quantised in groups of "
                          f"{quantized[bad[0]].group_size}; quantise with --group-size 32 to write GGUF")
     shadow = copy.deepcopy(model)                # float Linears in place of the quantised ones, same names
+    embeddings = [m for m in shadow.modules() if isinstance(m, nn.Embedding)]
     linears = {}
     for n, q in quantized.items():
         parent_name, _, attr = n.rpartition(".")
@@ -182,7 +183,11 @@ def save_quantized_gguf(model: nn.Module, path, tokenizer=None, name: str | None
         if q.bias is not None:
             lin.bias.data.copy_(q.bias)
         setattr(shadow.get_submodule(parent_name) if parent_name else shadow, attr, lin)
-        linears[n] = lin
+        tied = next((e for e in embeddings if e.weight.shape == lin.weight.shape and torch.equal(e.weight, q.weight)), None)
+        if tied is not None:                     # a head tied to the token table: one tensor, the table's q8_0
+            lin.weight = tied.weight
+        else:
+            linears[n] = lin
 
     def checkpoint(fill) -> dict[str, Tensor]:
         with torch.no_grad():
@@ -190,7 +195,7 @@ def save_quantized_gguf(model: nn.Module, path, tokenizer=None, name: str | None
                 lin.weight.data = fill(n, quantized[n])
         return to_hf_state_dict(shadow)
 
-    names = list(quantized)                     # layer i is marked i + 1: which checkpoint tensor is which layer
+    names = list(linears)                       # layer i is marked i + 1: which checkpoint tensor is which layer
     marks = checkpoint(lambda n, q: torch.full((q.out_features, q.in_features), float(names.index(n) + 1)))
     codes = checkpoint(lambda n, q: q.codes().float())
     scales = checkpoint(lambda n, q: q.scales.float().repeat_interleave(32, dim=1))
@@ -200,7 +205,7 @@ def save_quantized_gguf(model: nn.Module, path, tokenizer=None, name: str | None
         first = float(mark.flatten()[0]) if mark.dim() == 2 else 0.0
         if first.is_integer() and 1 <= first <= len(names) and bool((mark == first).all()):
             blocks[key] = (codes[key], scales[key], offsets[key], quantized[names[int(first) - 1]].layout.qtype)
-    if len(blocks) != len({id(q) for q in quantized.values()}):
+    if len(blocks) != len(linears):
         raise ValueError("save_quantized_gguf: the checkpoint's tensors do not map one to one onto the "
                          "quantised layers (a fused tensor?)")
     checkpoint(lambda n, q: q.weight)            # the values, for everything save_gguf reads besides the blocks
