@@ -72,8 +72,8 @@ def test_tokenizer_and_chat_template_round_trip(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="qtype must be one of F32, F16, Q8_0"):
-        save_gguf(_model(False), tmp_path / "x.gguf", qtype="Q4_1")
+    with pytest.raises(ValueError, match="qtype must be one of F32, F16, Q8_0, Q4_0, Q4_1"):
+        save_gguf(_model(False), tmp_path / "x.gguf", qtype="Q5_K")
 
 
 def test_export_command_between_gguf_and_directories(tmp_path, capsys):

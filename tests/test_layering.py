@@ -22,7 +22,7 @@ LAYERS = [
     {"attnlab.generate", "attnlab.train"},
     {"attnlab.models", "attnlab.hub", "attnlab", "attnlab.gguf",   # the package's lazy top-level loaders are hub's
      "attnlab.adapters"},                                         # LoRA adapters on any family
-    {"attnlab.viz", "attnlab.quantize"},
+    {"attnlab.viz", "attnlab.quantize", "attnlab.compress"},
     {"attnlab.tasks", "attnlab.recipes"},  # recipes: named YAML settings the commands read
     {"attnlab.serve"},                     # the OpenAI-compatible server over a loaded LM
     {"attnlab.cli", "attnlab.__main__"},   # python -m attnlab: the command

@@ -43,7 +43,7 @@ from .models.pretrained import from_hf_state_dict, to_hf_state_dict
 from .models.registry import architecture_of, family
 
 __all__ = ["GGUFLayout", "LAYOUTS", "PRE_SPLITS", "is_gguf", "read_metadata", "gguf_architecture", "read_gguf", "from_gguf",
-           "gguf_tokenizer", "save_gguf", "QTYPES"]
+           "gguf_tokenizer", "save_gguf", "QTYPES", "encode_blocks", "decode_blocks", "BLOCK_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -360,8 +360,49 @@ def gguf_tokenizer(path, meta: dict | None = None):
 
 
 # ----------------------------------------------------------------------------- writing
-QTYPES = ("F32", "F16", "Q8_0")
-_FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7}          # general.file_type (llama.cpp's LlamaFileType)
+QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+_FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}   # general.file_type (llama.cpp's LlamaFileType)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}                  # bytes of one block of 32 values
+
+
+def encode_blocks(codes: Tensor, scales: Tensor, offsets: Tensor, qtype: str) -> np.ndarray:
+    """GGUF's block bytes of a matrix quantised in groups of 32 along its rows: ``codes`` (out, in)
+    unsigned (0..15 for Q4_0 / Q4_1, 0..255 for Q8_0, where the stored int8 is code - 128),
+    ``scales`` d and ``offsets`` m (out, in/32) fp16, with w = d * code + m. Q4_0 and Q8_0 store d
+    alone (their m is -8 d and -128 d), Q4_1 d then m; a 4-bit block holds value j in the low
+    nibble of byte j and value j + 16 in the high one. Returns (out, in/32 * block bytes) uint8."""
+    n, k = codes.shape
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"encode_blocks: qtype must be one of {', '.join(BLOCK_BYTES)}, got {qtype!r}")
+    if k % 32 or tuple(scales.shape) != (n, k // 32):
+        raise ValueError(f"GGUF blocks hold 32 values: a {n} x {k} matrix with scales of shape "
+                         f"{tuple(scales.shape)} is not quantised in groups of 32")
+    q = codes.to(torch.uint8).reshape(n, k // 32, 32)
+    parts = [scales.to(torch.float16).reshape(n, -1, 1).contiguous().view(torch.uint8)]
+    if qtype == "Q4_1":
+        parts.append(offsets.to(torch.float16).reshape(n, -1, 1).contiguous().view(torch.uint8))
+    if qtype == "Q8_0":
+        parts.append((q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8))
+    else:
+        parts.append(q[..., :16] | (q[..., 16:] << 4))
+    return np.ascontiguousarray(torch.cat(parts, dim=-1).reshape(n, -1).numpy())
+
+
+def decode_blocks(raw, qtype: str, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`encode_blocks`: (out, bytes) uint8 -> (codes (out, k) uint8, d, m (out, k/32) fp16)."""
+    t = torch.from_numpy(np.array(raw, dtype=np.uint8)) if not isinstance(raw, Tensor) else raw
+    n = t.size(0)
+    b = t.reshape(n, k // 32, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
+    if qtype == "Q4_1":
+        m, body = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1), b[..., 4:]
+    else:
+        m, body = (-(8.0 if qtype == "Q4_0" else 128.0) * d.float()).half(), b[..., 2:]
+    if qtype == "Q8_0":
+        q = (body.contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    else:
+        q = torch.cat([body & 15, body >> 4], dim=-1)
+    return q.reshape(n, k), d, m
 
 
 def _layout_for(model: nn.Module) -> tuple[str, GGUFLayout]:
@@ -375,7 +416,8 @@ def _layout_for(model: nn.Module) -> tuple[str, GGUFLayout]:
 
 def _stored(gguf, tensor: Tensor, qtype: str):
     """(array, raw dtype) of one tensor in ``qtype``: vectors (norms, biases) and rows that do not
-    fill whole 32-value blocks stay F32, as llama.cpp's converter keeps them."""
+    fill whole 32-value blocks stay F32, as llama.cpp's converter keeps them (its round-to-nearest
+    block quantisers are the ``gguf`` package's)."""
     data = tensor.detach().to("cpu", torch.float32).numpy()
     if qtype == "F32" or data.ndim < 2:
         return data, None
@@ -383,7 +425,8 @@ def _stored(gguf, tensor: Tensor, qtype: str):
         return data.astype(np.float16), None
     if data.shape[-1] % 32:
         return data, None
-    return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    return gguf.quants.quantize(data, kind), kind
 
 
 def _write_tokenizer(writer, tokenizer) -> None:
@@ -414,10 +457,16 @@ def _write_tokenizer(writer, tokenizer) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def save_gguf(model: nn.Module, path, tokenizer=None, qtype: str = "F32", name: str | None = None) -> Path:
+def save_gguf(model: nn.Module, path, tokenizer=None, qtype: str = "F32", name: str | None = None,
+              quantized: dict[str, tuple[Tensor, Tensor, Tensor, str]] | None = None) -> Path:
     """Write ``model`` (and ``tokenizer``, an :class:`attnlab.tokenizer.HFTokenizer` of byte-level
     BPE, with its chat template) as a GGUF file that llama.cpp and transformers read. ``qtype``:
-    "F32", "F16" or "Q8_0" for the weight matrices (vectors stay F32)."""
+    "F32", "F16", "Q8_0", "Q4_0" or "Q4_1" for the weight matrices (vectors stay F32).
+
+    ``quantized``: checkpoint name -> (codes, d, m, GGUF qtype) for matrices already quantised in
+    groups of 32 (:mod:`attnlab.compress`), each an (out, in) tensor in the checkpoint's layout (d
+    and m repeated over their group), written as those very blocks (:func:`encode_blocks`) after
+    the same row permutation as the weights."""
     if qtype not in QTYPES:
         raise ValueError(f"save_gguf: qtype must be one of {', '.join(QTYPES)}, got {qtype!r}")
     gguf = _gguf()
@@ -442,7 +491,13 @@ def save_gguf(model: nn.Module, path, tokenizer=None, qtype: str = "F32", name: 
         renamed = _rename(layout, hf_name, config, tensor.detach().float(), to_hf=False)
         if renamed is None:
             raise ValueError(f"save_gguf: the {layout.architecture} layout has no GGUF name for {hf_name}")
-        data, raw = _stored(gguf, renamed[1], qtype)
+        if quantized and hf_name in quantized:
+            *parts, kind = quantized[hf_name]
+            codes, d, m = (_rename(layout, hf_name, config, t, to_hf=False)[1] for t in parts)
+            data = encode_blocks(codes, d[:, ::32], m[:, ::32], kind)
+            raw = getattr(gguf.GGMLQuantizationType, kind)
+        else:
+            data, raw = _stored(gguf, renamed[1], qtype)
         writer.add_tensor(renamed[0], data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
