@@ -17,6 +17,7 @@ from safetensors.torch import load_model, save_model
 import attnlab
 from attnlab.generate import greedy_decode
 from attnlab.models.registry import KINDS, Architecture, Kind
+from attnlab.nn import optimize_for_inference
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
 B, T = 4, 16                   # 64 tokens: every expert of a tiny mixture gets some
@@ -122,6 +123,10 @@ def check_directory_round_trip(arch: Architecture, tmp_path) -> None:
     back = attnlab.from_pretrained(tmp_path)
     assert type(back) is type(model), f"{arch}: saved {type(model).__name__}, loaded {type(back).__name__}"
     assert back.config == model.config, f"{arch}: config changed through save_pretrained / from_pretrained"
+    # from_pretrained readies a model for inference (layers reading one input stacked into one
+    # product, whose sums run in another order): the saved model, readied the same way, must
+    # then give the very same numbers
+    optimize_for_inference(model)
     x = inputs(arch, model)
     with torch.no_grad():
         assert same(back(*x), model(*x)), f"{arch}: outputs changed through save_pretrained / from_pretrained"
