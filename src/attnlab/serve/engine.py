@@ -184,7 +184,7 @@ def merge_states(states: list[CausalState], drop: int = 0) -> CausalState:
     its slots but the last (each row has one new token to feed)."""
     L = max(s.length for s in states) - drop
     out = CausalState.__new__(CausalState)
-    out.model = states[0].model
+    out.model, out.prefill_chunk = states[0].model, None
     seq = torch.cat([_pad_left(s.seq, L + drop, 1) for s in states])[:, drop:]
     mask = torch.cat([_pad_left(s.mask, L + drop, 1) for s in states])[:, drop:]
     out._length = L
