@@ -200,6 +200,16 @@ def test_recorded_weights_equal_transformers_output_attentions(arch, tmp_path):
             for layer, w in enumerate(want):
                 assert_close_scaled(got[layer], w, FP32, f"{arch} {part} {role} layer {layer}")
         return
+    if arch.kind == "contrastive":             # two towers (CLIP): each output holds its tower's attentions
+        towers = {name[:-len("_output")]: getattr(out, name).attentions for name in out.keys()
+                  if name.endswith("_model_output")}
+        assert towers, f"{arch}: transformers returned no tower outputs"
+        for tower, want in towers.items():
+            calls = [c for c in record if c.module.startswith(tower + ".")]
+            assert len(calls) == len(want) > 0, f"{arch} {tower}: {len(calls)} calls recorded, transformers {len(want)}"
+            for i, (call, w) in enumerate(zip(calls, want)):
+                assert_close_scaled(call.weights, w, FP32, f"{arch} {tower} call {i} ({call.module})")
+        return
     # one entry per attention call, in call order (Swin's windows: (B * windows, H, N, N) per
     # block); a masked-image model's decoder runs after the encoder, whose calls transformers returns
     want = out.attentions

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import attnlab
 import attnlab.models  # noqa: F401  (importing the package registers every model file)
 import contract
+from attnlab.nn import optimize_for_inference
 from attnlab.models.convert import convert, unread_tensors
 from attnlab.models.registry import architectures
 from attnlab.models.t5 import T5ForConditionalGeneration
@@ -33,6 +34,7 @@ def test_every_model_has_save_pretrained_writing_what_the_library_writes(arch, t
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "method" / name).read_bytes() == (tmp_path / "function" / name).read_bytes(), name
     back = attnlab.from_pretrained(tmp_path / "method")
+    optimize_for_inference(model)       # as from_pretrained readies ``back``: the same products, bit for bit
     x = contract.inputs(arch, model)
     with torch.no_grad():
         assert contract.same(back(*x), model(*x)), f"{arch}: outputs changed through model.save_pretrained"

@@ -119,13 +119,12 @@ def _todays_rule(model: nn.Module) -> set[str]:
 def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_decaying():
     """The declarations reproduce the groups of every registered model, and add exactly the learned
     position tables (GPT-2's, the BERT family's, DeBERTa's relative one, the image families' patch
-    grid, Swin's relative position bias), attnlab's ViT and DeiT class and distillation tokens and MAE's class and mask tokens, which the rule by module type
+    grid, Swin's relative position bias), attnlab's ViT, DeiT and CLIP class and distillation tokens and MAE's class and mask tokens, which the rule by module type
     decayed though they are embeddings, and the (d, n) transitions A_log of the state-space
     layers, matrices that decay would pull towards A = -1."""
     import contract
     from attnlab.models.deberta import RelativeEmbeddings
     from attnlab.models.registry import architectures
-    from attnlab.models.vit import ViTEncoder
     from attnlab.nn.patch import PatchPositionEmbedding
     from attnlab.nn.position import LearnedPositionalEmbedding
     from attnlab.nn.window import WindowPositionBias
@@ -137,8 +136,8 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
         tables = {f"{name}.weight" for name, m in model.named_modules()
                   if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings, PatchPositionEmbedding))}
         tables |= {f"{name}.table" for name, m in model.named_modules() if isinstance(m, WindowPositionBias)}
-        if isinstance(model, ViTEncoder):
-            tables |= {n for n, _ in model.named_parameters() if n in ("cls_token", "distillation_token")}
+        # an image encoder's class and distillation tokens, the model's own or a tower's (CLIP's)
+        tables |= {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("cls_token", "distillation_token")}
         # the masked auto-encoder's learned tokens, inputs as the class token is
         tables |= {n for n, _ in model.named_parameters() if arch.model_type == "vit_mae"
                    and n.rsplit(".", 1)[-1] in ("cls_token", "mask_token")}
