@@ -5,8 +5,8 @@
     ids, trains = encode_chat(tokenizer, template, chats[0])    # trains[i]: ids[i] is the assistant's
 
 A chat template is a Jinja template over ``messages`` and ``add_generation_prompt`` (the form
-Hugging Face tokenizers keep in tokenizer_config.json or chat_template.jinja); it is rendered in
-Jinja's sandbox, as transformers renders it. A model without one gets ChatML
+Hugging Face tokenizers keep in tokenizer_config.json or chat_template.jinja); it is rendered by
+:func:`attnlab.chat_template.render_chat`, exactly as transformers renders it. A model without one gets ChatML
 (``<|im_start|>role\\ncontent<|im_end|>\\n``), the format of SmolLM2 and Qwen.
 
 Which tokens are the assistant's. The conversation is rendered prefix by prefix: for the i-th
@@ -89,17 +89,10 @@ class ChatTemplate:
     """A Jinja chat template (see the module docstring); ``source`` is the template text."""
 
     def __init__(self, source: str = CHATML, bos_token: str | None = None, eos_token: str | None = None):
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
+        from ..chat_template import _compile
         try:
-            self._template = env.from_string(source)
-        except TemplateError as e:
+            _compile(source)                  # the one renderer of attnlab (chat_template.py), checked here
+        except ValueError as e:
             raise ValueError(f"chat template: not a valid Jinja template ({e})") from None
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
@@ -128,11 +121,13 @@ class ChatTemplate:
         return cls(CHATML, **kw)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
+        """The conversation as transformers' ``apply_chat_template(..., tokenize=False)`` writes it
+        (:func:`attnlab.chat_template.render_chat`: tojson, loop controls, ``strftime_now``)."""
+        from ..chat_template import render_chat
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
+            return render_chat(self.source, messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except ValueError as e:
             raise ValueError(f"chat template: {e}") from None
 
     def end_of_turn(self) -> str | None:
