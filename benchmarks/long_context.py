@@ -17,9 +17,10 @@ quality, what chunked prefill saves, and recurrent models reading a long stream 
    tokens in chunks of 4096: state bytes at the start and the end, and time per token.
 5. Needle in a haystack: a sentence with a number buried at 10/50/90 % of ``--tokens`` / 2 tokens
    of source, then its first words: does greedy decoding with each kind complete the number?
-6. Perplexity of 128 tokens against the context before them, with the checkpoint's RoPE and with
-   linear and YaRN stretching by 2 (inside the trained context of 8,192: stretching past it would
-   need 16k-token reads, beyond a few minutes of this shared CPU).
+6. Perplexity against context length past the trained context (SmolLM2: 8,192): the first
+   16,384 tokens of the standard library's source (top-level modules concatenated) and of
+   ``--book FILE`` read once per RoPE (the checkpoint's, linear x2, YaRN x2), chunked; the
+   perplexity of the ``--band`` tokens before 4k, 8k, 12k and 16k (``--lengths``).
 
 Usage:
   python benchmarks/long_context.py                 # the results in benchmarks/results/long_context.md
@@ -175,36 +176,40 @@ def needle_rows(model, tok, haystack: str, length: int, window: int) -> list[lis
     return rows
 
 
+def stdlib_text(chars: int) -> str:
+    """The standard library's top-level modules concatenated in name order, at least ``chars`` long."""
+    import argparse as _anchor
+    parts, n = [], 0
+    for path in sorted(Path(_anchor.__file__).parent.glob("*.py")):
+        parts.append(path.read_text(errors="replace"))
+        n += len(parts[-1])
+        if n >= chars:
+            break
+    return "".join(parts)
+
+
+STRETCHES = (("checkpoint RoPE", "default"), ("linear x2", "linear"), ("YaRN x2", "yarn"))
+
+
 @torch.no_grad()
-def stretch_rows(model, ids: torch.Tensor, contexts: list[int], scored: int) -> list[list]:
-    """Perplexity of the last ``scored`` tokens of ``ids`` given ``context`` tokens before them,
-    with the checkpoint's RoPE and with linear and YaRN stretching by 2 (what reading past the
-    trained context would use), the text read in chunks of 256 through one full cache."""
-    from attnlab.nn.position import RotaryEmbedding
-    originals = [layer.self_attn.position for layer in model.layers]
-    first = originals[0]
-    schemes = {"checkpoint": None, "linear x2": {"rope_type": "linear", "factor": 2.0},
-               "yarn x2": {"rope_type": "yarn", "factor": 2.0,
-                           "original_max_position_embeddings": model.config.max_seq_len}}
+def stretch_rows(load, texts: dict, lengths: list[int], band: int, chunk: int) -> list[list]:
+    """Perplexity against context length, past the trained context: each text's first
+    max(lengths) tokens read once per RoPE (the checkpoint's, linear x2, YaRN x2, each applied with
+    :func:`attnlab.models.rope_config.stretch_context`) in chunks of ``chunk`` through one full
+    cache; the perplexity of the ``band`` tokens before each length, i.e. of tokens that see about
+    that much context. ``load()`` gives a fresh model; ``texts`` maps a name to its token ids."""
+    from attnlab.generate import stream_nll
+    from attnlab.models.rope_config import stretch_context
     rows = []
-    try:
-        for name, scaling in schemes.items():
-            for layer, pos in zip(model.layers, originals):
-                layer.self_attn.position = pos if scaling is None else RotaryEmbedding(
-                    first.head_dim, first.base, first.interleaved, scaling, first.rotary_dim,
-                    first.max_position_embeddings)
-            row = [name]
-            for c in contexts:
-                x = ids[-(c + scored):]
-                nll = []
-                stream_logits(model, x, 256, None, lambda st, lg: nll.append((st, lg)))
-                logits = torch.cat([lg for _, lg in nll])[c - 1:-1]
-                loss = torch.nn.functional.cross_entropy(logits.double(), x[c:])
-                row.append(f"{math.exp(float(loss)):.3f}")
-            rows.append(row)
-    finally:
-        for layer, pos in zip(model.layers, originals):
-            layer.self_attn.position = pos
+    for text, ids in texts.items():
+        for name, rope_type in STRETCHES:
+            model = stretch_context(load(), 2.0, rope_type)
+            t0 = time.perf_counter()
+            nll = stream_nll(model, ids[:max(lengths)], chunk)            # nll[i]: token i + 1
+            dt = time.perf_counter() - t0
+            row = [text, name] + [f"{math.exp(float(nll[n - 1 - band:n - 1].mean())):.3f}" for n in lengths]
+            rows.append(row + [f"{dt:.0f}"])
+            print("  ", " | ".join(rows[-1]), flush=True)                  # a long run shows its progress
     return rows
 
 
@@ -215,6 +220,11 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--stream", type=int, default=1_000_000)
+    p.add_argument("--lengths", default="4096,8192,12288,16384",
+                   help="context lengths of the stretch table (comma-separated)")
+    p.add_argument("--band", type=int, default=1024, help="tokens scored before each length (stretch table)")
+    p.add_argument("--stretch-chunk", type=int, default=1024, help="prefill chunk of the stretch table")
+    p.add_argument("--book", default=None, help="a long plain-text file for the stretch table, beside the stdlib")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,stretch",
                    help="which tables, comma-separated (default all)")
@@ -255,11 +265,20 @@ def main(argv=None) -> int:
         print(f"\n## Needle in a haystack, SmolLM2-135M, {n} tokens of argparse.py (found at depth 10/50/90 %)\n")
         print(render_table(["kind", "10 %", "50 %", "90 %"], needle_rows(model, tok, text, n, a.window), True))
     if "stretch" in want:
-        contexts = [32, 64] if a.quick else [256, 1024, a.tokens - 128]
-        print(f"\n## Perplexity of 128 tokens of argparse.py against the context before them, RoPE stretched\n")
-        full_ids = torch.tensor(tok.encode(text)[:max(contexts) + 128])
-        print(render_table(["RoPE"] + [f"context {c}" for c in contexts],
-                           stretch_rows(model, full_ids, contexts, 128), True))
+        lengths = [int(n) for n in a.lengths.split(",")] if not a.quick else [64, 128]
+        band = min(a.band, lengths[0] - 1) if not a.quick else 32
+        need = max(lengths) + 1
+        texts = {"stdlib": torch.tensor(tok.encode(stdlib_text(8 * need))[:need])}
+        if a.book is not None:
+            texts = {Path(a.book).name: torch.tensor(tok.encode(Path(a.book).read_text()[:8 * need])[:need]), **texts}
+        for name, t in texts.items():
+            if t.numel() < need:
+                p.error(f"--book: {name} gives {t.numel()} tokens, fewer than the {need} the lengths need")
+        ctx = model.config.max_position_embeddings
+        print(f"\n## Perplexity against context length, SmolLM2-135M (trained context {ctx:,}), RoPE stretched x2: "
+              f"PPL of the {band} tokens before each length, chunks of {a.stretch_chunk}\n")
+        rows = stretch_rows(lambda: smollm()[0], texts, lengths, band, a.stretch_chunk)
+        print(render_table(["text", "RoPE"] + [f"{n:,} tokens" for n in lengths] + ["seconds"], rows, True))
     return 0
 
 

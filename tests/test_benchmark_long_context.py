@@ -32,6 +32,20 @@ def test_quality_rows_and_constant_recurrent_state():
     assert sizes["deepseek_v3"] > 0 and sizes["mamba"] > 0
 
 
+def test_stretch_rows_read_past_the_trained_context():
+    """Each RoPE stretch on a fresh tiny LLaMA (trained context 64) reads 96 tokens once: three rows per
+    text, perplexities finite, and linear interpolation changes them (the check can fail)."""
+    bench = _bench()
+    load = lambda: bench._tiny("llama")                                           # noqa: E731
+    ctx = load().config.max_position_embeddings
+    ids = torch.randint(0, 96, (ctx + 33,), generator=torch.Generator().manual_seed(0))
+    rows = bench.stretch_rows(load, {"random": ids}, [ctx // 2, ctx + 32], 16, 16)
+    assert [r[1] for r in rows] == ["checkpoint RoPE", "linear x2", "YaRN x2"]
+    ppl = {r[1]: [float(v) for v in r[2:4]] for r in rows}
+    assert all(0 < v < float("inf") for vs in ppl.values() for v in vs)
+    assert ppl["linear x2"] != ppl["checkpoint RoPE"]
+
+
 @pytest.mark.slow
 def test_long_context_benchmark_quick_runs():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--quick"],
