@@ -17,7 +17,10 @@ quality, what chunked prefill saves, and recurrent models reading a long stream 
    tokens in chunks of 4096: state bytes at the start and the end, and time per token.
 5. Needle in a haystack: a sentence with a number buried at 10/50/90 % of ``--tokens`` / 2 tokens
    of source, then its first words: does greedy decoding with each kind complete the number?
-6. Perplexity against context length past the trained context (SmolLM2: 8,192): the first
+6. Quantised KV on a tiny Qwen2 with q/k biases of 5/20 in a few channels (transformers#35185):
+   top-1 agreement and KL against the full cache over its greedy run, KIVI's layout against keys
+   quantised per token.
+7. Perplexity against context length past the trained context (SmolLM2: 8,192): the first
    16,384 tokens of the standard library's source (top-level modules concatenated) and of
    ``--book FILE`` read once per RoPE (the checkpoint's, linear x2, YaRN x2), chunked; the
    perplexity of the ``--band`` tokens before 4k, 8k, 12k and 16k (``--lengths``).
@@ -42,7 +45,8 @@ from _util import environment, peak_memory, render_table  # noqa: E402
 import attnlab  # noqa: E402
 from attnlab.generate import stream_logits  # noqa: E402
 from attnlab.generate.state import new_state  # noqa: E402
-from attnlab.nn.kv_cache import KVCacheKind, cache_bytes  # noqa: E402
+from attnlab.nn.kv_cache import (KVCacheKind, QuantizedKVCache, cache_bytes, dequantize_groups,  # noqa: E402
+                                 quantize_groups)
 
 
 def smollm():
@@ -176,6 +180,71 @@ def needle_rows(model, tok, haystack: str, length: int, window: int) -> list[lis
     return rows
 
 
+class _KeysPerToken(QuantizedKVCache):
+    """The contrast to KIVI: keys quantised per token over their channels (as values are), all else
+    alike; a bias channel then sets every key's step."""
+
+    def _quantize_oldest(self, n: int) -> None:
+        k, v = self.rk[:, :, :n], self.rv[:, :, :n]
+        (kq, k_scale, k_min), (vq, v_scale, v_min) = (quantize_groups(t, self.bits, dim=3) for t in (k, v))
+        for name, t in dict(kq=kq, k_scale=k_scale, k_min=k_min, vq=vq, v_scale=v_scale, v_min=v_min).items():
+            old = getattr(self, name)
+            setattr(self, name, t if old is None else torch.cat([old, t], dim=2))
+        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+        self.quantized += n
+
+    def dequantized(self):
+        return (dequantize_groups(self.kq, self.k_scale, self.k_min, self.bits),
+                dequantize_groups(self.vq, self.v_scale, self.v_min, self.bits))
+
+
+def biased_qwen2(k_bias: float = 20.0, q_bias: float = 5.0):
+    """A tiny Qwen2 (2 layers, width 32, weights N(0, 0.15)) whose k bias is +-``k_bias`` on every
+    5th channel and q bias +-``q_bias`` on every 7th: the outliers Qwen2.5's key biases make."""
+    from attnlab.models.qwen2 import Qwen2, Qwen2Config
+    model = Qwen2(Qwen2Config(vocab_size=96, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=48,
+                              max_position_embeddings=128)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.15 * torch.randn(p.shape, generator=g))
+        for layer in model.layers:
+            kb, qb = layer.self_attn.k_proj.bias, layer.self_attn.q_proj.bias
+            kb[::5] += k_bias * torch.sign(torch.randn(kb[::5].shape, generator=g))
+            qb[::7] += q_bias * torch.sign(torch.randn(qb[::7].shape, generator=g))
+    return model
+
+
+@torch.no_grad()
+def bias_rows(steps: int = 60, rows_: int = 4) -> list[list]:
+    """transformers#35185 (QuantizedCache corrupting Qwen2.5): on :func:`biased_qwen2` and on the
+    same model without biases, each quantised kind read in lockstep with the full cache over the
+    full cache's greedy run (``rows_`` prompts of 40 tokens, then ``steps`` single steps): top-1 agreement
+    at the generated steps, mean and max KL(full || kind), max |Δ logits| over the logits' scale."""
+    from attnlab.generate import generate
+    rows = []
+    for label, model in (("q/k bias 5/20", biased_qwen2()), ("no bias", biased_qwen2(0.0, 0.0))):
+        prompt = torch.randint(0, 96, (rows_, 40), generator=torch.Generator().manual_seed(7))
+        run = generate(model, prompt, steps)
+        calls = [run[:, :40]] + [run[:, t:t + 1] for t in range(40, run.size(1) - 1)]
+        ref = new_state(model)
+        a = torch.cat([model(x, cache=ref) for x in calls], 1)
+        la = torch.log_softmax(a.double(), -1)
+        kinds_ = {"int8 (KIVI)": KVCacheKind("int8", residual=8, group=8),
+                  "int4 (KIVI)": KVCacheKind("int4", residual=8, group=8), "int8, keys per token": None}
+        for name, kind in kinds_.items():
+            state = new_state(model, kind)
+            if kind is None:
+                state.self_attn = [_KeysPerToken(8, 8, 8) for _ in state.self_attn]
+            b = torch.cat([model(x, cache=state) for x in calls], 1)
+            lb = torch.log_softmax(b.double(), -1)
+            kl = (la.exp() * (la - lb)).sum(-1)[:, 39:]
+            agree = float((b[:, 39:].argmax(-1) == run[:, 40:]).double().mean())
+            rows.append([label, name, f"{agree:.4f}", f"{float(kl.mean()):.2e}", f"{float(kl.max()):.2e}",
+                         f"{float((a - b).abs().max() / a.abs().max()):.3f}"])
+    return rows
+
+
 def stdlib_text(chars: int) -> str:
     """The standard library's top-level modules concatenated in name order, at least ``chars`` long."""
     import argparse as _anchor
@@ -226,7 +295,7 @@ def main(argv=None) -> int:
     p.add_argument("--stretch-chunk", type=int, default=1024, help="prefill chunk of the stretch table")
     p.add_argument("--book", default=None, help="a long plain-text file for the stretch table, beside the stdlib")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,stretch",
+    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,qkbias,stretch",
                    help="which tables, comma-separated (default all)")
     a = p.parse_args(argv)
     if a.quick:
@@ -264,6 +333,11 @@ def main(argv=None) -> int:
         n = 128 if a.quick else a.tokens // 2
         print(f"\n## Needle in a haystack, SmolLM2-135M, {n} tokens of argparse.py (found at depth 10/50/90 %)\n")
         print(render_table(["kind", "10 %", "50 %", "90 %"], needle_rows(model, tok, text, n, a.window), True))
+    if "qkbias" in want:
+        print("\n## Quantised KV on a Qwen2 with large q/k biases (transformers#35185), tiny, random weights, "
+              "greedy run of 4 x 60 steps\n")
+        print(render_table(["model", "cache", "top-1 agree", "KL/step mean", "KL/step max", "max |Δ logits| / scale"],
+                           bias_rows(), True))
     if "stretch" in want:
         lengths = [int(n) for n in a.lengths.split(",")] if not a.quick else [64, 128]
         band = min(a.band, lengths[0] - 1) if not a.quick else 32

@@ -46,6 +46,18 @@ def test_stretch_rows_read_past_the_trained_context():
     assert ppl["linear x2"] != ppl["checkpoint RoPE"]
 
 
+def test_bias_rows_show_kivi_keys_absorb_qk_bias():
+    """The q/k-bias table: KIVI's per-channel keys cost less KL than keys quantised per token on the
+    biased Qwen2 (the contrast the table exists for), and int8 less than int4."""
+    rows = {(r[0], r[1]): r for r in _bench().bias_rows(steps=12, rows_=2)}
+    kl = {k: float(r[3]) for k, r in rows.items()}
+    biased = "q/k bias 5/20"
+    assert kl[biased, "int8 (KIVI)"] < kl[biased, "int8, keys per token"] / 2
+    assert kl[biased, "int8 (KIVI)"] < kl[biased, "int4 (KIVI)"]
+    assert kl["no bias", "int8 (KIVI)"] < kl[biased, "int8 (KIVI)"]
+    assert all(0.0 <= float(r[2]) <= 1.0 for r in rows.values())
+
+
 @pytest.mark.slow
 def test_long_context_benchmark_quick_runs():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--quick"],
