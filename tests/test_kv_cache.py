@@ -121,12 +121,17 @@ def test_a_window_of_its_own_equals_windowed_attention(tmp_path_factory):
 
 # --------------------------------------------------------------------------- sink
 
-def test_sink_cache_is_streaming_llm(tmp_path_factory):
+@pytest.mark.parametrize("attention", ["multi-head", "latent"])
+def test_sink_cache_is_streaming_llm(tmp_path_factory, attention):
     """One layer, so a key depends on its token alone: each step's logits equal the model run on
-    the sink tokens followed by the last window tokens, at positions 0 .. s + window - 1."""
-    _, ours = _pair(tmp_path_factory, "qwen2", dict(num_hidden_layers=1), key="qwen2-1layer")
+    the sink tokens followed by the last window tokens, at positions 0 .. s + window - 1; with
+    multi-head attention (Qwen2) and with latent attention (DeepSeek-V3: latents and rope keys kept)."""
+    if attention == "latent":
+        ours = _deepseek(num_layers=1)
+    else:
+        _, ours = _pair(tmp_path_factory, "qwen2", dict(num_hidden_layers=1), key="qwen2-1layer")
     s, window, L = 2, 5, 30
-    ids = _ids(1, L, 5)
+    ids = _ids(1, L, 5) % ours.config.vocab_size
     cache = ours.new_cache().use(KVCacheKind("sink", window=window, sink_tokens=s))
     with torch.no_grad():
         ours(ids[:, :3], cache=cache)
@@ -267,21 +272,6 @@ def test_latent_cache_sliding_equals_a_window_mask():
     assert_close_scaled(got, want, FP32, "MLA sliding cache vs window mask")
     assert all(c.k.size(2) == W - 1 and c.v.size(-1) == model.config.kv_lora_rank for c in cache.self_attn)
     assert not torch.allclose(want, model(ids), rtol=1e-3), "the window must change something (can fail)"
-
-
-def test_latent_cache_sink_is_streaming_llm():
-    """One MLA layer: each step with a sink cache equals the model run on the sink tokens and the
-    last window tokens alone, at positions 0 .. s + window - 1 (rtol 1e-5)."""
-    model = _deepseek(num_layers=1)
-    s, window, L = 2, 5, 24
-    ids = _ids(1, L, 5) % model.config.vocab_size
-    cache = model.new_cache().use(KVCacheKind("sink", window=window, sink_tokens=s))
-    with torch.no_grad():
-        model(ids[:, :3], cache=cache)
-        for t in range(3, L):
-            got = model(ids[:, t:t + 1], cache=cache)[:, -1]
-            context = ids[:, :t + 1] if t + 1 <= s + window else torch.cat([ids[:, :s], ids[:, t + 1 - window:t + 1]], 1)
-            assert_close_scaled(got, model(context)[:, -1], FP32, f"MLA sink step {t}")
 
 
 @pytest.mark.parametrize("bits,agree,kl,logits", [(8, 1.0, 1e-4, 0.02), (4, 0.8, 0.1, 1.0)])
