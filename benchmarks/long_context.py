@@ -17,10 +17,12 @@ quality, what chunked prefill saves, and recurrent models reading a long stream 
    tokens in chunks of 4096: state bytes at the start and the end, and time per token.
 5. Needle in a haystack: a sentence with a number buried at 10/50/90 % of ``--tokens`` / 2 tokens
    of source, then its first words: does greedy decoding with each kind complete the number?
-6. Quantised KV on a tiny Qwen2 with q/k biases of 5/20 in a few channels (transformers#35185):
+6. One layer's cache update per decoding step at 2,048 cached tokens, per kind (the cost of
+   dequantising; ``--sections update``).
+7. Quantised KV on a tiny Qwen2 with q/k biases of 5/20 in a few channels (transformers#35185):
    top-1 agreement and KL against the full cache over its greedy run, KIVI's layout against keys
    quantised per token.
-7. Perplexity against context length past the trained context (SmolLM2: 8,192): the first
+8. Perplexity against context length past the trained context (SmolLM2: 8,192): the first
    16,384 tokens of the standard library's source (top-level modules concatenated) and of
    ``--book FILE`` read once per RoPE (the checkpoint's, linear x2, YaRN x2), chunked; the
    perplexity of the ``--band`` tokens before 4k, 8k, 12k and 16k (``--lengths``).
@@ -193,9 +195,9 @@ class _KeysPerToken(QuantizedKVCache):
         self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
         self.quantized += n
 
-    def dequantized(self):
-        return (dequantize_groups(self.kq, self.k_scale, self.k_min, self.bits),
-                dequantize_groups(self.vq, self.v_scale, self.v_min, self.bits))
+    def dequantized(self, k=None, v=None):
+        return (dequantize_groups(self.kq, self.k_scale, self.k_min, self.bits, k),
+                dequantize_groups(self.vq, self.v_scale, self.v_min, self.bits, v))
 
 
 def biased_qwen2(k_bias: float = 20.0, q_bias: float = 5.0):
@@ -242,6 +244,22 @@ def bias_rows(steps: int = 60, rows_: int = 4) -> list[list]:
             agree = float((b[:, 39:].argmax(-1) == run[:, 40:]).double().mean())
             rows.append([label, name, f"{agree:.4f}", f"{float(kl.mean()):.2e}", f"{float(kl.max()):.2e}",
                          f"{float((a - b).abs().max() / a.abs().max()):.3f}"])
+    return rows
+
+
+def update_rows(cached: int = 2048, steps: int = 300) -> list[list]:
+    """One layer's ``update`` of one new token on ``cached`` tokens (B 1, G 3, D 64: SmolLM2's
+    shape), mean over ``steps``, per kind: what dequantising costs a decoding step."""
+    from attnlab.nn.cache import KVCache
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, cache in (("full", KVCache()), ("int8", QuantizedKVCache(8)), ("int4", QuantizedKVCache(4))):
+        cache.update(torch.randn(1, 3, cached, 64, generator=g), torch.randn(1, 3, cached, 64, generator=g))
+        new = [(torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for k, v in new:
+            cache.update(k, v)
+        rows.append([name, cached, f"{(time.perf_counter() - t0) / steps * 1e3:.3f}"])
     return rows
 
 
@@ -295,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--stretch-chunk", type=int, default=1024, help="prefill chunk of the stretch table")
     p.add_argument("--book", default=None, help="a long plain-text file for the stretch table, beside the stdlib")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,qkbias,stretch",
+    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,update,qkbias,stretch",
                    help="which tables, comma-separated (default all)")
     a = p.parse_args(argv)
     if a.quick:
@@ -333,6 +351,9 @@ def main(argv=None) -> int:
         n = 128 if a.quick else a.tokens // 2
         print(f"\n## Needle in a haystack, SmolLM2-135M, {n} tokens of argparse.py (found at depth 10/50/90 %)\n")
         print(render_table(["kind", "10 %", "50 %", "90 %"], needle_rows(model, tok, text, n, a.window), True))
+    if "update" in want:
+        print("\n## One layer's cache update per decoding step (B 1, G 3, D 64)\n")
+        print(render_table(["kind", "cached tokens", "ms / update"], update_rows(), True))
     if "qkbias" in want:
         print("\n## Quantised KV on a Qwen2 with large q/k biases (transformers#35185), tiny, random weights, "
               "greedy run of 4 x 60 steps\n")

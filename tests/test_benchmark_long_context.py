@@ -28,6 +28,7 @@ def test_quality_rows_and_constant_recurrent_state():
     assert float(rows["sliding 8"][3]) > 0                                        # a window loses something
     for family, _, first, last, *_ in bench.recurrent_rows(8192):
         assert first == last > 0, family                                          # constant memory
+    assert [r[0] for r in bench.update_rows(cached=128, steps=4)] == ["full", "int8", "int4"]
     sizes = {r[0]: r[2] for r in bench.family_rows()}
     assert sizes["deepseek_v3"] > 0 and sizes["mamba"] > 0
 
