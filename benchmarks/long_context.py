@@ -17,9 +17,15 @@ quality, what chunked prefill saves, and recurrent models reading a long stream 
    tokens in chunks of 4096: state bytes at the start and the end, and time per token.
 5. Needle in a haystack: a sentence with a number buried at 10/50/90 % of ``--tokens`` / 2 tokens
    of source, then its first words: does greedy decoding with each kind complete the number?
-6. Perplexity of 128 tokens against the context before them, with the checkpoint's RoPE and with
-   linear and YaRN stretching by 2 (inside the trained context of 8,192: stretching past it would
-   need 16k-token reads, beyond a few minutes of this shared CPU).
+6. One layer's cache update per decoding step at 2,048 cached tokens, per kind (the cost of
+   dequantising; ``--sections update``).
+7. Quantised KV on a tiny Qwen2 with q/k biases of 5/20 in a few channels (transformers#35185):
+   top-1 agreement and KL against the full cache over its greedy run, KIVI's layout against keys
+   quantised per token.
+8. Perplexity against context length past the trained context (SmolLM2: 8,192): the first
+   16,384 tokens of the standard library's source (top-level modules concatenated) and of
+   ``--book FILE`` read once per RoPE (the checkpoint's, linear x2, YaRN x2), chunked; the
+   perplexity of the ``--band`` tokens before 4k, 8k, 12k and 16k (``--lengths``).
 
 Usage:
   python benchmarks/long_context.py                 # the results in benchmarks/results/long_context.md
@@ -41,7 +47,8 @@ from _util import environment, peak_memory, render_table  # noqa: E402
 import attnlab  # noqa: E402
 from attnlab.generate import stream_logits  # noqa: E402
 from attnlab.generate.state import new_state  # noqa: E402
-from attnlab.nn.kv_cache import KVCacheKind, cache_bytes  # noqa: E402
+from attnlab.nn.kv_cache import (KVCacheKind, QuantizedKVCache, cache_bytes, dequantize_groups,  # noqa: E402
+                                 quantize_groups)
 
 
 def smollm():
@@ -175,36 +182,121 @@ def needle_rows(model, tok, haystack: str, length: int, window: int) -> list[lis
     return rows
 
 
+class _KeysPerToken(QuantizedKVCache):
+    """The contrast to KIVI: keys quantised per token over their channels (as values are), all else
+    alike; a bias channel then sets every key's step."""
+
+    def _quantize_oldest(self, n: int) -> None:
+        k, v = self.rk[:, :, :n], self.rv[:, :, :n]
+        (kq, k_scale, k_min), (vq, v_scale, v_min) = (quantize_groups(t, self.bits, dim=3) for t in (k, v))
+        for name, t in dict(kq=kq, k_scale=k_scale, k_min=k_min, vq=vq, v_scale=v_scale, v_min=v_min).items():
+            old = getattr(self, name)
+            setattr(self, name, t if old is None else torch.cat([old, t], dim=2))
+        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+        self.quantized += n
+
+    def dequantized(self, k=None, v=None):
+        return (dequantize_groups(self.kq, self.k_scale, self.k_min, self.bits, k),
+                dequantize_groups(self.vq, self.v_scale, self.v_min, self.bits, v))
+
+
+def biased_qwen2(k_bias: float = 20.0, q_bias: float = 5.0):
+    """A tiny Qwen2 (2 layers, width 32, weights N(0, 0.15)) whose k bias is +-``k_bias`` on every
+    5th channel and q bias +-``q_bias`` on every 7th: the outliers Qwen2.5's key biases make."""
+    from attnlab.models.qwen2 import Qwen2, Qwen2Config
+    model = Qwen2(Qwen2Config(vocab_size=96, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=48,
+                              max_position_embeddings=128)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.15 * torch.randn(p.shape, generator=g))
+        for layer in model.layers:
+            kb, qb = layer.self_attn.k_proj.bias, layer.self_attn.q_proj.bias
+            kb[::5] += k_bias * torch.sign(torch.randn(kb[::5].shape, generator=g))
+            qb[::7] += q_bias * torch.sign(torch.randn(qb[::7].shape, generator=g))
+    return model
+
+
 @torch.no_grad()
-def stretch_rows(model, ids: torch.Tensor, contexts: list[int], scored: int) -> list[list]:
-    """Perplexity of the last ``scored`` tokens of ``ids`` given ``context`` tokens before them,
-    with the checkpoint's RoPE and with linear and YaRN stretching by 2 (what reading past the
-    trained context would use), the text read in chunks of 256 through one full cache."""
-    from attnlab.nn.position import RotaryEmbedding
-    originals = [layer.self_attn.position for layer in model.layers]
-    first = originals[0]
-    schemes = {"checkpoint": None, "linear x2": {"rope_type": "linear", "factor": 2.0},
-               "yarn x2": {"rope_type": "yarn", "factor": 2.0,
-                           "original_max_position_embeddings": model.config.max_seq_len}}
+def bias_rows(steps: int = 60, rows_: int = 4) -> list[list]:
+    """transformers#35185 (QuantizedCache corrupting Qwen2.5): on :func:`biased_qwen2` and on the
+    same model without biases, each quantised kind read in lockstep with the full cache over the
+    full cache's greedy run (``rows_`` prompts of 40 tokens, then ``steps`` single steps): top-1 agreement
+    at the generated steps, mean and max KL(full || kind), max |Δ logits| over the logits' scale."""
+    from attnlab.generate import generate
     rows = []
-    try:
-        for name, scaling in schemes.items():
-            for layer, pos in zip(model.layers, originals):
-                layer.self_attn.position = pos if scaling is None else RotaryEmbedding(
-                    first.head_dim, first.base, first.interleaved, scaling, first.rotary_dim,
-                    first.max_position_embeddings)
-            row = [name]
-            for c in contexts:
-                x = ids[-(c + scored):]
-                nll = []
-                stream_logits(model, x, 256, None, lambda st, lg: nll.append((st, lg)))
-                logits = torch.cat([lg for _, lg in nll])[c - 1:-1]
-                loss = torch.nn.functional.cross_entropy(logits.double(), x[c:])
-                row.append(f"{math.exp(float(loss)):.3f}")
-            rows.append(row)
-    finally:
-        for layer, pos in zip(model.layers, originals):
-            layer.self_attn.position = pos
+    for label, model in (("q/k bias 5/20", biased_qwen2()), ("no bias", biased_qwen2(0.0, 0.0))):
+        prompt = torch.randint(0, 96, (rows_, 40), generator=torch.Generator().manual_seed(7))
+        run = generate(model, prompt, steps)
+        calls = [run[:, :40]] + [run[:, t:t + 1] for t in range(40, run.size(1) - 1)]
+        ref = new_state(model)
+        a = torch.cat([model(x, cache=ref) for x in calls], 1)
+        la = torch.log_softmax(a.double(), -1)
+        kinds_ = {"int8 (KIVI)": KVCacheKind("int8", residual=8, group=8),
+                  "int4 (KIVI)": KVCacheKind("int4", residual=8, group=8), "int8, keys per token": None}
+        for name, kind in kinds_.items():
+            state = new_state(model, kind)
+            if kind is None:
+                state.self_attn = [_KeysPerToken(8, 8, 8) for _ in state.self_attn]
+            b = torch.cat([model(x, cache=state) for x in calls], 1)
+            lb = torch.log_softmax(b.double(), -1)
+            kl = (la.exp() * (la - lb)).sum(-1)[:, 39:]
+            agree = float((b[:, 39:].argmax(-1) == run[:, 40:]).double().mean())
+            rows.append([label, name, f"{agree:.4f}", f"{float(kl.mean()):.2e}", f"{float(kl.max()):.2e}",
+                         f"{float((a - b).abs().max() / a.abs().max()):.3f}"])
+    return rows
+
+
+def update_rows(cached: int = 2048, steps: int = 300) -> list[list]:
+    """One layer's ``update`` of one new token on ``cached`` tokens (B 1, G 3, D 64: SmolLM2's
+    shape), mean over ``steps``, per kind: what dequantising costs a decoding step."""
+    from attnlab.nn.cache import KVCache
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, cache in (("full", KVCache()), ("int8", QuantizedKVCache(8)), ("int4", QuantizedKVCache(4))):
+        cache.update(torch.randn(1, 3, cached, 64, generator=g), torch.randn(1, 3, cached, 64, generator=g))
+        new = [(torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for k, v in new:
+            cache.update(k, v)
+        rows.append([name, cached, f"{(time.perf_counter() - t0) / steps * 1e3:.3f}"])
+    return rows
+
+
+def stdlib_text(chars: int) -> str:
+    """The standard library's top-level modules concatenated in name order, at least ``chars`` long."""
+    import argparse as _anchor
+    parts, n = [], 0
+    for path in sorted(Path(_anchor.__file__).parent.glob("*.py")):
+        parts.append(path.read_text(errors="replace"))
+        n += len(parts[-1])
+        if n >= chars:
+            break
+    return "".join(parts)
+
+
+STRETCHES = (("checkpoint RoPE", "default"), ("linear x2", "linear"), ("YaRN x2", "yarn"))
+
+
+@torch.no_grad()
+def stretch_rows(load, texts: dict, lengths: list[int], band: int, chunk: int) -> list[list]:
+    """Perplexity against context length, past the trained context: each text's first
+    max(lengths) tokens read once per RoPE (the checkpoint's, linear x2, YaRN x2, each applied with
+    :func:`attnlab.models.rope_config.stretch_context`) in chunks of ``chunk`` through one full
+    cache; the perplexity of the ``band`` tokens before each length, i.e. of tokens that see about
+    that much context. ``load()`` gives a fresh model; ``texts`` maps a name to its token ids."""
+    from attnlab.generate import stream_nll
+    from attnlab.models.rope_config import stretch_context
+    rows = []
+    for text, ids in texts.items():
+        for name, rope_type in STRETCHES:
+            model = stretch_context(load(), 2.0, rope_type)
+            t0 = time.perf_counter()
+            nll = stream_nll(model, ids[:max(lengths)], chunk)            # nll[i]: token i + 1
+            dt = time.perf_counter() - t0
+            row = [text, name] + [f"{math.exp(float(nll[n - 1 - band:n - 1].mean())):.3f}" for n in lengths]
+            rows.append(row + [f"{dt:.0f}"])
+            print("  ", " | ".join(rows[-1]), flush=True)                  # a long run shows its progress
     return rows
 
 
@@ -215,8 +307,13 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--stream", type=int, default=1_000_000)
+    p.add_argument("--lengths", default="4096,8192,12288,16384",
+                   help="context lengths of the stretch table (comma-separated)")
+    p.add_argument("--band", type=int, default=1024, help="tokens scored before each length (stretch table)")
+    p.add_argument("--stretch-chunk", type=int, default=1024, help="prefill chunk of the stretch table")
+    p.add_argument("--book", default=None, help="a long plain-text file for the stretch table, beside the stdlib")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,stretch",
+    p.add_argument("--sections", default="bytes,families,quality,prefill,recurrent,needle,update,qkbias,stretch",
                    help="which tables, comma-separated (default all)")
     a = p.parse_args(argv)
     if a.quick:
@@ -254,12 +351,29 @@ def main(argv=None) -> int:
         n = 128 if a.quick else a.tokens // 2
         print(f"\n## Needle in a haystack, SmolLM2-135M, {n} tokens of argparse.py (found at depth 10/50/90 %)\n")
         print(render_table(["kind", "10 %", "50 %", "90 %"], needle_rows(model, tok, text, n, a.window), True))
+    if "update" in want:
+        print("\n## One layer's cache update per decoding step (B 1, G 3, D 64)\n")
+        print(render_table(["kind", "cached tokens", "ms / update"], update_rows(), True))
+    if "qkbias" in want:
+        print("\n## Quantised KV on a Qwen2 with large q/k biases (transformers#35185), tiny, random weights, "
+              "greedy run of 4 x 60 steps\n")
+        print(render_table(["model", "cache", "top-1 agree", "KL/step mean", "KL/step max", "max |Δ logits| / scale"],
+                           bias_rows(), True))
     if "stretch" in want:
-        contexts = [32, 64] if a.quick else [256, 1024, a.tokens - 128]
-        print(f"\n## Perplexity of 128 tokens of argparse.py against the context before them, RoPE stretched\n")
-        full_ids = torch.tensor(tok.encode(text)[:max(contexts) + 128])
-        print(render_table(["RoPE"] + [f"context {c}" for c in contexts],
-                           stretch_rows(model, full_ids, contexts, 128), True))
+        lengths = [int(n) for n in a.lengths.split(",")] if not a.quick else [64, 128]
+        band = min(a.band, lengths[0] - 1) if not a.quick else 32
+        need = max(lengths) + 1
+        texts = {"stdlib": torch.tensor(tok.encode(stdlib_text(8 * need))[:need])}
+        if a.book is not None:
+            texts = {Path(a.book).name: torch.tensor(tok.encode(Path(a.book).read_text()[:8 * need])[:need]), **texts}
+        for name, t in texts.items():
+            if t.numel() < need:
+                p.error(f"--book: {name} gives {t.numel()} tokens, fewer than the {need} the lengths need")
+        ctx = model.config.max_position_embeddings
+        print(f"\n## Perplexity against context length, SmolLM2-135M (trained context {ctx:,}), RoPE stretched x2: "
+              f"PPL of the {band} tokens before each length, chunks of {a.stretch_chunk}\n")
+        rows = stretch_rows(lambda: smollm()[0], texts, lengths, band, a.stretch_chunk)
+        print(render_table(["text", "RoPE"] + [f"{n:,} tokens" for n in lengths] + ["seconds"], rows, True))
     return 0
 
 

@@ -180,3 +180,62 @@ def test_length_dependent_types_decode_as_transformers(name, tmp_path):
                            do_sample=False, eos_token_id=None, pad_token_id=0)
     got = ours.generate(prompt, n)
     assert torch.equal(got, want), f"{name}: greedy tokens differ\nattnlab {got.tolist()}\nHF      {want.tolist()}"
+
+
+# ----------------------------------------------------------------------------- stretching a loaded model
+@pytest.mark.parametrize("rope_type", ["linear", "yarn", "default"])
+def test_stretch_context_reaches_every_layer_as_transformers_builds_that_rope(rope_type, tmp_path):
+    """stretch_context(model, 2, type) on a loaded plain-RoPE checkpoint: every layer's rotary module
+    has transformers' inverse frequencies and attention factor for a config of that type (rtol 1e-6,
+    FP32_OP), the logits past the trained context equal transformers' model with the same weights
+    and that config (rtol 1e-5, FP32), and save_pretrained writes a config transformers reads alike."""
+    from attnlab.models.rope_config import stretch_context
+    from transformers import LlamaForCausalLM
+    plain = AutoModelForCausalLM.from_config(_hf_config({"rope_type": "default"}), attn_implementation="eager")
+    _randomize(plain)
+    plain.eval().save_pretrained(tmp_path / "plain")
+    ours = attnlab.from_pretrained(tmp_path / "plain")
+    ids = _ids(2, 2 * CTX - 8)                                     # past the trained context of CTX
+    with pytest.raises(ValueError, match="beyond the model's context of 32"):
+        ours(ids)
+    before = ours.rotary_emb.inv_freq.clone()
+    assert stretch_context(ours, 2.0, rope_type) is ours
+    rope = {"rope_type": rope_type} if rope_type != "yarn" else \
+        {"rope_type": "yarn", "original_max_position_embeddings": CTX}
+    if rope_type != "default":
+        rope["factor"] = 2.0
+    config = _hf_config(rope, ctx=2 * CTX)
+    if rope_type == "default":
+        want, want_factor = before, 1.0
+    else:
+        want, want_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        assert not torch.allclose(want, before), "the stretch must change the frequencies (the check can fail)"
+    for layer in ours.layers:
+        position = layer.self_attn.position
+        assert_close_scaled(position.inv_freq, want, FP32_OP, f"{rope_type}: a layer's inverse frequencies")
+        assert position.attention_factor == pytest.approx(float(want_factor), rel=1e-12)
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        assert_close_scaled(ours(ids), hf(ids).logits, FP32, f"{rope_type} x2: logits at {ids.size(1)} tokens")
+    ours.save_pretrained(tmp_path / "ours")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    assert back.config.max_position_embeddings == 2 * CTX
+    with torch.no_grad():
+        assert_close_scaled(ours(ids), back(ids).logits, FP32, f"{rope_type} x2: attnlab save -> transformers")
+
+
+def test_stretch_context_refuses_in_one_line():
+    from attnlab.models.rope_config import stretch_context
+    from attnlab.models.llama import Llama
+    model = Llama(LlamaConfig(vocab_size=96, d_model=32, num_heads=2, num_layers=1, d_ff=48,
+                              max_position_embeddings=CTX))
+    with pytest.raises(ValueError, match=r"rope_type must be one of default, linear, yarn, got 'ntk'"):
+        stretch_context(model, 2.0, "ntk")
+    with pytest.raises(ValueError, match="factor must be a number >= 1, got 0.5"):
+        stretch_context(model, 0.5)
+    stretch_context(model, 2.0, "linear")
+    with pytest.raises(ValueError, match=r"RoPE is already scaled \(linear\)"):
+        stretch_context(model, 2.0, "yarn")
+    with pytest.raises(ValueError, match="not a model whose layers share LLaMA's rotary embedding"):
+        stretch_context(torch.nn.Linear(2, 2), 2.0)

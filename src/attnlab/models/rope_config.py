@@ -1,9 +1,12 @@
 """RoPE settings between a Hugging Face config.json and our configs: transformers 5.x's
 ``rope_parameters`` and 4.x's ``rope_theta`` + ``rope_scaling`` in, ``rope_parameters`` out
-(used by every family built on LLaMA's skeleton; the kinds themselves are :mod:`attnlab.nn.rope`)."""
+(used by every family built on LLaMA's skeleton; the kinds themselves are :mod:`attnlab.nn.rope`),
+and :func:`stretch_context`, which rescales a loaded model's RoPE to read past its trained context."""
 from __future__ import annotations
 
-__all__ = ["rope_from_hf", "rope_to_hf"]
+__all__ = ["rope_from_hf", "rope_to_hf", "stretch_context", "STRETCH_TYPES"]
+
+STRETCH_TYPES = ("default", "linear", "yarn")
 
 
 def rope_from_hf(c: dict, who: str, params: dict | None = None) -> dict:
@@ -40,3 +43,39 @@ def rope_to_hf(theta: float, scaling: dict | None, partial_rotary_factor: float 
     if partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = partial_rotary_factor
     return rope
+
+
+def stretch_context(model, factor: float, rope_type: str = "yarn"):
+    """Let ``model`` (a family built on LLaMA's skeleton, with plain RoPE) read ``factor`` times its
+    trained context ``max_position_embeddings`` L0, in place; returns the model.
+
+    ``rope_type``: ``linear`` divides every frequency by the factor (position interpolation, Chen et
+    al. 2023); ``yarn`` interpolates the low frequencies only and sharpens the scores (Peng et al.
+    2023), with ``original_max_position_embeddings`` L0; ``default`` keeps the frequencies and only
+    lifts the bound (extrapolation, the baseline the other two are measured against). The config
+    becomes what transformers reads for the same stretch (``rope_parameters`` and
+    ``max_position_embeddings`` = factor L0), so save_pretrained writes a checkpoint it loads alike.
+    """
+    who = f"stretch_context({type(model).__name__})"
+    c = getattr(model, "config", None)
+    shared = getattr(model, "rotary_emb", None)
+    users = [layer.self_attn for layer in getattr(model, "layers", ())
+             if shared is not None and getattr(getattr(layer, "self_attn", None), "position", None) is shared]
+    if not users or not hasattr(model, "rotary") or not hasattr(c, "rope_scaling"):
+        raise ValueError(f"{who}: not a model whose layers share LLaMA's rotary embedding")
+    if rope_type not in STRETCH_TYPES:
+        raise ValueError(f"{who}: rope_type must be one of {', '.join(STRETCH_TYPES)}, got {rope_type!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ValueError(f"{who}: factor must be a number >= 1, got {factor!r}")
+    if c.rope_scaling is not None:
+        raise ValueError(f"{who}: RoPE is already scaled ({c.rope_scaling['rope_type']}); stretch plain RoPE only")
+    old = c.max_position_embeddings
+    scaling = None if rope_type == "default" else {"rope_type": rope_type, "factor": float(factor)}
+    if rope_type == "yarn":
+        scaling["original_max_position_embeddings"] = old
+    c.rope_scaling, c.max_position_embeddings = scaling, int(old * factor)
+    c.__post_init__()                                   # normalises and checks the scaling
+    model.rotary_emb = model.rotary(c.rope_theta, c.rope_scaling)
+    for attn in users:                                  # a layer without positions (NoPE) keeps none
+        attn.position = model.rotary_emb
+    return model

@@ -179,13 +179,14 @@ class LayerCaches:
 
     def use(self, kind) -> "LayerCaches":
         """Give every self-attention layer an empty cache of ``kind`` (a
-        :class:`~attnlab.nn.kv_cache.KVCacheKind`: anything whose ``new()`` makes one layer's
-        cache); returns self."""
+        :class:`~attnlab.nn.kv_cache.KVCacheKind`: anything whose ``new(shared)`` makes one layer's
+        cache, ``shared`` a dict common to this state's layers); returns self."""
         if not callable(getattr(kind, "new", None)):
             raise ValueError(f"LayerCaches.use: expected a KVCacheKind, got {type(kind).__name__}")
         if self.length:
             raise ValueError("LayerCaches.use: choose the cache kind before the first step")
-        self.self_attn = [kind.new() for _ in self.self_attn]
+        shared: dict = {}
+        self.self_attn = [kind.new(shared) for _ in self.self_attn]
         return self
 
     @property

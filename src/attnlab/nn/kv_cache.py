@@ -107,14 +107,15 @@ class KVCacheKind:
         raise ValueError(f"kv_cache: expected a kind name ({', '.join(KV_CACHE_KINDS)}) or a KVCacheKind, "
                          f"got {type(spec).__name__}")
 
-    def new(self):
-        """An empty cache of this kind for one layer."""
+    def new(self, shared: dict | None = None):
+        """An empty cache of this kind for one layer; ``shared``: a dict the layers of one decoding
+        state share (a quantised cache dequantises into buffers kept there, one layer at a time)."""
         if self.kind == "sliding":
             return SlidingKVCache(self.window)
         if self.kind == "sink":
             return SinkKVCache(self.window, 4 if self.sink_tokens is None else self.sink_tokens)
         if self.kind in ("int8", "int4"):
-            return QuantizedKVCache(8 if self.kind == "int8" else 4, self.residual, self.group)
+            return QuantizedKVCache(8 if self.kind == "int8" else 4, self.residual, self.group, shared)
         return KVCache()
 
 
@@ -338,24 +339,31 @@ def quantize_groups(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor, Ten
     return codes, scale, lo
 
 
-def dequantize_groups(codes: Tensor, scale: Tensor, lo: Tensor, bits: int) -> Tensor:
-    """The inverse of :func:`quantize_groups` (up to the rounding)."""
-    if bits == 4:
+def dequantize_groups(codes: Tensor, scale: Tensor, lo: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
+    """The inverse of :func:`quantize_groups` (up to the rounding); into ``out`` (a float tensor of
+    the unpacked shape, a view of a reused buffer) in two passes and no float temporary."""
+    if bits == 4:                     # unpacked as bytes: a quarter of the floats' memory traffic
         codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
-    return codes.to(scale.dtype) * scale + lo
+    if out is None:
+        return codes.to(scale.dtype) * scale + lo
+    torch.mul(codes, scale, out=out).add_(lo)
+    return out
 
 
 class QuantizedKVCache:
     """KIVI's cache for one layer (see the module docstring): ``bits`` 8 or 4; ``residual`` recent
     tokens (at least) in full precision; keys quantised per channel over groups of ``group`` tokens,
     values per token. ``update`` returns the dequantised keys and values of every slot (a
-    transient of the call: what stays between calls is the codes, their scales and the residual)."""
+    transient of the call: what stays between calls is the codes, their scales and the residual),
+    written in place into ``scratch`` buffers that the layers of one state share: valid until the
+    next layer's update, one layer's worth of memory for the whole model, and two passes to
+    dequantise instead of allocating and concatenating every step."""
 
     selects = False
     static = False
     can_rewind = True
 
-    def __init__(self, bits: int = 8, residual: int = 32, group: int = 32):
+    def __init__(self, bits: int = 8, residual: int = 32, group: int = 32, scratch: dict | None = None):
         if bits not in (4, 8):
             raise ValueError(f"QuantizedKVCache: bits must be 8 or 4, got {bits!r}")
         if _bad_int(residual, 0) or _bad_int(group, 1):
@@ -372,6 +380,8 @@ class QuantizedKVCache:
         self.rk: Tensor | None = None            # full precision, slots [quantized, length)
         self.rv: Tensor | None = None
         self._mark: int | None = None
+        # where update() dequantises: buffers shared with the other layers of the state (KVCacheKind.new)
+        self.scratch = {} if scratch is None else scratch
 
     _names = ("kq", "k_scale", "k_min", "vq", "v_scale", "v_min", "rk", "rv")
 
@@ -399,8 +409,23 @@ class QuantizedKVCache:
             self._quantize_oldest(n)
         if self.kq is None:
             return self.rk, self.rv
-        kd, vd = self.dequantized()
-        return torch.cat([kd, self.rk], dim=2), torch.cat([vd, self.rv], dim=2)
+        k_out, v_out = self._buffer("k", self.rk), self._buffer("v", self.rv)
+        n = self.quantized
+        self.dequantized(k_out[:, :, :n], v_out[:, :, :n])
+        k_out[:, :, n:].copy_(self.rk)
+        v_out[:, :, n:].copy_(self.rv)
+        return k_out, v_out
+
+    def _buffer(self, name: str, like: Tensor) -> Tensor:
+        """A contiguous (B, G, length, D) tensor of ``like``'s dtype in the scratch buffer ``name``,
+        which the state's layers share (each reads its keys before the next layer writes them)."""
+        B, G, _, D = like.shape
+        numel = B * G * self.length * D
+        buf = self.scratch.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            size = numel if buf is None or buf.dtype != like.dtype else max(numel, 2 * buf.numel())
+            buf = self.scratch[name] = torch.empty(size, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(B, G, self.length, D)
 
     def _quantize_oldest(self, n: int) -> None:
         """Quantise the oldest ``n`` (a multiple of ``group``) full-precision slots."""
@@ -416,12 +441,17 @@ class QuantizedKVCache:
         self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
         self.quantized += n
 
-    def dequantized(self) -> tuple[Tensor, Tensor]:
-        """Keys and values of the quantised slots (B, G, quantized, D), dequantised."""
+    def dequantized(self, k: Tensor | None = None, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values of the quantised slots (B, G, quantized, D), dequantised (into ``k`` and
+        ``v`` when given)."""
         B, G, n, _ = self.kq.shape
         codes = self.kq.view(B, G, n // self.group, self.group, -1)
-        k = dequantize_groups(codes, self.k_scale[:, :, :, None], self.k_min[:, :, :, None], self.bits).flatten(2, 3)
-        return k, dequantize_groups(self.vq, self.v_scale, self.v_min, self.bits)
+        k_scale, k_min = self.k_scale[:, :, :, None], self.k_min[:, :, :, None]
+        if k is None:
+            k = dequantize_groups(codes, k_scale, k_min, self.bits).flatten(2, 3)
+        else:
+            dequantize_groups(codes, k_scale, k_min, self.bits, k.view(B, G, n // self.group, self.group, -1))
+        return k, dequantize_groups(self.vq, self.v_scale, self.v_min, self.bits, v)
 
     def reorder(self, index: Tensor) -> None:
         for name in self._names:

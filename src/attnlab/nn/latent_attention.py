@@ -19,6 +19,11 @@ token and layer, against 2 H D for multi-head attention. Two ways to use it give
   W_UV after attention. All heads then share one key/value "head", [c | k_rope] and c, and a
   decoding step reads C + Dr numbers per cached token instead of H (Dn + Dr + Dv).
 
+The cache kinds of :mod:`attnlab.nn.kv_cache` hold the same two tensors: a sliding or sink cache
+keeps the latents and the (for the sink cache, unrotated) rope keys of its slots and rotates them
+itself, as it does keys and values for :class:`~attnlab.nn.MultiHeadAttention`; int8 / int4
+quantise the latent as KIVI does keys (per channel) and the rope key as it does values (per token).
+
 The scale is (Dn + Dr)^-1/2 by default (the query's full width, whichever way it is computed).
 """
 from __future__ import annotations
@@ -164,12 +169,19 @@ class MultiHeadLatentAttention(nn.Module):
         S = past + T
         q_nope, q_rope = self._queries(query)
         c, k_rope = self._latents(query)
-        if self.position is not None:
+        selects = getattr(cache, "selects", False)     # a cache kind that keeps some slots (sliding, sink)
+        if self.position is not None or selects:
             positions, key_positions = MultiHeadAttention._positions(positions, key_positions, B, T, S, past,
                                                                      query.device)
-            q_rope, k_rope = self.position.transform(q_rope, k_rope, positions, key_positions[..., past:])
-        if cache is not None:
-            c, k_rope = cache.update(c, k_rope)          # the cache holds (C + Dr) per token, nothing expanded
+        if selects:       # it keeps the latents and rope keys of its slots and rotates the rope part itself
+            q_rope, k_rope, c, positions, key_positions, key_padding_mask, mask = cache.attend(
+                self, q_rope, k_rope, c, positions, key_positions, key_padding_mask, mask)
+            S = c.size(2)
+        else:
+            if self.position is not None:
+                q_rope, k_rope = self.position.transform(q_rope, k_rope, positions, key_positions[..., past:])
+            if cache is not None:
+                c, k_rope = cache.update(c, k_rope)      # the cache holds (C + Dr) per token, nothing expanded
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, S) or key_padding_mask.dtype != torch.bool:
                 raise ValueError(f"MultiHeadLatentAttention: key_padding_mask must be a bool (batch, keys) = "
