@@ -109,12 +109,13 @@ def _quantized_embeddings(model: nn.Module) -> None:
                 module.weight.copy_(dequantize(*quantize_rtn(module.weight, HEAD_LAYOUT, 32)))
 
 
-def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 32, method: str = "rtn", *,
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int | None = 32, method: str = "rtn", *,
                    symmetric: bool | None = None, calibration: dict[str, Tensor] | None = None,
                    damp: float = 0.01) -> nn.Module:
     """Replace the model's Linear layers by :class:`~.quant.QuantLinear`, in place (see the module
     docstring); returns the model. ``method``: "rtn", "gptq" (needs ``calibration``, from
-    :func:`calibration_stats`) or "hqq" (4-bit asymmetric only)."""
+    :func:`calibration_stats`) or "hqq" (4-bit asymmetric only). ``group_size=None``: one group
+    per row (per-channel scales; at 8 bits the layout torch's int8 kernel runs)."""
     if method not in QUANT_METHODS:
         raise ValueError(f"quantisation method must be one of {', '.join(QUANT_METHODS)}, got {method!r}")
     if method == "gptq" and calibration is None:
@@ -128,19 +129,20 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 32, method
     if not layers:
         raise ValueError(f"quantize_model: {type(model).__name__} has no nn.Linear layer to quantise")
     for name, (parent, attr, lin) in layers.items():
-        if name not in _HEAD_NAMES and lin.in_features % group_size:
+        if name not in _HEAD_NAMES and group_size is not None and lin.in_features % group_size:
             raise ValueError(f"group size {group_size} does not divide {name}'s input width {lin.in_features}")
     _quantized_embeddings(model)
     for name, (parent, attr, lin) in layers.items():
+        size = group_size or lin.in_features
         if name in _HEAD_NAMES:
             q = QuantLinear.from_linear(lin, HEAD_LAYOUT, 32)
         elif method == "rtn":
-            q = QuantLinear.from_linear(lin, layout, group_size)
+            q = QuantLinear.from_linear(lin, layout, size)
         else:
             if method == "gptq":
-                codes, d, m = gptq(lin.weight, calibration[name], layout, group_size, damp=damp)
+                codes, d, m = gptq(lin.weight, calibration[name], layout, size, damp=damp)
             else:
-                codes, d, m = hqq(lin.weight, layout, group_size)
+                codes, d, m = hqq(lin.weight, layout, size)
             q = QuantLinear.from_codes(codes, d, m, layout, lin.bias)
         setattr(parent, attr, q)
     return model
