@@ -40,23 +40,25 @@ def data_prune_error() -> dict:
     return out
 
 
-def draw_quant_error(data, path):
+def _lines(data, x, series, labels, path, log=False):
+    """One line per series of ``data`` against ``data[x]``; ``labels``: (x label, y label)."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    for name, style in (("q4_0", "o-"), ("q4_1", "s-"), ("q8_0", "^-")):
-        ax.plot(data["group"], data[name], style, ms=4, label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("group size (weights sharing one scale; 1024 = one per row)")
-    ax.set_ylabel("relative weight error")
+    for (key, label), style in zip(series, ("o-", "s-", "^-")):
+        ax.plot(data[x], data[key], style, ms=4, label=label)
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
     ax.legend(fontsize=8)
     save_figure(fig, path)
+
+
+def draw_quant_error(data, path):
+    _lines(data, "group", [(k, k) for k in ("q4_0", "q4_1", "q8_0")],
+           ("group size (weights sharing one scale; 1024 = one per row)", "relative weight error"), path, log=True)
 
 
 def draw_prune_error(data, path):
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.plot(data["sparsity"], data["magnitude"], "o-", ms=4, label="magnitude (|W|, per layer)")
-    ax.plot(data["sparsity"], data["wanda"], "s-", ms=4, label="Wanda (|W| x ||X_j||, per row)")
-    ax.set_xlabel("sparsity (fraction of weights removed)")
-    ax.set_ylabel("relative output error of the layer")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
+    _lines(data, "sparsity", [("magnitude", "magnitude (|W|, per layer)"), ("wanda", "Wanda (|W| x ||X_j||, per row)")],
+           ("sparsity (fraction of weights removed)", "relative output error of the layer"), path)
