@@ -226,3 +226,18 @@ def test_bad_input():
         quantize_model(m)
     with pytest.raises(ValueError, match="GGUF blocks hold 32 values"):
         save_quantized_gguf(m, "/tmp/never.gguf")
+
+
+def test_group_size_none_is_one_group_per_row():
+    """group_size=None: per-channel scales, each layer's own width (64 and 128 here); at 8 bits
+    a decoding step runs torch's int8 kernel; the weights are RTN's with that group."""
+    model = _llama(False)
+    want = {n: quantize_rtn(lin.weight, "q8_0", lin.in_features) for n, lin in
+            ((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head")}
+    quantize_model(model, 8, None)
+    for n, (codes, d, m) in want.items():
+        q = model.get_submodule(n)
+        assert q.group_size == q.in_features and torch.equal(q.codes(), codes) and torch.equal(q.scales, d)
+        assert q._packed_path(torch.randn(1, q.in_features)) == "int8"
+    assert {model.get_submodule(n).in_features for n in want} == {64, 128}
+    assert model.lm_head.group_size == 32

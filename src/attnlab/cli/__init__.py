@@ -10,6 +10,8 @@
     attnlab viz RUN ...         cli/viz.py
     attnlab export RUN OUT      cli/export.py     (a run as a Hugging Face directory)
     attnlab serve MODEL         cli/serve.py      (an OpenAI-compatible HTTP server)
+    attnlab quantize MODEL OUT  cli/quantize.py   (4-/8-bit weights, RTN, GPTQ or HQQ, as GGUF)
+    attnlab prune MODEL OUT     cli/prune.py      (magnitude or Wanda, unstructured or N:M)
 
 A command module defines ``HELP``, ``EXAMPLE``, ``add_arguments(parser)`` and ``run(args)``; the
 work itself lives in the library (tasks/, generate/, viz/), imported when the command runs, so
@@ -54,7 +56,8 @@ from .. import __version__
 
 __all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere", "keep_freed_memory"]
 
-COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "eval", "viz", "export", "serve")
+COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "eval", "viz", "export", "serve",
+            "quantize", "prune")
 
 
 class UserError(Exception):

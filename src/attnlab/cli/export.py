@@ -16,7 +16,8 @@ The chapter's Transformer, its TextClassifier and the pooling head of ``--head p
 transformers class; the error says which to train instead.
 
 An OUT ending in ``.gguf`` gets one GGUF file instead (llama.cpp's format, which transformers also
-reads; :func:`attnlab.gguf.save_gguf`): the weights as ``--qtype`` F32, F16 or Q8_0, the tokenizer
+reads; :func:`attnlab.gguf.save_gguf`): the weights as ``--qtype`` F32, F16, Q8_0, Q4_0 or Q4_1
+(round-to-nearest, every matrix at that type; ``attnlab quantize`` chooses per layer), the tokenizer
 and its chat template. RUN may itself be a GGUF file: re-written at another ``--qtype``, or
 dequantised into a Hugging Face directory; a Hugging Face directory may be written as a GGUF file.
 """
@@ -41,7 +42,7 @@ _ROLE_KEYS = {"pad": "pad_token", "unk": "unk_token", "bos": "bos_token", "eos":
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="an attnlab run directory (its best checkpoint), a checkpoint directory or a GGUF file")
     p.add_argument("out", help="the directory to write (new, or empty), or a FILE.gguf")
-    p.add_argument("--qtype", choices=["F32", "F16", "Q8_0"], default="F32",
+    p.add_argument("--qtype", choices=["F32", "F16", "Q8_0", "Q4_0", "Q4_1"], default="F32",
                    help="how a .gguf OUT stores the weight matrices (default F32; vectors stay F32)")
     p.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights and write "
                    "the whole merged model (default: write the adapter alone, in PEFT's layout; a .gguf OUT always "

@@ -56,9 +56,10 @@ def linear_layers(model: nn.Module, head: bool = False) -> dict[str, tuple[nn.Mo
 
 
 @torch.no_grad()
-def calibration_stats(model: nn.Module, batches: Iterable[Tensor]) -> dict[str, Tensor]:
+def calibration_stats(model: nn.Module, batches: Iterable[Tensor], full: bool = True) -> dict[str, Tensor]:
     """name -> H = sum over calibration tokens of x x^T (in, in) float64, for every Linear of
-    :func:`linear_layers` (see the module docstring). ``batches``: token-id tensors (B, T)."""
+    :func:`linear_layers` (see the module docstring). ``batches``: token-id tensors (B, T).
+    ``full=False`` keeps only H's diagonal (in,), the sums of x_j^2, which is all Wanda reads."""
     layers = linear_layers(model)
     stats: dict[str, Tensor] = {}
     seen: dict[int, tuple[str, Tensor]] = {}     # id of an input in this forward -> (the layer that took it, it)
@@ -73,7 +74,11 @@ def calibration_stats(model: nn.Module, batches: Iterable[Tensor]) -> dict[str, 
                 return
             seen[id(x)] = (name, x)
             x2 = x.detach().reshape(-1, x.size(-1)).double()
-            stats[name] = stats[name].addmm_(x2.t(), x2) if name in stats else x2.t() @ x2
+            if not full:
+                x2 = x2.square().sum(0)
+                stats[name] = stats[name].add_(x2) if name in stats else x2
+            else:
+                stats[name] = stats[name].addmm_(x2.t(), x2) if name in stats else x2.t() @ x2
         return record
 
     handles = [lin.register_forward_pre_hook(hook(name)) for name, (_, _, lin) in layers.items()]
@@ -104,12 +109,13 @@ def _quantized_embeddings(model: nn.Module) -> None:
                 module.weight.copy_(dequantize(*quantize_rtn(module.weight, HEAD_LAYOUT, 32)))
 
 
-def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 32, method: str = "rtn", *,
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int | None = 32, method: str = "rtn", *,
                    symmetric: bool | None = None, calibration: dict[str, Tensor] | None = None,
                    damp: float = 0.01) -> nn.Module:
     """Replace the model's Linear layers by :class:`~.quant.QuantLinear`, in place (see the module
     docstring); returns the model. ``method``: "rtn", "gptq" (needs ``calibration``, from
-    :func:`calibration_stats`) or "hqq" (4-bit asymmetric only)."""
+    :func:`calibration_stats`) or "hqq" (4-bit asymmetric only). ``group_size=None``: one group
+    per row (per-channel scales; at 8 bits the layout torch's int8 kernel runs)."""
     if method not in QUANT_METHODS:
         raise ValueError(f"quantisation method must be one of {', '.join(QUANT_METHODS)}, got {method!r}")
     if method == "gptq" and calibration is None:
@@ -123,19 +129,20 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 32, method
     if not layers:
         raise ValueError(f"quantize_model: {type(model).__name__} has no nn.Linear layer to quantise")
     for name, (parent, attr, lin) in layers.items():
-        if name not in _HEAD_NAMES and lin.in_features % group_size:
+        if name not in _HEAD_NAMES and group_size is not None and lin.in_features % group_size:
             raise ValueError(f"group size {group_size} does not divide {name}'s input width {lin.in_features}")
     _quantized_embeddings(model)
     for name, (parent, attr, lin) in layers.items():
+        size = group_size or lin.in_features
         if name in _HEAD_NAMES:
             q = QuantLinear.from_linear(lin, HEAD_LAYOUT, 32)
         elif method == "rtn":
-            q = QuantLinear.from_linear(lin, layout, group_size)
+            q = QuantLinear.from_linear(lin, layout, size)
         else:
             if method == "gptq":
-                codes, d, m = gptq(lin.weight, calibration[name], layout, group_size, damp=damp)
+                codes, d, m = gptq(lin.weight, calibration[name], layout, size, damp=damp)
             else:
-                codes, d, m = hqq(lin.weight, layout, group_size)
+                codes, d, m = hqq(lin.weight, layout, size)
             q = QuantLinear.from_codes(codes, d, m, layout, lin.bias)
         setattr(parent, attr, q)
     return model
@@ -145,11 +152,18 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 32, method
 def prune_model(model: nn.Module, sparsity: float = 0.5, method: str = "magnitude", *,
                 pattern: tuple[int, int] | None = None, calibration: dict[str, Tensor] | None = None) -> nn.Module:
     """Zero the pruned weights of every Linear but the head and routers, in place (see
-    :mod:`.prune`); returns the model. Wanda needs ``calibration`` (its norms are sqrt(diag H))."""
+    :mod:`.prune`); returns the model. Wanda needs ``calibration`` from :func:`calibration_stats`
+    (full or not: its norms are sqrt(diag H)). Like GPTQ here, Wanda reads the statistics of the
+    unpruned model, not of the blocks before it already pruned (the paper's sequential variant)."""
     if method == "wanda" and calibration is None:
         raise ValueError("wanda needs calibration statistics (a calibration text)")
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise ValueError("prune_model: the model is quantised; prune the float model, then quantise it")
     for name, (_, _, lin) in linear_layers(model).items():
-        norms = torch.diagonal(calibration[name]).clamp_min(0).sqrt() if method == "wanda" else None
+        norms = None
+        if method == "wanda":
+            h = calibration[name]
+            norms = (torch.diagonal(h) if h.dim() == 2 else h).clamp_min(0).sqrt()
         lin.weight.mul_(prune_mask(lin.weight, sparsity, method, norms, pattern))
     return model
 

@@ -7,10 +7,13 @@
   feature over the calibration tokens, and each output row loses its ``sparsity`` fraction of
   lowest scores (the comparison group is the row, not the layer);
 - pattern N:M (2:4, which sparse tensor cores run at twice the speed): in every group of M
-  consecutive weights of a row along the input dimension, the N lowest scores are removed (so
-  the sparsity is N/M whatever ``sparsity`` says); the score is |W| or Wanda's.
+  consecutive weights of a row along the input dimension, the N highest scores are kept and the
+  M - N others removed (so the sparsity is 1 - N/M whatever ``sparsity`` says); the score is |W|
+  or Wanda's. N:M means "N non-zero of every M", the convention of sparse tensor cores.
 
-Ties are broken by position (a stable sort: the earlier weight goes first).
+A count of weights to remove that is not whole is rounded to nearest (a 0.5 sparsity of 7 weights
+removes 4: halves round to even, as Python's ``round``). Ties are broken by position (a stable
+sort: the earlier of two equal scores is removed first).
 """
 from __future__ import annotations
 
@@ -49,10 +52,10 @@ def prune_mask(weight: Tensor, sparsity: float = 0.5, method: str = "magnitude",
     scores = prune_scores(weight, method, input_norms)
     n, k = scores.shape
     if pattern is not None:
-        drop_n, m = pattern
-        if not 0 < drop_n < m or k % m:
-            raise ValueError(f"pattern {drop_n}:{m} must have 0 < N < M and M dividing the input width {k}")
-        return ~_lowest(scores.reshape(n, k // m, m), drop_n).reshape(n, k)
+        keep_n, m = pattern
+        if not 0 < keep_n < m or k % m:
+            raise ValueError(f"pattern {keep_n}:{m} must have 0 < N < M and M dividing the input width {k}")
+        return ~_lowest(scores.reshape(n, k // m, m), m - keep_n).reshape(n, k)
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     if method == "magnitude":
