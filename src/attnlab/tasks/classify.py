@@ -327,7 +327,7 @@ class Classify(TaskDefinition):
         base, tok = load_base(s.init)
         torch.manual_seed(s.seed)
         if s.head == "native":
-            return native_classifier(base, labels, s.dropout), tok
+            return native_classifier(base, labels, s.dropout, s.seed), tok
         model = EncoderClassifier.from_base(base, len(labels), s.pooling, s.dropout)
         return model, tok
 
