@@ -147,3 +147,26 @@ def test_the_scan_catches_a_misspelt_field_and_a_string_key():
     s = get_task("lm").settings()
     with pytest.raises(AttributeError, match="'d_modle' is not an option of 'attnlab train lm'"):
         s.d_modle
+
+
+def test_an_old_run_s_saved_settings_come_back_typed_and_checked_once(tmp_path):
+    """config.yaml of a run saved before --optimizer existed: restored as the task's typed settings
+    with what it trained with (AdamW), validated as merged (a bad value names the file), and
+    checked by the train command so that prepare does not check them again."""
+    import re
+    from attnlab.cli import build_parser
+    from attnlab.cli.train import resolve_settings
+    task, out = get_task("translate"), tmp_path / "run"
+    out.mkdir()
+    args = build_parser().parse_args(["train", "translate", "--resume", "--out", str(out), "--steps", "4"])
+    (out / "config.yaml").write_text(yaml.safe_dump({"task": "translate", "settings": {"d_model": 16, "steps": 2}}))
+    s, _ = resolve_settings(task, args)
+    assert type(s) is task.settings_class() and (s.optimizer, s.d_model, s.steps) == ("adamw", 16, 4)
+    assert s.checked
+    s.heads = s.heads                                    # the same value: still checked
+    assert s.checked
+    s.heads = 8                                          # a change: checked again by prepare's check_once
+    assert not s.checked
+    (out / "config.yaml").write_text(yaml.safe_dump({"task": "translate", "settings": {"d_model": -1}}))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{out / 'config.yaml'}: --d-model: must be positive, got -1")):
+        resolve_settings(task, args)
