@@ -103,8 +103,8 @@ BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not th
 
 # Adafactor's lr is a relative step (torch.optim.Adafactor moves a weight by at most lr x its RMS),
 # AdamW's an absolute one, so a task whose own optimizer is AdamW, run with --optimizer adafactor and
-# no --lr, takes its AdamW lr times this (about 1 / a typical weight RMS). Measured on a 2-core AMD
-# EPYC (benchmarks/README.md, "Adafactor on tasks sized for AdamW"): the best multiple was 10-15 for
+# no --lr, takes its AdamW lr times this (about 1 / a typical weight RMS). Measured
+# (benchmarks/README.md, "Adafactor on tasks sized for AdamW"): the best multiple was 10-15 for
 # the 2017 Transformer, 20 for fine-tuning all-MiniLM-L6-v2, 50 or more for a small GPT; at 1 (the
 # AdamW lr itself) Adafactor barely moved (lm perplexity 533 against AdamW's 55 after 300 steps).
 ADAFACTOR_LR_SCALE = 15

@@ -289,8 +289,8 @@ class Classify(TaskDefinition):
             return d["warmup"] if budget else min(d["warmup"], max(1, steps // 10))     # a tenth at most
 
         t = training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 50), BUDGET_EVALS)
-        # a classifier's steps are short (30 ms on 2 cores for SST-2 from scratch): 20 of them are
-        # over in a second, and a hiccup of the machine then shrinks the whole schedule
+        # a classifier's steps are short (benchmarks/results/code.md): 20 of them are over in a
+        # moment, and a hiccup of the machine then shrinks the whole schedule
         return dict(t, budget_measure=BUDGET_MEASURE_STEPS)
 
     # ------------------------------------------------------------------ data and model

@@ -87,7 +87,7 @@ KIND = "image-classifier"
 # the weights), and the affine augmentation regularises enough alone: without dropout, 8,000 steps take
 # the time of 6,000 with it and gave 99.0, 99.5, 98.5, 99.5 and 99.0 % at seeds 0-4 (mean 99.1; the old
 # default 97.5, 97.0, 98.5 on the same CPU); DyT on that budget 97.8 on average there, 1.3 points below, and
-# level on an Intel Xeon (98.6 against 98.5; over the ten seeds 98.2 against 98.8; docs/vision.md, "Results").
+# level on another CPU (98.6 against 98.5; over the ten seeds 98.2 against 98.8; benchmarks/results/vision.md).
 _SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="affine", dropout=0.0, ema=0.999),
           "folder": dict(image_size=32, patch_size=4, channels=3, augment="crop-flip", dropout=0.1, ema=0.0)}
 _LR = {"digits": 2e-3, "folder": 1e-3}
@@ -101,14 +101,14 @@ DIGIT_STEPS = 8000
 # first layer, 1.9 before the head), and a DyT run with alpha 4 everywhere grew it to std 5-9 while alpha
 # stayed near 4: tanh saturated after the first layer, and a saturated tanh gives alpha no gradient
 # (92.5 % at 3,000 steps, LayerNorm 98.0 %). Halving alpha with each layer (4, 2, 1, 0.5, the final norm as
-# the last layer) gave 96.0 % (docs/vision.md, "Results").
+# the last layer) gave 96.0 % (benchmarks/results/vision.md).
 _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
 # ... and how fast alpha trains, as a multiple of the learning rate (attnlab.train.optim.lr_scales): 1, the
 # plain rate. AdamW moves a parameter by about the learning rate per step whatever its size, 2e-3 a step at the
 # peak, which looked too slow for alphas that must move by factors; at 10 times the rate they did move (to
 # 4.8/5.6 in the first layer's attention / feed-forward norms, 0.01 in the third layer's attention, the final
 # norm's from 0.5 to 1.3), but the digits scored no better: 99.0, 97.5, 96.5, 98.0 % at seeds 0-3 against
-# 98.5, 98.5 % at seeds 0-1 at the plain rate (Intel Xeon; docs/vision.md, "Results").
+# 98.5, 98.5 % at seeds 0-1 at the plain rate (benchmarks/results/vision.md).
 _DYT_ALPHA_LR = {"digits": 1.0, "folder": 1.0}
 
 

@@ -47,8 +47,8 @@ __all__ = ["MaskedLMTask", "MaskedLanguageModeling", "read_documents"]
 
 _M, _D = "model", "data and evaluation"
 VALID_FRACTION = 0.05
-# The embedded documents' small vocabulary (~250 words) and short sentences: 4,000 steps (1 min 45 s
-# on a 2-core AMX Xeon) reach masked-LM accuracy 44 % and NSP accuracy 71 % on the held-out pairs,
+# The embedded documents' small vocabulary (~250 words) and short sentences: 4,000 steps (a couple of
+# minutes on a CPU; benchmarks/results/code.md) reach masked-LM accuracy 44 % and NSP accuracy 71 % on the held-out pairs,
 # where 1,500 steps left NSP at 54 % (near chance: the pair head learns after the words); files get sizes by
 # their number of training tokens (at most this many, sizes), BERT-small-like and up.
 EMBEDDED_SIZES = dict(vocab_size=1000, d_model=128, heads=4, layers=2, d_ff=512, context=64, batch_size=32,
