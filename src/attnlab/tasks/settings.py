@@ -4,14 +4,18 @@ error where the settings are defined, not a silent default where they are read.
 
     image = get_task("image")
     s = image.settings(d_model=16, heads=2)        # an ImageClassificationSettings
-    s.d_model, s["heads"]                          # typed fields; the mapping view the tasks read
+    s.d_model, s[name]                             # typed fields; the mapping view for a computed name
     image.settings(d_modle=16)                     # ValueError: 'd_modle' is not an option of ...
-    s["d_modle"] = 16                              # KeyError, the same line
+    s["d_modle"] = 16; s.d_modle                   # KeyError, AttributeError: the same line
     s.to_dict(), type(s).from_dict(saved)          # what config.yaml holds, and back
 
-Every value is validated by its option as it is set (its type, choices and check), so a settings
-object holds valid values only; ``task.check`` adds the checks across options. The class is made
-once per task and set of options (a family registered later adds its options to a new class).
+The tasks read fields (``s.d_model``); tests/test_settings.py scans every function of attnlab/tasks
+and the train command that takes a ``Settings`` and fails on a field that is not an option of its
+task, so a misspelt name fails in the tests, not in a run. Every value is validated by its option
+as it is set (its type, choices and check), so a settings object holds valid values only;
+``task.check_once`` adds the checks across options, once: a settings object remembers that it
+passed them until a value changes (:attr:`Settings.checked`). The class is made once per task and
+set of options (a family registered later adds its options to a new class).
 """
 from __future__ import annotations
 
