@@ -218,3 +218,16 @@ def test_the_shared_rooms_name_no_family_in_code():
              if module.split(".")[1:2] and module.split(".")[1] in SHARED_ROOMS
              for what in family_names_in_code(module, file, family_modules, modules, allowed)]
     assert not found, "family names in the shared rooms' code:\n" + "\n".join(found)
+
+
+def test_docs_extending_states_the_layers_and_shared_rooms_as_checked_here():
+    """docs/extending.md's layering table lists LAYERS, bottom first, row by row, and its paragraph
+    on family names lists SHARED_ROOMS: the page states the layering as the code has it."""
+    text = (SRC.parent / "docs" / "extending.md").read_text(encoding="utf-8")
+    section = text[text.index("## The layering"):]
+    section = section[:section.index("\n## ", 3)]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    stated = [{"attnlab" if m == "attnlab" else f"attnlab.{m}" for m in re.findall(r"`(\w+)`", row)} for row in rows]
+    assert stated == LAYERS
+    rooms = re.search(r"The shared rooms \(([^)]*)\)", section.replace("\n", " ")).group(1)
+    assert tuple(re.findall(r"`(\w+)`", rooms)) == SHARED_ROOMS

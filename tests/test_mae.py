@@ -279,7 +279,7 @@ def test_the_fine_tuned_classifier_starts_from_the_encoder_with_a_new_head(tmp_p
     want, got = _encoder(mae), _encoder(model)
     assert want.keys() == got.keys() and len(want) > 10
     assert all(torch.equal(got[k], want[k]) for k in want)
-    fresh = image._model(dict(s), ["a", "b", "c"])                  # the same seed: the head as a new one starts
+    fresh = image._model(s.copy(), ["a", "b", "c"])                   # the same seed: the head as a new one starts
     assert torch.equal(model.head.weight, fresh.head.weight) and not torch.equal(model.cls_token, fresh.cls_token)
     assert processor.channels == 3 and processor.output_size == (16, 16)
 

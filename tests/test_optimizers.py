@@ -94,11 +94,12 @@ def test_t5_trains_with_adafactor_by_default_and_the_flag_wins(tmp_path):
 
 def test_adafactor_on_a_task_sized_for_adamw_takes_a_relative_lr():
     from attnlab.tasks.base import ADAFACTOR_LR_SCALE, training_schedule
-    s = dict(time_budget=None, steps=10, warmup=None, eval_every=None, save_every=None, lr=None, optimizer=None)
     d = dict(lr=2e-3, steps=10)
 
     def lr(**given):
-        return training_schedule({**s, **given}, d, lambda n, b: 1, lambda n, b: 5, 0)["lr"]
+        from attnlab.tasks import get_task
+        s = get_task("translate").settings(steps=10, **given)
+        return training_schedule(s, d, lambda n, b: 1, lambda n, b: 5, 0)["lr"]
     assert lr() == 2e-3 and lr(optimizer="adamw") == 2e-3                   # AdamW: the task's lr
     assert lr(optimizer="adafactor") == pytest.approx(2e-3 * ADAFACTOR_LR_SCALE)
     assert lr(optimizer="adafactor", lr=1e-2) == 1e-2                       # --lr wins

@@ -74,3 +74,99 @@ def test_the_mae_task_reads_its_settings_as_typed_fields():
     s = get_task("mae").settings()
     get_task("mae").check(s)
     assert (s.model, s.image_size, s.patch_size) == ("vit_mae", 8, 2)
+
+
+# ----------------------------------------------------------------------------- the tasks' reads, checked statically
+def _settings_reads(source: str, filename: str = "<test>") -> list[tuple[str, int, str, str]]:
+    """(function, line, how, name) of every field, string key or .get() read on a parameter annotated
+    ``Settings`` in ``source``; ``how`` is "field", "key" or "get"."""
+    import ast
+    found = []
+    for fn in ast.walk(ast.parse(source, filename)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        names = {a.arg for a in args if isinstance(a.annotation, ast.Name) and a.annotation.id == "Settings"}
+        names |= {node.targets[0].id for node in ast.walk(fn) if isinstance(node, ast.Assign) and names       # s = settings
+                  and isinstance(node.value, ast.Name) and node.value.id in names and isinstance(node.targets[0], ast.Name)}
+        for node in ast.walk(fn) if names else ():
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names:
+                found.append((fn.name, node.lineno, "field", node.attr))
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names \
+                    and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                found.append((fn.name, node.lineno, "key", node.slice.value))
+    return found
+
+
+def _task_modules():
+    import importlib
+    import pkgutil
+    import attnlab.tasks as package
+    tasks = registered_tasks().values()
+    every = set().union(*({o.name for o in t.all_options()} for t in tasks))
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name == "settings":
+            continue
+        module = importlib.import_module(f"attnlab.tasks.{info.name}")
+        own = [t for t in tasks if type(t).__module__ == module.__name__]
+        # a module's helpers may take the settings of any task that uses them (image's for mae's)
+        yield module, set().union(*({o.name for o in t.all_options()} for t in own)) if own else every
+
+
+_MAPPING = {n for n in dir(Settings) if not n.startswith("_")}     # get, update, to_dict, merge, checked, ...
+
+
+def _misread(module_source: str, options: set) -> list[str]:
+    return [f"line {line}: {fn}() reads {how} {name!r}" for fn, line, how, name in _settings_reads(module_source)
+            if how == "key" or (name not in options and name not in _MAPPING)]
+
+
+def test_the_tasks_read_their_settings_as_fields_and_only_their_options():
+    """Every read of a Settings parameter in attnlab/tasks/ is a field (``s.d_model``, no string key)
+    named by an option of the module's task: a misspelt field fails here, not in a run."""
+    from pathlib import Path
+    import attnlab.cli.train as train_command
+    from attnlab.tasks.base import TRAINING_OPTIONS
+    scanned = 0
+    # the train command reads only the options every task has
+    modules = list(_task_modules()) + [(train_command, {o.name for o in TRAINING_OPTIONS})]
+    for module, options in modules:
+        source = Path(module.__file__).read_text()
+        assert not _misread(source, options), (module.__name__, _misread(source, options))
+        scanned += len(_settings_reads(source))
+    assert scanned > 300                       # the scan sees the tasks' reads (about 370 of them)
+
+
+def test_the_scan_catches_a_misspelt_field_and_a_string_key():
+    source = ("def prepare(self, s: Settings, resume_from):\n"
+              "    width = s.d_modle\n"
+              "    return s['heads'], s.get('layers'), s.to_dict()\n")
+    assert _misread(source, {"d_model", "heads", "layers"}) == [
+        "line 2: prepare() reads field 'd_modle'", "line 3: prepare() reads key 'heads'"]
+    # at run time too: the settings refuse an attribute that is not an option
+    s = get_task("lm").settings()
+    with pytest.raises(AttributeError, match="'d_modle' is not an option of 'attnlab train lm'"):
+        s.d_modle
+
+
+def test_an_old_run_s_saved_settings_come_back_typed_and_checked_once(tmp_path):
+    """config.yaml of a run saved before --optimizer existed: restored as the task's typed settings
+    with what it trained with (AdamW), validated as merged (a bad value names the file), and
+    checked by the train command so that prepare does not check them again."""
+    import re
+    from attnlab.cli import build_parser
+    from attnlab.cli.train import resolve_settings
+    task, out = get_task("translate"), tmp_path / "run"
+    out.mkdir()
+    args = build_parser().parse_args(["train", "translate", "--resume", "--out", str(out), "--steps", "4"])
+    (out / "config.yaml").write_text(yaml.safe_dump({"task": "translate", "settings": {"d_model": 16, "steps": 2}}))
+    s, _ = resolve_settings(task, args)
+    assert type(s) is task.settings_class() and (s.optimizer, s.d_model, s.steps) == ("adamw", 16, 4)
+    assert s.checked
+    s.heads = s.heads                                    # the same value: still checked
+    assert s.checked
+    s.heads = 8                                          # a change: checked again by prepare's check_once
+    assert not s.checked
+    (out / "config.yaml").write_text(yaml.safe_dump({"task": "translate", "settings": {"d_model": -1}}))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{out / 'config.yaml'}: --d-model: must be positive, got -1")):
+        resolve_settings(task, args)

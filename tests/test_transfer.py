@@ -102,3 +102,34 @@ def test_init_with_a_text_checkpoint_says_so_in_one_line(tmp_path, capsys):
                         "--init", tmp_path / "bert", "--no-progress")
     assert code == 2 and err.strip().splitlines()[-1].endswith(
         "starts a bert model, which has no image-classifier architecture"), err
+
+
+@pytest.mark.parametrize("model_type, reference", [("bert", "BertForSequenceClassification"),
+                                                   ("electra", "ElectraForSequenceClassification")])
+def test_a_text_encoder_starts_its_family_s_classifier_as_transformers_loads_it(model_type, reference, tmp_path):
+    """``classify --init DIR --head native`` goes through the same transfer: the classifier that
+    transformers builds from the bare encoder's directory (its encoder and BERT's pooler loaded, the
+    head new) computes what ours does once the new heads are made equal (fp32, 1e-5 of the scale)."""
+    import transformers
+    from attnlab.models.pretrained import to_hf_state_dict
+    from attnlab.tasks.pretrained import native_classifier
+    source = _saved(model_type, "base", tmp_path / "enc")
+    model = native_classifier(source, ["neg", "pos"], seed=3).eval()
+    assert type(model).__name__ == reference and model.config.id2label == {0: "neg", 1: "pos"}
+    want, got = encoder_tensors(source), encoder_tensors(model)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ref = getattr(transformers, reference).from_pretrained(tmp_path / "enc", num_labels=2).eval()
+    ours = to_hf_state_dict(model)
+    theirs = ref.state_dict()
+    new = [k for k in theirs if k.startswith("classifier")]
+    assert new and all(not k.startswith("classifier") or k in new for k in ours)
+    ref.load_state_dict({**theirs, **{k: ours[k] for k in new}})
+    # everything but the new head came from the directory on both sides
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs if k not in new), "encoder or pooler differs"
+    ids = torch.randint(5, model.config.vocab_size, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        logits = model(ids, attention_mask=mask)
+    assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-5

@@ -137,10 +137,9 @@ def keep_freed_memory() -> bool:
 
     By default glibc serves each allocation of 128 KiB and more (every sizeable tensor) from
     fresh pages of its own mmap, and unmaps them when freed, so every intermediate tensor of a
-    forward pass page-faults its memory in again. Measured on a 2-core AMD EPYC: a BERT-base
-    forward of 1,024 tokens ran 8-10 % faster after this call (13 % with the equivalent
-    environment variables set before start-up), transformers' alike; small models' steps showed
-    no difference beyond noise.
+    forward pass page-faults its memory in again. A BERT-base forward of 1,024 tokens ran about a
+    tenth faster after this call, transformers' alike; small models' steps showed no difference
+    beyond noise (benchmarks/results/code.md).
     Raising the mmap threshold to glibc's maximum (32 MiB) and the trim threshold to 1 GiB keeps
     those pages for the next tensor; the cost is that the process's resident memory stays at its
     peak. Nothing is done off Linux/glibc, when the user set ``MALLOC_MMAP_THRESHOLD_`` or

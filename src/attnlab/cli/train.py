@@ -23,8 +23,12 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:                       # the command's module loads no task until it runs
+    from ..tasks.settings import Settings
 
 HELP = "train a model on an embedded default data set or your own files"
 EXAMPLE = ("attnlab train translate --steps 400 --out runs/numbers\n"
@@ -64,7 +68,7 @@ def _given(args: argparse.Namespace, task) -> dict:
     return {o.name: getattr(args, o.name) for o in task.all_options() if getattr(args, o.name) is not None}
 
 
-def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
+def resolve_settings(task, args: argparse.Namespace) -> tuple[Settings, Path]:
     """The run's settings and directory (see the module docstring)."""
     from ..recipes import load_recipe
     settings = task.defaults()
@@ -74,9 +78,8 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
         recipe = load_recipe(args.config)
         if recipe.task != task.name:
             raise ValueError(f"--config {args.config}: a recipe for 'attnlab train {recipe.task}', not '{task.name}'")
-        task.validate(recipe.settings)
-        settings.update(recipe.settings)
-    out = Path(given.get("out") or settings.get("out") or f"runs/{task.name}")
+        settings.merge(recipe.settings, where=f"--config {args.config}")
+    out = Path(given.get("out") or settings.out or f"runs/{task.name}")
     saved_file = out / CONFIG_FILE
     if args.resume:
         saved, files = _read_saved(saved_file, task) if saved_file.is_file() else (None, {})
@@ -86,16 +89,14 @@ def resolve_settings(task, args: argparse.Namespace) -> tuple[dict, Path]:
                 raise ValueError(f"--resume: {out} holds no run to resume (no {CONFIG_FILE}, no checkpoint); "
                                  "leave out --resume to start a new run there")
         else:
-            saved.setdefault("optimizer", "adamw")      # runs from before --optimizer all trained with AdamW
             _refuse_changes(task, saved, given, recipe, args.config, saved_file)
             _check_files_unchanged(saved, files, saved_file)
-            settings.update(saved)
-    settings.update(given)
-    settings["out"] = str(out)
-    if recipe is not None and recipe.requires_data and settings["data"] is None:
+            settings.merge(saved, where=str(saved_file))
+    settings.merge(given)
+    settings.out = str(out)
+    if recipe is not None and recipe.requires_data and settings.data is None:
         raise ValueError(f"--config {args.config} trains on {recipe.requires_data}: give it with --data FILE")
-    task.validate(settings)
-    task.check(settings)
+    task.check_once(settings)
     return settings, out
 
 
@@ -145,8 +146,8 @@ def _fingerprint(path: str) -> dict:
     return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()}
 
 
-def _data_files(settings: dict) -> dict:
-    return {k: _fingerprint(settings[k]) for k in ("data", "valid") if settings.get(k) and Path(settings[k]).exists()}
+def _data_files(settings: Settings) -> dict:
+    return {k: _fingerprint(settings[k]) for k in ("data", "valid") if settings[k] and Path(settings[k]).exists()}
 
 
 def _check_files_unchanged(saved: dict, files: dict, saved_file: Path) -> None:
@@ -170,23 +171,29 @@ def _read_saved(file: Path, task) -> tuple[dict, dict]:
     if data.get("task") != task.name:
         raise ValueError(f"{file.parent}: holds an attnlab '{data.get('task')}' run; it cannot be resumed as "
                          f"'{task.name}'")
-    settings = data["settings"]
-    task.validate(settings)
+    settings = dict(data["settings"])
+    for key, value in _BEFORE.items():      # what a run saved before an option existed trained with
+        settings.setdefault(key, value)
     files = data.get("data_files") or {}
-    return settings, files if isinstance(files, dict) else {}
+    return settings, files if isinstance(files, dict) else {}   # validated as they are merged, naming the file
 
 
-def _write_saved(out: Path, task, settings: dict) -> None:
+# an option added since a run was saved, and the value the run trained with: runs from before
+# --optimizer all trained with AdamW (not the None that now means "the model family's own")
+_BEFORE = {"optimizer": "adamw"}
+
+
+def _write_saved(out: Path, task, settings: Settings) -> None:
     from ..train.checkpoint import write_text_atomic
     out.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump({"task": task.name, "settings": dict(settings), "data_files": _data_files(settings)},
+    text = yaml.safe_dump({"task": task.name, "settings": settings.to_dict(), "data_files": _data_files(settings)},
                           sort_keys=True)
     write_text_atomic(out / CONFIG_FILE, f"# the resolved settings of this run (attnlab train {task.name})\n{text}")
 
 
-def _check_paths(settings: dict, task) -> None:
+def _check_paths(settings: Settings, task) -> None:
     for key in ("data", "valid"):
-        path = settings.get(key)
+        path = settings[key]
         if path is None:
             continue
         if Path(path).is_dir() and "directory" not in task.data_paths:
@@ -197,7 +204,7 @@ def _check_paths(settings: dict, task) -> None:
             raise FileNotFoundError(f"--{key} {path}: no such {' or '.join(task.data_paths)}")
         if not os.access(path, os.R_OK):
             raise PermissionError(f"--{key} {path}: not readable (permission denied)")
-    out = Path(settings["out"])
+    out = Path(settings.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
     above = next((p for p in out.parents if p.exists()), None)
@@ -237,10 +244,10 @@ def _refuse_sharded_resume_alone(out: Path, accum: int) -> None:
                      "(the same global batch)")
 
 
-def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
+def _train(args: argparse.Namespace, task, settings: Settings, out: Path) -> int:
     from ..train import TrainConfig, Trainer
     from ..train.trainer import TrainingInterrupted
-    print(f"preparing data ({settings['data'] or 'the embedded data set'}) ...", file=sys.stderr)
+    print(f"preparing data ({settings.data or 'the embedded data set'}) ...", file=sys.stderr)
     setup = task.prepare(settings, out if args.resume else None)
     for line in setup.description:
         print(line, file=sys.stderr)
@@ -248,17 +255,17 @@ def _train(args: argparse.Namespace, task, settings: dict, out: Path) -> int:
     eval_every = own.pop("eval_every")
     s = settings
     # the task's (its model family's) optimizer and weight decay unless given; saved resolved
-    own["optimizer"] = s["optimizer"] = s["optimizer"] or own.get("optimizer", "adamw")
+    own["optimizer"] = s.optimizer = s.optimizer or own.get("optimizer", "adamw")
     decay = own.pop("weight_decay", 0.01)
-    s["weight_decay"] = decay if s["weight_decay"] is None else s["weight_decay"]
-    if args.resume and s["shard"] and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        _refuse_sharded_resume_alone(out, s["accum"])
+    s.weight_decay = decay if s.weight_decay is None else s.weight_decay
+    if args.resume and s.shard and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        _refuse_sharded_resume_alone(out, s.accum)
     config = TrainConfig(
-        out_dir=out, weight_decay=s["weight_decay"], schedule=s["schedule"], clip_norm=s["clip"] or None,
-        accum_steps=s["accum"], precision=s["precision"], grad_checkpointing=s["grad_checkpointing"], shard=s["shard"],
-        eval_every=eval_every, save_every=s["save_every"] if s["save_every"] is not None else eval_every,
-        seed=s["seed"], progress=s["progress"], time_budget_s=None if s["time_budget"] is None else
-        s["time_budget"] * 60, **own)
+        out_dir=out, weight_decay=s.weight_decay, schedule=s.schedule, clip_norm=s.clip or None,
+        accum_steps=s.accum, precision=s.precision, grad_checkpointing=s.grad_checkpointing, shard=s.shard,
+        eval_every=eval_every, save_every=s.save_every if s.save_every is not None else eval_every,
+        seed=s.seed, progress=s.progress, time_budget_s=None if s.time_budget is None else
+        s.time_budget * 60, **own)
     trainer = Trainer(setup.task, config, resume=args.resume)
     if trainer.env.is_main:
         print(f"precision: {trainer.precision} ({trainer.precision_reason})", file=sys.stderr)

@@ -35,8 +35,8 @@ def causal_conv(window: Tensor, conv: nn.Conv1d) -> Tensor:
     """A depthwise ``conv`` (kernel k, groups = channels) over ``window`` (b, c, k - 1 + l) -> (b, c, l).
 
     One decoding step (l == 1) is the window weighted by the kernel and summed: on CPU, conv1d's
-    set-up for a k-wide input costs several times the arithmetic (about 95 against 20 us for 512
-    channels of width 4, one thread), once per layer and token."""
+    set-up for a k-wide input costs several times the arithmetic (benchmarks/results/code.md), once
+    per layer and token."""
     if window.size(-1) == conv.kernel_size[0]:
         out = (window * conv.weight[:, 0]).sum(-1, keepdim=True)
         return out if conv.bias is None else out + conv.bias[:, None]

@@ -13,7 +13,12 @@ encoder is another family's (MAE pre-trains a ViT) says so on its model classes:
 
 The target's config is the source's, field by field where the target's config class has the
 field, except the head's (``num_labels``, ``id2label``), then the caller's ``overrides`` (the
-labels; the fine-tuning run's own dropout).
+labels; the fine-tuning run's own dropout). A part outside the encoder that the source also holds
+under the same name and shape (BERT's pooler) comes along; the rest of the head is new.
+
+Text and images go through it alike: ``attnlab train image --init`` (ViT, DeiT, Swin, MAE's
+encoder) and ``attnlab train classify --init DIR --head native`` (the BERT family's encoders into
+their own sequence classifier).
 """
 from __future__ import annotations
 
@@ -88,5 +93,13 @@ def transfer_encoder(source: nn.Module, target: Family, *, kind: str, overrides:
     if bad:
         raise TransferError(f"its encoder does not fit a {arch.name}: {bad[0]} is {tuple(given[bad[0]].shape)}, "
                             f"the model's {tuple(fresh[arch.prefix + bad[0]].shape)}")
-    model.load_state_dict(from_hf_state_dict(model, {**fresh, **{arch.prefix + k: v for k, v in given.items()}}))
+    # a part the target keeps outside its encoder under the source's names (BERT's pooler, which
+    # BertForSequenceClassification trains and BertModel keeps) comes along, as transformers loads it
+    source_arch = architecture_of(source)
+    kept = {k[len(source_arch.prefix):]: v for k, v in to_hf_state_dict(source).items()
+            if k.startswith(source_arch.prefix)}
+    also = {k: kept[k[len(arch.prefix):]] for k in heads if k.startswith(arch.prefix)
+            and kept.get(k[len(arch.prefix):]) is not None and kept[k[len(arch.prefix):]].shape == fresh[k].shape}
+    model.load_state_dict(from_hf_state_dict(model, {**fresh, **{arch.prefix + k: v for k, v in given.items()},
+                                                     **also}))
     return model

@@ -159,9 +159,8 @@ def _explicit(q, k, v, mask, dropout_p, scale, training_dropout, softcap=None):
 def _fp32_for_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a bf16 CPU call runs torch's fused kernel on fp32 copies of its inputs: where autograd
     will differentiate it (and no learned mask takes the explicit path: :func:`_learned_mask_on_cpu`).
-    The kernel's bf16 backward is slow on the CPU (one thread, AVX512-BF16, a forward and backward at
-    ViT-S/16's shape: 21 ms in bf16 against 18 ms from fp32 copies; at Swin-T's first stage of 49-token
-    windows 187 ms against 37), while its bf16 forward is as fast as fp32's. The fp32 kernel is also
+    The kernel's bf16 backward is slow on the CPU (slower than on fp32 copies, five times at Swin-T's
+    49-token windows; benchmarks/results/code.md), while its bf16 forward is as fast as fp32's. The fp32 kernel is also
     the more exact (softmax and both products in fp32, rounded once)."""
     return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad))
@@ -170,9 +169,8 @@ def _fp32_for_backward(q: Tensor, k: Tensor, v: Tensor) -> bool:
 def _learned_mask_on_cpu(q: Tensor, mask: Tensor | None) -> bool:
     """Whether autograd will differentiate a float mask (a learned bias: Swin's relative positions,
     T5's) on the CPU. torch's fused kernels give no gradient for a mask, so torch's SDPA then runs
-    its math fallback, which the explicit path outruns (one thread, forward and backward at Swin-T's
-    first stage, 256 windows of 49 tokens, 3 heads: 54 ms against 40 in fp32, 66 against 33 in bf16,
-    where the explicit path's softmax is fp32 and its products bf16)."""
+    its math fallback, which the explicit path outruns in fp32 and bf16 (where the explicit path's
+    softmax is fp32 and its products bf16; benchmarks/results/code.md)."""
     return (mask is not None and q.device.type == "cpu" and mask.dtype != torch.bool and mask.requires_grad
             and torch.is_grad_enabled())
 

@@ -2,11 +2,11 @@
 
 On a CPU a fresh tensor of a few MB costs more than the arithmetic that fills it: the allocator
 hands large blocks back to the kernel when they are freed and gets new pages for the next one,
-and every new 4 KiB page is a page fault that the kernel zero-fills. A BERT-base forward of
-8 x 128 tokens took 45,000-75,000 such faults (0.13-0.22 s of system time in a 1.5 s call on a
-2-core AMD EPYC). Writing the feed-forward's activation into its hidden tensor and each residual
-sum into the sublayer's output, as nothing needs the values they replace, left ~3,000 faults and
-made the call ~10 % faster, to the same last bit (benchmarks/encoders.py, tests/test_inplace.py).
+and every new 4 KiB page is a page fault that the kernel zero-fills: tens of thousands of them
+in a BERT-base forward. Writing the feed-forward's activation into its hidden tensor and each
+residual sum into the sublayer's output, as nothing needs the values they replace, removes most
+of them, to the same last bit (figures: benchmarks/results/code.md; benchmarks/encoders.py,
+tests/test_inplace.py).
 
 That is safe only where nobody else can see the tensor being overwritten:
 

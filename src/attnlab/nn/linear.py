@@ -1,11 +1,10 @@
 """Faster Linear layers for inference on CPU.
 
 A decoding step multiplies one row per sequence by every weight matrix of the model: it is bound
-by how fast the weights stream from memory, not by arithmetic. On a 2-core AMD EPYC, PyTorch's
-fp32 ``F.linear`` (an MKL GEMM) streams a weight at 13-16 GB/s for one row, while oneDNN's matmul
+by how fast the weights stream from memory, not by arithmetic. On AMD CPUs oneDNN's matmul
 primitive (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's own CPU inference paths use
-under ``torch.compile``/IPEX) reaches 24-30 GB/s on the same weights, and is level or ahead up to
-64 rows (batched decoding) -- for weights of a few MB and up; small ones stay on ``F.linear`` (see
+under ``torch.compile``/IPEX) streams a weight for one row nearly twice as fast as PyTorch's fp32
+``F.linear`` (an MKL GEMM), and is level or ahead up to 64 rows (batched decoding) -- for weights of a few MB and up; small ones stay on ``F.linear`` (see
 :data:`MIN_WEIGHT_ELEMENTS`), and so do products of many rows (prefill, an encoder's batch), where
 the arithmetic, not the weight's streaming, sets the pace (:data:`MAX_FP32_ONEDNN_ROWS`). On
 Intel CPUs MKL is as fast, so fp32 stays on ``F.linear`` there (:func:`fp32_onednn` decides by the
@@ -28,6 +27,9 @@ themselves: the fast path is the default. A model switched to ``train()`` trains
 rows or the CPU lacks the compute-bound route (tests/test_precision.py), and to the order of the
 sums (~1e-7 relative) where :func:`compute_bound_onednn` sends a training product's forward and
 input gradient to oneDNN (:class:`_OneDNNLinear`, tests/test_linear_training.py).
+
+The measurements behind each threshold and choice below are in benchmarks/results/code.md
+("attnlab.nn.linear").
 
 bf16. On a CPU with AVX512-BF16 or AMX, :func:`set_inference_dtype` lets the large layers compute
 gradient-free calls from a cached bf16 copy of their weight (half the bytes per decoding step),
@@ -60,23 +62,19 @@ _AVX512: bool | None = None            # whether torch's CPU kernels run AVX-512
 _PACKED_BF16: bool | None = None       # whether oneDNN packs bf16 weights here: decided once by packed_bf16_available()
 _AUTOCAST_INPUTS = (torch.float32, torch.bfloat16)
 
-# oneDNN costs ~20 us more per call than MKL here; it pays off once the weight is large enough
-# for its faster streaming to matter. Measured (one row, 2 threads): 256 x 256 takes 27 us instead
-# of 9 (0.33x), 1024 x 256 is level, 8000 x 256 is 2.1x faster, 2304 x 768 1.7x, 50257 x 768 2.3x.
+# oneDNN costs more per call than MKL; it pays off once the weight is large enough for its faster
+# streaming to matter (a 256 x 256 weight is 3x slower on it, 1024 x 256 level, larger ones faster).
 MIN_WEIGHT_ELEMENTS = 1 << 19          # 2 MB of fp32: smaller weights stay on F.linear
 # ... and it pays off only while the product streams the weight (few rows): from ~128 rows on, the
-# product is compute-bound and MKL's GEMM is as fast or faster (AVX2 AMD EPYC, 2 threads, ms for
-# 2304x768 / 3072x768 / 768x3072: 64 rows 1.00x / 1.10x / 1.00x oneDNN's speedup, 128 rows
-# 1.6x / 0.97x / 0.85x, 1024 rows 0.87x / 1.01x / 0.78x; a BERT-base forward of 1024 tokens ran
-# 0.95x transformers with oneDNN for every product). So fp32 calls of more rows stay on F.linear,
-# except on AVX-512 CPUs (compute_bound_onednn).
+# product is compute-bound and MKL's GEMM is as fast or faster on AVX2 (a BERT-base forward of
+# 1024 tokens was slower than transformers' with oneDNN for every product). So fp32 calls of more
+# rows stay on F.linear, except on AVX-512 CPUs (compute_bound_onednn).
 MAX_FP32_ONEDNN_ROWS = 64
 # ... except on AVX-512 CPUs (compute_bound_onednn), and, on any AVX-512 CPU, Intel's too, for
 # products of a narrow input: with an inner dimension this small MKL's addmm spends a large share
 # of the call writing the bias into the output before the GEMM adds to it, where oneDNN adds the
-# bias inside the product (Intel Xeon, one thread, ms MKL -> oneDNN, 12,544 rows: 96 -> 288
-# 5.6 -> 4.9, 96 -> 384 10.1 -> 6.5; 3,136 rows: 192 -> 576 4.3 -> 4.3, 192 -> 768 6.5 -> 5.9;
-# 784 rows, 384 -> 1152: 4.2 -> 4.4, so wider inputs stay on MKL).
+# bias inside the product (faster up to 192 inputs, level or slower from 384, so wider inputs stay
+# on MKL).
 MAX_NARROW_ONEDNN_FEATURES = 192
 
 
@@ -90,9 +88,8 @@ def post_op(act: nn.Module) -> tuple[str, str] | None:
     """The oneDNN post-op (attr, algorithm) that computes ``act`` inside the product, for the
     activation modules attnlab builds (ReLU, SiLU, GELU exact or tanh); None for any other module.
     Fused, the activation runs on each block of the product while it is in cache, where a separate
-    call reads and writes the whole hidden tensor again: Swin-T's first-stage 12,544 x 96 -> 384
-    product with its GELU took 8.1 ms fused against 11.2 ms + 3.5 ms (fp32, one thread, Intel Xeon;
-    bf16: 2.5 against 1.0 ms + 3.3 ms). Values: those of ``act(F.linear(...))`` up to the order
+    call reads and writes the whole hidden tensor again (Swin-T's first-stage product with its GELU
+    took about half the time of the two calls). Values: those of ``act(F.linear(...))`` up to the order
     of the sums (tests/test_linear_fused.py)."""
     kind = type(act)
     if kind is nn.ReLU:
@@ -108,8 +105,8 @@ def _pack_bf16(weight: Tensor) -> tuple[Tensor, bool]:
     """(weight in oneDNN's blocked bf16 layout, True), or (weight, False) where that fails.
 
     Packing once matters: given a plain (out, in) bf16 weight, oneDNN's AMX/AVX512-BF16 kernels
-    reorder it on every call, which made 8-row bf16 products slower than fp32 here; packed, a
-    2304 x 768 product took 0.28 ms for 8 rows against 0.38 ms unpacked and 0.88 ms in fp32."""
+    reorder it on every call, which made 8-row bf16 products slower than fp32; packed, they are
+    about three times as fast as fp32's."""
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         probe = torch.linspace(-1, 1, 3 * weight.size(1)).reshape(3, -1).to(weight.dtype)
@@ -193,19 +190,16 @@ def narrow_onednn(in_features: int) -> bool:
 def compute_bound_onednn() -> bool:
     """Whether gradient-free fp32 products of many rows (more than :data:`MAX_FP32_ONEDNN_ROWS`:
     an encoder's or a ViT's batch, compute-bound) run oneDNN too, whatever the weight's size: where
-    :func:`fp32_onednn` holds and the CPU has AVX-512. There MKL's GEMM is the slower one (a 2-core
-    AMD EPYC Zen 4, one thread, ViT-S/16's four products at 1,576 rows: 58.7 ms with oneDNN
-    against 67.9 ms with MKL; a whole ViT-S/16 forward 1.08x -> 1.39x transformers' CPU time),
-    where on AVX2 it was the faster (the measurement behind :data:`MAX_FP32_ONEDNN_ROWS`)."""
+    :func:`fp32_onednn` holds and the CPU has AVX-512. There MKL's GEMM is the slower one (on
+    ViT-S/16's products at 1,576 rows), where on AVX2 it was the faster (the measurement behind :data:`MAX_FP32_ONEDNN_ROWS`)."""
     return _avx512() and fp32_onednn()
 
 
 def fp32_onednn() -> bool:
     """Whether gradient-free fp32 products of large weights run oneDNN's matmul instead of
     ``F.linear`` (MKL). MKL is Intel's library and streams a one-row product as fast as oneDNN on
-    an Intel CPU (an AMX Xeon at 2 threads: GPT-2 small greedy decoding 1.11x transformers with
-    ``F.linear``, 0.88x with oneDNN, benchmarks/README.md), while on AMD CPUs it takes slower
-    generic paths and oneDNN streams the weights ~1.8x faster. So: oneDNN on any other x86
+    an Intel CPU (GPT-2 small's greedy decoding was faster with ``F.linear`` than with oneDNN there),
+    while on AMD CPUs it takes slower generic paths and oneDNN streams the weights faster. So: oneDNN on any other x86
     vendor, ``F.linear`` on Intel and wherever the vendor is unknown. ``ATTNLAB_FP32_LINEAR=onednn``
     or ``=mkl`` overrides the choice (a benchmark comparing both). bf16 products always use
     oneDNN (its packed AMX/AVX512-BF16 kernels; :func:`set_inference_dtype`)."""

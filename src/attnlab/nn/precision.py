@@ -62,8 +62,8 @@ def native_bf16(device: torch.device | str = "cpu") -> tuple[bool, str]:
 
 def asked_bf16(device: torch.device | str = "cpu") -> str:
     """The reason line for an explicit bf16 choice: "asked for", with a warning where ``device``
-    only emulates bf16 (measured on a 2-core AVX2 AMD EPYC: a BERT-base forward of 8 x 128 tokens
-    took 9.5 s in bf16 against 1.5 s in fp32, on transformers' model as on attnlab's)."""
+    only emulates bf16 (several times slower than fp32 there, on transformers' model as on attnlab's;
+    benchmarks/results/code.md)."""
     native, why = native_bf16(device)
     if native or torch.device(device).type != "cpu":
         return "asked for"
@@ -76,8 +76,8 @@ INFERENCE_DTYPES = ("auto", "fp32", "bf16")
 def resolve_inference_dtype(choice: str, device: torch.device | str = "cpu") -> tuple[torch.dtype | None, str]:
     """``--dtype`` of the inference commands -> (the dtype for
     :func:`attnlab.nn.set_inference_dtype`, None for fp32; the reason in words). "auto" is bf16
-    where ``device`` computes it natively (the large weights' products then read half the bytes:
-    1.5x at batch 1 and 2.1x at batch 8 for GPT-2 small on an AMX Xeon), fp32 elsewhere."""
+    where ``device`` computes it natively (the large weights' products then read half the bytes;
+    benchmarks/results/code.md), fp32 elsewhere."""
     if choice not in INFERENCE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {choice!r}")
     if choice != "auto":

@@ -262,7 +262,7 @@ def _by_time(dtype: torch.dtype, *ts: Tensor) -> list[Tensor]:
     """(b, l, k) tensors as contiguous (l, b, 1, k) ones in ``dtype``: each position one block of
     memory. A tensor whose k is not contiguous (Mamba's convolution output, a (b, k, l) tensor
     seen transposed) is made contiguous first: one transposing copy from it reads k with a stride
-    of l and costs 5 times the two copies (7 against 1.5 ms for 32 x 128 x 256 numbers)."""
+    of l and costs several times the two copies (benchmarks/results/code.md)."""
     return [(t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous()).transpose(0, 1).unsqueeze(2).contiguous()
             for t in ts]
 
@@ -270,7 +270,7 @@ def _by_time(dtype: torch.dtype, *ts: Tensor) -> list[Tensor]:
 def _by_batch(*ts: Tensor) -> list[Tensor]:
     """The inverse of :func:`_by_time`: (l, b, 1, k) -> contiguous (b, l, k). Gradients and outputs
     handed back as transposed views made every later operation on them a strided one (an add
-    of two such gradients cost 20 ms instead of 1)."""
+    of two such gradients cost many times a contiguous one)."""
     return [t.squeeze(2).transpose(0, 1).contiguous() for t in ts]
 
 

@@ -16,11 +16,15 @@ A task (translate, lm, and the ones the model families add) is one module that d
 - ``eval_options`` and ``evaluate_file(path, info, data, settings, device)``: what
   ``attnlab eval`` measures on a user's file for a model of this task's kind.
 
-Settings are one flat dict of option name -> value, resolved by the train command from, in
-increasing priority: the options' defaults, a recipe (``--config``), the configuration saved in
-the run directory (``--resume``), and the flags given. A default of None means "decided by the
-task from the data" (:meth:`TaskDefinition.train_config` says how); an explicit value, 0
-included, is always used as given.
+Settings are the task's typed settings (:mod:`attnlab.tasks.settings`: one field per option,
+each value validated as it is set, an unknown name refused), resolved by the train command from,
+in increasing priority: the options' defaults, a recipe (``--config``), the configuration saved
+in the run directory (``--resume``), and the flags given. The tasks read them as fields
+(``s.d_model``); tests/test_settings.py fails on a field that is not an option of the task. The
+checks across options run once (:meth:`TaskDefinition.check_once`), and the schedule is computed
+once, in ``prepare`` (:attr:`Setup.schedule`). A default of None means "decided by the task from
+the data" (:meth:`TaskDefinition.train_config` says how); an explicit value, 0 included, is
+always used as given.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar
+
+from .settings import Settings
 
 __all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
            "positive", "non_negative", "fraction", "beyond_specials", "BUDGET_MEASURE", "BUDGET_STEP_CAP",
@@ -97,14 +103,14 @@ BUDGET_STEP_CAP = 1_000_000  # --time-budget without --steps: the budget, not th
 
 # Adafactor's lr is a relative step (torch.optim.Adafactor moves a weight by at most lr x its RMS),
 # AdamW's an absolute one, so a task whose own optimizer is AdamW, run with --optimizer adafactor and
-# no --lr, takes its AdamW lr times this (about 1 / a typical weight RMS). Measured on a 2-core AMD
-# EPYC (benchmarks/README.md, "Adafactor on tasks sized for AdamW"): the best multiple was 10-15 for
+# no --lr, takes its AdamW lr times this (about 1 / a typical weight RMS). Measured
+# (benchmarks/README.md, "Adafactor on tasks sized for AdamW"): the best multiple was 10-15 for
 # the 2017 Transformer, 20 for fine-tuning all-MiniLM-L6-v2, 50 or more for a small GPT; at 1 (the
 # AdamW lr itself) Adafactor barely moved (lm perplexity 533 against AdamW's 55 after 300 steps).
 ADAFACTOR_LR_SCALE = 15
 
 
-def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval_every: Callable[[int, bool], int],
+def training_schedule(s: Settings, d: dict, warmup: Callable[[int, bool], int], eval_every: Callable[[int, bool], int],
                       budget_evals: int) -> dict:
     """The Trainer's length, lr, warmup and evaluation settings (a task's ``train_config`` base)
     from the settings ``s`` and the task's sizes ``d`` (its default ``steps`` and ``lr``); a
@@ -114,43 +120,43 @@ def training_schedule(s: dict, d: dict, warmup: Callable[[int, bool], int], eval
     --eval-every or --save-every is given. The optimizer (``d["optimizer"]``, default AdamW) and a
     weight decay in ``d`` (a family's recipe, :func:`family_recipe`) are passed on; --optimizer
     adafactor on a task sized for AdamW scales its lr by :data:`ADAFACTOR_LR_SCALE`."""
-    budget = s["time_budget"] is not None and s["steps"] is None
+    budget = s.time_budget is not None and s.steps is None
     own = d.get("optimizer", "adamw")
-    optimizer = {"optimizer": s.get("optimizer") or own,
+    optimizer = {"optimizer": s.optimizer or own,
                  **({"weight_decay": d["weight_decay"]} if d.get("weight_decay") is not None else {})}
     lr = d["lr"]
     if optimizer["optimizer"] == "adafactor" and own != "adafactor":
         lr = d["lr"] * ADAFACTOR_LR_SCALE             # the task's AdamW step, made relative
-    steps = s["steps"] if s["steps"] is not None else (BUDGET_STEP_CAP if budget else d["steps"])
-    own_evals = s["eval_every"] is not None or s["save_every"] is not None
-    return dict(steps=steps, lr=s["lr"] if s["lr"] is not None else lr,
-                warmup_steps=s["warmup"] if s["warmup"] is not None else warmup(steps, budget),
-                eval_every=s["eval_every"] if s["eval_every"] is not None else eval_every(steps, budget),
+    steps = s.steps if s.steps is not None else (BUDGET_STEP_CAP if budget else d["steps"])
+    own_evals = s.eval_every is not None or s.save_every is not None
+    return dict(steps=steps, lr=s.lr if s.lr is not None else lr,
+                warmup_steps=s.warmup if s.warmup is not None else warmup(steps, budget),
+                eval_every=s.eval_every if s.eval_every is not None else eval_every(steps, budget),
                 budget_schedule=budget, budget_measure=BUDGET_MEASURE,
                 budget_evals=0 if own_evals or not budget else budget_evals, **optimizer)
 
 
-def family_recipe(s: dict, model_type: str) -> dict:
+def family_recipe(s: Settings, model_type: str) -> dict:
     """The model family's own optimizer settings (``Family.training``: T5's Adafactor, its lr, no
     weight decay), for a task's sizes, unless ``--optimizer`` names another optimizer; then {}:
     the task's AdamW defaults stand. Flags given still win over what this returns."""
     from ..models.registry import family
     recipe = family(model_type).training
-    return dict(recipe) if s.get("optimizer") in (None, recipe.get("optimizer", "adamw")) else {}
+    return dict(recipe) if s.optimizer in (None, recipe.get("optimizer", "adamw")) else {}
 
 
-def describe_training(s: dict, t: dict) -> str:
+def describe_training(s: Settings, t: dict) -> str:
     """The line ``attnlab train`` prints about the schedule, from the settings ``s`` and the task's
     ``train_config`` ``t``."""
     if t["budget_schedule"]:
-        length = (f"as many steps as fit in the {s['time_budget']:g}-minute budget at the speed of the last "
+        length = (f"as many steps as fit in the {s.time_budget:g}-minute budget at the speed of the last "
                   f"{t['budget_measure']} (planned again whenever it drifts), "
                   + (f"{t['budget_evals']} evaluations" if t["budget_evals"] else f"evaluation every {t['eval_every']}"))
     else:
         length = f"{t['steps']:,} steps, evaluation every {t['eval_every']}" + (
-            f", at most {s['time_budget']:g} minutes" if s["time_budget"] is not None else "")
+            f", at most {s.time_budget:g} minutes" if s.time_budget is not None else "")
     optimizer = "Adafactor (lr relative to each weight's RMS), " if t.get("optimizer") == "adafactor" else ""
-    return (f"training: {optimizer}{s['schedule']} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, "
+    return (f"training: {optimizer}{s.schedule} schedule, lr {t['lr']:g}, warmup {t['warmup_steps']} steps, "
             f"{length}")
 
 
@@ -202,6 +208,7 @@ class Setup:
     task: Any                                     # has .model, .plan, .loss, .evaluate, .save_assets
     description: list[str] = field(default_factory=list)   # lines printed before training
     extra: dict = field(default_factory=dict)     # anything the task's report uses (test pairs...)
+    schedule: dict = field(default_factory=dict)  # training_schedule's result, computed once by prepare
 
 
 class TaskDefinition:
@@ -253,16 +260,16 @@ class TaskDefinition:
         return {f.model_type: f.task_defaults[self.name][name] for f in families()
                 if name in f.task_defaults.get(self.name, {})}
 
-    def model_family(self, settings: dict) -> str | None:
+    def model_family(self, settings: Settings) -> str | None:
         """The model_type of the family these settings build a model of (whose options apply), or
         None where the model comes from elsewhere (a pretrained checkpoint)."""
-        return settings.get("model")
+        return settings.model
 
-    def model_in_use(self, settings: dict) -> str:
+    def model_in_use(self, settings: Settings) -> str:
         """The model the settings name, as an error message says it."""
-        return f"--model {settings.get('model')}"
+        return f"--model {settings.model}"
 
-    def apply_family_defaults(self, settings: dict) -> None:
+    def apply_family_defaults(self, settings: Settings) -> None:
         """Fill the task's options that are not given with the model family's defaults for this
         task (``task_defaults``), before the task's own defaults; ValueError naming a bad one."""
         from ..models.registry import family
@@ -274,11 +281,11 @@ class TaskDefinition:
             if option not in known:
                 raise ValueError(f"model family {name!r}: its task_defaults name {option!r}, which is not an option "
                                  f"of 'attnlab train {self.name}'")
-            if settings.get(option) is None:
+            if settings[option] is None:
                 known[option].validate(value)
                 settings[option] = value
 
-    def family_sizes(self, settings: dict, tokenizer=None) -> dict:
+    def family_sizes(self, settings: Settings, tokenizer=None) -> dict:
         """The sizing builder's keywords that the model family states for this task: its options'
         values (one not given takes the family's default, written into ``settings`` so that
         config.yaml holds what was built) and, with ``tokenizer``, the special ids it takes."""
@@ -286,7 +293,7 @@ class TaskDefinition:
         fam = family(self.model_family(settings))
         sizes = {} if tokenizer is None else fam.token_id_sizes(tokenizer)
         for o in fam.options_for(self.name):
-            if settings.get(o.name) is None:
+            if settings[o.name] is None:
                 settings[o.name] = fam.option_default(o)
             value = settings[o.name]
             problem = o.check(value) if value is not None and o.check else None
@@ -316,24 +323,32 @@ class TaskDefinition:
                 raise ValueError(f"'{name}' is not an option of 'attnlab train {self.name}'")
             known[name].validate(value)
 
-    def check(self, settings: dict) -> None:
+    def check(self, settings: Settings) -> None:
         """Checks across options of complete settings (the model family exists, an option applies
         to it), run before any data is read; ValueError naming the option. The base refuses a
         family's option given with a model of another family; tasks extend it."""
         using = self.model_family(settings)
         for name, found in self._family_owners().items():
             owners = [f.model_type for f, _ in found]
-            if settings.get(name) is not None and using not in owners:
+            if settings[name] is not None and using not in owners:
                 raise ValueError(f"{found[0][1].flag} applies to --model {' or '.join(owners)}, not "
                                  f"{self.model_in_use(settings)}")
 
-    def prepare(self, settings: dict, resume_from: Path | None) -> Setup:
+    def check_once(self, settings: Settings) -> None:
+        """:meth:`check`, unless these settings passed it and no value changed since: the train
+        command checks them before any data is read, and ``prepare`` (which Python callers call
+        directly) then does not check them again."""
+        if not settings.checked:
+            self.check(settings)
+            settings.mark_checked()
+
+    def prepare(self, settings: Settings, resume_from: Path | None) -> Setup:
         raise NotImplementedError
 
-    def train_config(self, settings: dict, setup: Setup):
+    def train_config(self, settings: Settings, setup: Setup):
         raise NotImplementedError
 
-    def report(self, run_dir: Path, setup: Setup, settings: dict) -> None:
+    def report(self, run_dir: Path, setup: Setup, settings: Settings) -> None:
         """Print what the user should see after training (default: nothing)."""
 
     def load(self, run, device: str | None = None, dtype: str = "auto"):

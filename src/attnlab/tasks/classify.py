@@ -41,6 +41,7 @@ from ..data.sniff import data_directory, describe_file, scored_file
 from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
 from ..tokenizer import PAD_ID, Tokenizer
 from ..train.metrics import classification_scores, format_scores
+from .settings import Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, positive,
                    register_task, training_schedule)
 from .pretrained import load_base, native_classifier
@@ -186,9 +187,10 @@ def _device(device):
     return resolve_device(device)
 
 
-def read_examples(path: str, s: dict, labels: list[str] | None = None) -> Examples:
+def read_examples(path: str, text_column: str | None, label_column: str | None, skip_malformed: bool = False,
+                  labels: list[str] | None = None) -> Examples:
     """A data file's examples; with ``labels``, a label outside them is an error naming the line."""
-    ex = read_labelled(path, s.get("text_column"), s.get("label_column"), s.get("skip_malformed", False))
+    ex = read_labelled(path, text_column, label_column, skip_malformed)
     if labels is not None:
         known = set(labels)
         for label, line in zip(ex.labels, ex.lines):
@@ -244,113 +246,114 @@ class Classify(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ defaults
-    def model_family(self, s: dict) -> str | None:
+    def model_family(self, s: Settings) -> str | None:
         """The chapter's classifier from scratch; with --init the checkpoint brings its own sizes."""
-        return "text-classifier" if s["init"] is None else None
+        return "text-classifier" if s.init is None else None
 
-    def model_in_use(self, s: dict) -> str:
-        return "a pretrained encoder (--init)" if s["init"] is not None else "the text-classifier trained from scratch"
+    def model_in_use(self, s: Settings) -> str:
+        return "a pretrained encoder (--init)" if s.init is not None else "the text-classifier trained from scratch"
 
-    def check(self, s: dict) -> None:
-        if s["head"] == "native":
-            if s["init"] is None:
+    def check(self, s: Settings) -> None:
+        if s.head == "native":
+            if s.init is None:
                 raise ValueError("--head native: the family's own classifier is for fine-tuning a pretrained encoder "
                                  "(--init DIR); from scratch the chapter's classifier pools with --pooling")
-            if s["pooling"] is not None:
+            if s.pooling is not None:
                 raise ValueError("--pooling: the native head reads its family's own summary ([CLS] and the pooler); "
                                  "give --pooling with --head pooling")
-        if s["head"] == "pooling":
-            s["pooling"] = s["pooling"] or "mean"
-        if s["init"] is not None:
+        if s.head == "pooling":
+            s.pooling = s.pooling or "mean"
+        if s.init is not None:
             scratch = [f"--{n.replace('_', '-')}" for n in _SCRATCH_ONLY if s[n] is not None]
             if scratch:
                 raise ValueError(f"{', '.join(scratch)}: only for a classifier trained from scratch; with --init the "
                                  "pretrained model brings its own tokenizer and sizes")
-        if s["valid"] is not None and s["data"] is None:
+        if s.valid is not None and s.data is None:
             raise ValueError("--valid: give the training data too (--data FILE); the embedded data set has its own "
                              "validation split")
         super().check(s)
-        s["data"], s["valid"] = data_directory(s["data"], s["valid"], DATA_EXTENSIONS)
+        s.data, s.valid = data_directory(s.data, s.valid, DATA_EXTENSIONS)
 
-    def _sizes(self, s: dict, n_texts: int) -> dict:
-        if s["init"] is not None:
+    def _sizes(self, s: Settings, n_texts: int) -> dict:
+        if s.init is not None:
             base = dict(INIT_SIZES, steps=max(200, min(20000, 3 * n_texts // INIT_SIZES["batch_size"])))
-        elif s["data"] is None:
+        elif s.data is None:
             base = EMBEDDED_SIZES
         else:
             base = next(v for most, v in FILE_SIZES if n_texts <= most)
-        return {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
+        return s.given_or(base)
 
-    def _schedule(self, s: dict, d: dict) -> dict:
+    def _schedule(self, s: Settings, d: dict) -> dict:
         """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
         def warmup(steps: int, budget: bool) -> int:
             return d["warmup"] if budget else min(d["warmup"], max(1, steps // 10))     # a tenth at most
 
         t = training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 50), BUDGET_EVALS)
-        # a classifier's steps are short (30 ms on 2 cores for SST-2 from scratch): 20 of them are
-        # over in a second, and a hiccup of the machine then shrinks the whole schedule
+        # a classifier's steps are short (benchmarks/results/code.md): 20 of them are over in a
+        # moment, and a hiccup of the machine then shrinks the whole schedule
         return dict(t, budget_measure=BUDGET_MEASURE_STEPS)
 
     # ------------------------------------------------------------------ data and model
-    def _data(self, s: dict) -> tuple[list, list, list, list[str]]:
+    def _data(self, s: Settings) -> tuple[list, list, list, list[str]]:
         """(train, valid, test) (text, label) lists and what to say about them: how each file was
         read and what was skipped."""
-        if s["data"] is None:
-            train, valid, test = sentiment_corpus(seed=s["seed"])
+        if s.data is None:
+            train, valid, test = sentiment_corpus(seed=s.seed)
             return train, valid, test, []
-        ex = read_examples(s["data"], s)
+        ex = read_examples(s.data, s.text_column, s.label_column, s.skip_malformed)
         labels = sort_labels(ex.labels)
         if len(labels) < 2:
-            raise ValueError(f"{s['data']}: every one of its {len(ex):,} examples has the label {labels[0]!r}; a "
+            raise ValueError(f"{s.data}: every one of its {len(ex):,} examples has the label {labels[0]!r}; a "
                              f"classifier needs two labels or more ({ex.layout}; name the label column with "
                              "--label-column)")
-        train, notes = list(zip(ex.texts, ex.labels)), [f"{s['data']}: {ex.layout}"]
+        train, notes = list(zip(ex.texts, ex.labels)), [f"{s.data}: {ex.layout}"]
         skipped = ex.skipped
-        if s["valid"]:
-            v = read_examples(s["valid"], s, labels)
-            notes.append(f"{s['valid']}: {v.layout}")
+        if s.valid:
+            v = read_examples(s.valid, s.text_column, s.label_column, s.skip_malformed, labels)
+            notes.append(f"{s.valid}: {v.layout}")
             return train, list(zip(v.texts, v.labels)), [], notes + _skipped(skipped + v.skipped)
         if len(train) < 2:
-            raise ValueError(f"{s['data']}: {len(train)} example: too few to hold out validation examples and train; "
+            raise ValueError(f"{s.data}: {len(train)} example: too few to hold out validation examples and train; "
                              "give --valid FILE")
         order = list(range(len(train)))
-        random.Random(s["seed"]).shuffle(order)
+        random.Random(s.seed).shuffle(order)
         held = set(order[:min(2000, max(1, len(train) // 20))])
         return ([p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held],
                 [], notes + _skipped(skipped))
 
-    def _pretrained(self, s: dict, labels: list[str]) -> tuple[nn.Module, Tokenizer]:
+    def _pretrained(self, s: Settings, labels: list[str]) -> tuple[nn.Module, Tokenizer]:
         """The ``--init`` encoder with a new head, and its tokenizer."""
         from ..models.classifier import EncoderClassifier
-        base, tok = load_base(s["init"])
-        torch.manual_seed(s["seed"])
-        if s["head"] == "native":
-            return native_classifier(base, labels, s["dropout"]), tok
-        model = EncoderClassifier.from_base(base, len(labels), s["pooling"], s["dropout"])
+        base, tok = load_base(s.init)
+        torch.manual_seed(s.seed)
+        if s.head == "native":
+            return native_classifier(base, labels, s.dropout, s.seed), tok
+        model = EncoderClassifier.from_base(base, len(labels), s.pooling, s.dropout)
         return model, tok
 
-    def _scratch(self, s: dict, d: dict, texts: list[str], labels: list[str]) -> tuple[nn.Module, Tokenizer]:
+    def _scratch(self, s: Settings, d: dict, texts: list[str], labels: list[str]) -> tuple[nn.Module, Tokenizer]:
         from ..models.registry import family
         tok = Tokenizer.registry[d["tokenizer"]].train(texts, d["vocab_size"])
         fam = family("text-classifier")
-        config = fam.build_config(vocab_size=tok.vocab_size, context=s["max_len"], d_model=d["d_model"],
-                                  num_heads=d["heads"], num_layers=d["layers"], d_ff=s["d_ff"],
-                                  dropout=d["dropout"], num_classes=len(labels), pooling=s["pooling"],
+        config = fam.build_config(vocab_size=tok.vocab_size, context=s.max_len, d_model=d["d_model"],
+                                  num_heads=d["heads"], num_layers=d["layers"], d_ff=s.d_ff,
+                                  dropout=d["dropout"], num_classes=len(labels), pooling=s.pooling,
                                   pad_id=tok.pad_id, **self.family_sizes(s, tok))
-        torch.manual_seed(s["seed"])
+        torch.manual_seed(s.seed)
         return fam.for_kind(self.kind).build(config), tok
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
+        self.check_once(s)
         self.apply_family_defaults(s)
         train, valid, test, notes = self._data(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         d = self._sizes(s, len(train))
-        if s["init"] is None:
+        if s.init is None:
             for k in ("tokenizer", "vocab_size", "d_model", "heads", "layers"):
                 s[k] = d[k]
         s.update(dropout=d["dropout"], batch_size=d["batch_size"])
         t = self._schedule(s, d)
-        s["lr"] = t["lr"]                  # the resolved lr (the optimizer's) is saved with the run
+        s.lr = t["lr"]                  # the resolved lr (the optimizer's) is saved with the run
         if not t["budget_schedule"]:
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         if saved is not None:              # the run's own labels, tokenizer and model (the Trainer loads the weights)
@@ -359,41 +362,40 @@ class Classify(TaskDefinition):
             model = build_model(saved.model_type, saved.config, saved.architecture)
         else:
             labels = sort_labels(y for _, y in train)
-            model, tok = (self._pretrained(s, labels) if s["init"] is not None
+            model, tok = (self._pretrained(s, labels) if s.init is not None
                           else self._scratch(s, d, [x for x, _ in train], labels))
-        max_len = min(s["max_len"], model_length(model))
+        max_len = min(s.max_len, model_length(model))
         task = ClassificationTask(model, tok, labels, train, valid, batch_size=d["batch_size"], max_len=max_len)
-        lines = [f"data: {'the embedded sentiment reviews' if s['data'] is None else s['data']}: {len(train):,} "
+        lines = [f"data: {'the embedded sentiment reviews' if s.data is None else s.data}: {len(train):,} "
                  f"training texts, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")
                  + f"; labels: {', '.join(labels)}", *notes]
         lines.append(self._describe_model(s, d, model, tok, saved))
         lines += [f"batches: {d['batch_size']} texts of similar length, at most {max_len} tokens each",
                   describe_training(s, t)]
-        return Setup(task, lines, {"test": test, "sizes": d})
+        return Setup(task, lines, {"test": test}, schedule=t)
 
-    def _describe_model(self, s, d, model, tok, saved) -> str:
+    def _describe_model(self, s: Settings, d: dict, model, tok, saved) -> str:
         n = sum(p.numel() for p in model.parameters()) / 1e6
         if saved is not None:
             return f"model: {type(model).__name__}, {n:.2f}M parameters, from the checkpoint"
-        if s["init"] is not None and s["head"] == "native":
-            return (f"model: {type(model).__name__} from {s['init']}, a new {len(model.config.id2label)}-label head "
+        if s.init is not None and s.head == "native":
+            return (f"model: {type(model).__name__} from {s.init}, a new {len(model.config.id2label)}-label head "
                     f"({n:.2f}M parameters), its tokenizer (vocabulary {tok.vocab_size}), dropout {d['dropout']}")
-        if s["init"] is not None:
+        if s.init is not None:
             enc = type(model.encoder).__name__
-            return (f"model: {enc} from {s['init']} + {s['pooling']} pooling + linear head ({n:.2f}M parameters), "
+            return (f"model: {enc} from {s.init} + {s.pooling} pooling + linear head ({n:.2f}M parameters), "
                     f"its tokenizer (vocabulary {tok.vocab_size}), dropout {d['dropout']}")
         layers = f"{d['layers']} Pre-Norm layer" + ("s" if d["layers"] != 1 else "")
         return (f"model: TextClassifier from scratch ({n:.2f}M parameters): {d['tokenizer']} vocabulary "
-                f"{tok.vocab_size}, d_model {d['d_model']}, {d['heads']} heads, {layers}, {s['pooling']} pooling, "
+                f"{tok.vocab_size}, d_model {d['d_model']}, {d['heads']} heads, {layers}, {s.pooling} pooling, "
                 f"dropout {d['dropout']}")
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        d = setup.extra.get("sizes") or self._sizes(s, 0)
-        beta2 = s["beta2"] if s["beta2"] is not None else (0.999 if s["init"] is not None else 0.98)
-        return dict(self._schedule(s, d), betas=(0.9, beta2), eps=1e-8 if s["init"] is not None else 1e-9,
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        beta2 = s.beta2 if s.beta2 is not None else (0.999 if s.init is not None else 0.98)
+        return dict(setup.schedule, betas=(0.9, beta2), eps=1e-8 if s.init is not None else 1e-9,
                     best_metric="accuracy", best_mode="max")
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
         """The best checkpoint's accuracy on the test split (embedded data) or the validation data."""
         clf = load_classifier(run_dir)
         pairs = setup.extra["test"]
@@ -424,7 +426,7 @@ class Classify(TaskDefinition):
         clf = self.load(info.run, device, dtype)
         data = scored_file(data, DATA_EXTENSIONS)
         try:
-            ex = read_examples(data, settings, clf.labels)
+            ex = read_examples(data, settings["text_column"], settings["label_column"], labels=clf.labels)
         except ValueError as e:
             shape = describe_file(data)
             if shape.kind != "pairs" or "does not occur in the training data" not in str(e):

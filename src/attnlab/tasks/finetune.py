@@ -10,6 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from ..processors import IMAGE_CONFIG, ImageProcessor
+from .settings import Settings
 from .run import RunError, inspect_path, load_model, load_processors
 
 __all__ = ["fine_tuning_start", "init_family"]
@@ -47,7 +48,7 @@ def _source(path: str) -> tuple[nn.Module, ImageProcessor | None]:
     return from_pretrained(path), processor
 
 
-def fine_tuning_start(s: dict, labels: list[str], build=None, flag: str = "--init") -> tuple[nn.Module, ImageProcessor]:
+def fine_tuning_start(s: Settings, labels: list[str], build=None, flag: str = "--init") -> tuple[nn.Module, ImageProcessor]:
     """(an image classifier whose encoder holds the weights of the checkpoint ``s[flag]`` names and
     whose head is new, the image processor to train it with) for ``attnlab train image``.
 
@@ -66,12 +67,12 @@ def fine_tuning_start(s: dict, labels: list[str], build=None, flag: str = "--ini
         target = transfer_family(architecture_of(source), KIND)
     except TransferError as e:
         raise RunError(f"{flag} {path}: {info.describe()}: {e}") from None
-    if s.get("model") not in (None, target.model_type):
-        raise RunError(f"{flag} {path}: its encoder starts a {target.model_type} classifier, not --model {s['model']}")
-    s["model"] = target.model_type
+    if s.model not in (None, target.model_type):
+        raise RunError(f"{flag} {path}: its encoder starts a {target.model_type} classifier, not --model {s.model}")
+    s.model = target.model_type
     config = source.config
     for option in target.options_for("image"):
-        given, theirs = s.get(option.name), getattr(config, option.keyword, None)
+        given, theirs = s[option.name], getattr(config, option.keyword, None)
         if given is not None and theirs is not None and given != theirs:
             raise RunError(f"{flag} {path}: the encoder uses {theirs}, not {option.flag} {given}")
     limits = family(architecture_of(source).model_type).input_limits(config)
@@ -79,10 +80,10 @@ def fine_tuning_start(s: dict, labels: list[str], build=None, flag: str = "--ini
     # the widths where the config has them as one number (a Swin's heads are one per stage)
     s.update({ours: getattr(config, theirs) for ours, theirs in _SIZES.items()
               if isinstance(getattr(config, theirs, None), int) and not isinstance(getattr(config, theirs), bool)})
-    overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "dropout": s["dropout"],
-                 "attention_dropout": s["dropout"]}
+    overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "dropout": s.dropout,
+                 "attention_dropout": s.dropout}
     try:
-        model = transfer_encoder(source, target, kind=KIND, overrides=overrides, seed=s["seed"])
+        model = transfer_encoder(source, target, kind=KIND, overrides=overrides, seed=s.seed)
     except TransferError as e:
         raise RunError(f"{flag} {path}: {e}") from None
     if processor is None or processor.channels != limits["in_channels"]:

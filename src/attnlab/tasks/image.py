@@ -66,6 +66,7 @@ from torch import Tensor, nn
 
 from ..data.images import AUGMENTATIONS, ImageFolder, augment, image_splits, read_image_folder
 from ..processors import ImageProcessor
+from .settings import Settings
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
 
@@ -86,7 +87,7 @@ KIND = "image-classifier"
 # the weights), and the affine augmentation regularises enough alone: without dropout, 8,000 steps take
 # the time of 6,000 with it and gave 99.0, 99.5, 98.5, 99.5 and 99.0 % at seeds 0-4 (mean 99.1; the old
 # default 97.5, 97.0, 98.5 on the same CPU); DyT on that budget 97.8 on average there, 1.3 points below, and
-# level on an Intel Xeon (98.6 against 98.5; over the ten seeds 98.2 against 98.8; docs/vision.md, "Results").
+# level on another CPU (98.6 against 98.5; over the ten seeds 98.2 against 98.8; benchmarks/results/vision.md).
 _SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="affine", dropout=0.0, ema=0.999),
           "folder": dict(image_size=32, patch_size=4, channels=3, augment="crop-flip", dropout=0.1, ema=0.0)}
 _LR = {"digits": 2e-3, "folder": 1e-3}
@@ -100,21 +101,21 @@ DIGIT_STEPS = 8000
 # first layer, 1.9 before the head), and a DyT run with alpha 4 everywhere grew it to std 5-9 while alpha
 # stayed near 4: tanh saturated after the first layer, and a saturated tanh gives alpha no gradient
 # (92.5 % at 3,000 steps, LayerNorm 98.0 %). Halving alpha with each layer (4, 2, 1, 0.5, the final norm as
-# the last layer) gave 96.0 % (docs/vision.md, "Results").
+# the last layer) gave 96.0 % (benchmarks/results/vision.md).
 _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
 # ... and how fast alpha trains, as a multiple of the learning rate (attnlab.train.optim.lr_scales): 1, the
 # plain rate. AdamW moves a parameter by about the learning rate per step whatever its size, 2e-3 a step at the
 # peak, which looked too slow for alphas that must move by factors; at 10 times the rate they did move (to
 # 4.8/5.6 in the first layer's attention / feed-forward norms, 0.01 in the third layer's attention, the final
 # norm's from 0.5 to 1.3), but the digits scored no better: 99.0, 97.5, 96.5, 98.0 % at seeds 0-3 against
-# 98.5, 98.5 % at seeds 0-1 at the plain rate (Intel Xeon; docs/vision.md, "Results").
+# 98.5, 98.5 % at seeds 0-1 at the plain rate (benchmarks/results/vision.md).
 _DYT_ALPHA_LR = {"digits": 1.0, "folder": 1.0}
 
 
-def data_source(s) -> str:
+def data_source(s: Settings) -> str:
     """"digits" when the settings train on the embedded digits (no --data), else "folder": the one
     place that decides which of the two the sizes, processor, data and schedule are for."""
-    return "digits" if s["data"] is None else "folder"
+    return "digits" if s.data is None else "folder"
 
 
 def _digit_dyt_alphas(layers: int) -> str:
@@ -382,84 +383,84 @@ class ImageClassification(TaskDefinition):
                "confusion.png in the run directory)", metavar="FILE.png"),
     ]
 
-    def check(self, s: dict) -> None:
+    def check(self, s: Settings) -> None:
         known = _image_families()
-        if s["model"] is None and s["init"] is not None:     # the family whose classifier the encoder starts
+        if s.model is None and s.init is not None:     # the family whose classifier the encoder starts
             from .finetune import init_family
-            s["model"] = init_family(s["init"])
-        if s["model"] is None:
+            s.model = init_family(s.init)
+        if s.model is None:
             from ..models.registry import default_family
             if not known:
                 raise ValueError("attnlab train image: no image-classifier family is registered")
-            s["model"] = default_family(KIND)
-            if s["model"] is None:
+            s.model = default_family(KIND)
+            if s.model is None:
                 raise ValueError(f"--model: give one of the image-classifier families ({', '.join(known)})")
-        elif s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered image-classifier family "
+        elif s.model not in known:
+            raise ValueError(f"--model: {s.model!r} is not a registered image-classifier family "
                              f"({', '.join(known) or 'none registered'})")
         super().check(s)                 # a family's option (--norm, --pooling) given to another family
-        if s["data"] is None and s["valid"] is not None:
+        if s.data is None and s.valid is not None:
             raise ValueError("--valid: give the training images too (--data DIR); the embedded digits have their "
                              "own held-out split")
         kind = data_source(s)
         for name, value in _SIZES[kind].items():
             if s[name] is None:
                 s[name] = value
-        if s.get("norm") == "dyt":
-            if s["dyt_alpha"] is None:
-                s["dyt_alpha"] = _digit_dyt_alphas(s["layers"]) if kind == "digits" else f"{_DYT_ALPHA[kind]:g}"
-            alphas = _alphas(s["dyt_alpha"])
-            if isinstance(alphas, list) and len(alphas) != s["layers"] + 1:
-                raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s['layers'] + 1} (one per layer "
+        if s.norm == "dyt":
+            if s.dyt_alpha is None:
+                s.dyt_alpha = _digit_dyt_alphas(s.layers) if kind == "digits" else f"{_DYT_ALPHA[kind]:g}"
+            alphas = _alphas(s.dyt_alpha)
+            if isinstance(alphas, list) and len(alphas) != s.layers + 1:
+                raise ValueError(f"--dyt-alpha: {len(alphas)} numbers; give one, or {s.layers + 1} (one per layer "
                                  "of --layers, then the final norm's)")
-            if s["dyt_alpha_lr"] is None:
-                s["dyt_alpha_lr"] = _DYT_ALPHA_LR[kind]
-        elif s["dyt_alpha"] is not None:
+            if s.dyt_alpha_lr is None:
+                s.dyt_alpha_lr = _DYT_ALPHA_LR[kind]
+        elif s.dyt_alpha is not None:
             raise ValueError("--dyt-alpha: only with --norm dyt (it sets DyT's initial alpha)")
-        elif s.get("dyt_alpha_lr") is not None:
+        elif s.dyt_alpha_lr is not None:
             raise ValueError("--dyt-alpha-lr: only with --norm dyt (it sets how fast DyT's alpha trains)")
-        if s["image_size"] % s["patch_size"]:
-            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
+        if s.image_size % s.patch_size:
+            raise ValueError(f"--image-size {s.image_size} is not a multiple of --patch-size {s.patch_size}")
         self._check_distillation(s)
 
     @staticmethod
-    def _check_distillation(s: dict) -> None:
+    def _check_distillation(s: Settings) -> None:
         soft = [f"--{n.replace('_', '-')}" for n in ("distillation_tau", "distillation_alpha") if s[n] is not None]
-        if s["teacher"] is None:
-            given = (["--distillation"] if s["distillation"] is not None else []) + soft
+        if s.teacher is None:
+            given = (["--distillation"] if s.distillation is not None else []) + soft
             if given:
                 raise ValueError(f"{', '.join(given)}: needs --teacher RUN_OR_HF_DIR (and --model deit)")
             return
         students = _students()
-        if s["model"] not in students:
+        if s.model not in students:
             # a student is a classifier with a distillation head beside its class head (heads())
             raise ValueError(f"--teacher: distillation trains a DeiT student (--model {' or '.join(students)}), "
-                             f"not --model {s['model']}")
+                             f"not --model {s.model}")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--teacher: distillation trains in one process; run it without torchrun")
-        if s["label_smoothing"]:
+        if s.label_smoothing:
             raise ValueError("--label-smoothing: not with --teacher (the losses are DeiT's: the labels and the "
                              "teacher's classes)")
-        s["distillation"] = s["distillation"] or "hard"
-        if s["distillation"] == "hard" and soft:
+        s.distillation = s.distillation or "hard"
+        if s.distillation == "hard" and soft:
             raise ValueError(f"{', '.join(soft)}: only for --distillation soft")
-        if s["distillation"] == "soft":
-            s["distillation_tau"] = 3.0 if s["distillation_tau"] is None else s["distillation_tau"]
-            s["distillation_alpha"] = 0.1 if s["distillation_alpha"] is None else s["distillation_alpha"]
+        if s.distillation == "soft":
+            s.distillation_tau = 3.0 if s.distillation_tau is None else s.distillation_tau
+            s.distillation_alpha = 0.1 if s.distillation_alpha is None else s.distillation_alpha
 
     # ------------------------------------------------------------------ data and model
-    def _folders(self, s: dict) -> tuple[ImageFolder, ImageFolder, ImageFolder | None]:
-        splits = image_splits(s["data"]) if s["valid"] is None else None
+    def _folders(self, s: Settings) -> tuple[ImageFolder, ImageFolder, ImageFolder | None]:
+        splits = image_splits(s.data) if s.valid is None else None
         if splits is not None:
             train = read_image_folder(splits["train"])
             valid = read_image_folder(splits["valid"]) if "valid" in splits else None
             test = read_image_folder(splits["test"]) if "test" in splits else None
         else:
-            train, test = read_image_folder(s["data"]), None
-            valid = read_image_folder(s["valid"]) if s["valid"] is not None else None
+            train, test = read_image_folder(s.data), None
+            valid = read_image_folder(s.valid) if s.valid is not None else None
         if valid is None:                    # hold out a tenth, at most 2,000
             order = list(range(len(train)))
-            random.Random(s["seed"]).shuffle(order)
+            random.Random(s.seed).shuffle(order)
             held = set(order[:min(2000, max(1, len(train) // 10))])
             def pick(keep: bool) -> ImageFolder:
                 return ImageFolder(train.root, [p for i, p in enumerate(train.paths) if (i in held) != keep],
@@ -471,20 +472,20 @@ class ImageClassification(TaskDefinition):
         return train, valid, test
 
     @staticmethod
-    def _processor(s: dict) -> ImageProcessor:
-        grey = [0.5] * s["channels"]
+    def _processor(s: Settings) -> ImageProcessor:
+        grey = [0.5] * s.channels
         # the digits were made by counting ink in blocks: averaging (box) reduces a larger digit the same way
         resample = "box" if data_source(s) == "digits" else "bilinear"
-        return ImageProcessor(size=s["image_size"], resample=resample, image_mean=grey, image_std=grey)
+        return ImageProcessor(size=s.image_size, resample=resample, image_mean=grey, image_std=grey)
 
-    def _labels(self, s: dict) -> list[str]:
+    def _labels(self, s: Settings) -> list[str]:
         """The class names the data holds, before any image is read."""
         if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS
             return list(DIGIT_LABELS)
         return self._folders(s)[0].classes
 
-    def _data(self, s: dict, processor: ImageProcessor, labels: list[str] | None) -> dict:
+    def _data(self, s: Settings, processor: ImageProcessor, labels: list[str] | None) -> dict:
         """The training, validation (and test) images as bytes with label indices, the labels and what they are."""
         if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS, digits_split
@@ -497,33 +498,33 @@ class ImageClassification(TaskDefinition):
                 for k, f, name in (("train", train, "training"), ("valid", valid, "validation"))}
         return dict(sets, labels=labels, test=test, root=str(train.root))
 
-    def _model(self, s: dict, labels: list[str]) -> nn.Module:
+    def _model(self, s: Settings, labels: list[str]) -> nn.Module:
         from ..models.registry import family
-        fam = family(s["model"])
-        dyt = {"dyt_alpha": _alphas(s["dyt_alpha"])} if s.get("norm") == "dyt" else {}    # the config's, used as built
-        config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=s["channels"],
-                                  d_model=s["d_model"], num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], num_labels=len(labels), **self.family_sizes(s), **dyt)
+        fam = family(s.model)
+        dyt = {"dyt_alpha": _alphas(s.dyt_alpha)} if s.norm == "dyt" else {}    # the config's, used as built
+        config = fam.build_config(image_size=s.image_size, patch_size=s.patch_size, in_channels=s.channels,
+                                  d_model=s.d_model, num_heads=s.heads, num_layers=s.layers, d_ff=s.d_ff,
+                                  dropout=s.dropout, num_labels=len(labels), **self.family_sizes(s), **dyt)
         if hasattr(config, "id2label"):       # the label names travel with the weights (export's config.json)
             config.id2label = dict(enumerate(labels))
-        torch.manual_seed(s["seed"])
+        torch.manual_seed(s.seed)
         return fam.for_kind(self.kind).build(config)
 
-    def _schedule(self, s: dict, n_images: int) -> dict:
+    def _schedule(self, s: Settings, n_images: int) -> dict:
         kind = data_source(s)
-        epochs = max(100, min(5000, 10 * -(-n_images // s["batch_size"])))      # about ten epochs
+        epochs = max(100, min(5000, 10 * -(-n_images // s.batch_size)))      # about ten epochs
         d = dict(steps=DIGIT_STEPS if kind == "digits" else epochs, lr=_LR[kind], weight_decay=_WEIGHT_DECAY[kind])
         return training_schedule(s, d, lambda steps, budget: 50 if budget else max(1, steps // 10),
                                  lambda steps, budget: max(steps // 5, 20), 4)
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
-        self.check(s)
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
+        self.check_once(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:            # the run's own labels, processor and model (the Trainer loads the weights)
             labels = list(saved.task_options["labels"])
             processor = load_processors(saved)["image"]
             model = build_model(saved.model_type, saved.config, saved.architecture)
-        elif s["init"] is not None:      # a pre-trained encoder, a new head (attnlab.tasks.finetune)
+        elif s.init is not None:      # a pre-trained encoder, a new head (attnlab.tasks.finetune)
             from .finetune import fine_tuning_start
             labels = self._labels(s)
             model, processor = fine_tuning_start(s, labels, self._model)
@@ -531,52 +532,52 @@ class ImageClassification(TaskDefinition):
             labels, processor, model = None, self._processor(s), None
         data = self._data(s, processor, labels)
         labels = data["labels"]
-        if s["label_fraction"] < 1:
+        if s.label_fraction < 1:
             x, y = data["train"]
-            keep = label_subset(y, s["label_fraction"], s["seed"])
+            keep = label_subset(y, s.label_fraction, s.seed)
             data["train"] = (x[keep], y[keep])
         model = model if model is not None else self._model(s, labels)
-        if s.get("norm") == "dyt":       # a fresh, resumed or fine-tuned model alike (the optimizer's groups)
+        if s.norm == "dyt":       # a fresh, resumed or fine-tuned model alike (the optimizer's groups)
             from ..nn.norm import DyT
             for module in model.modules():
                 if isinstance(module, DyT):
-                    module.alpha_lr_scale = s["dyt_alpha_lr"]
-        teacher = None if s["teacher"] is None else load_teacher(s["teacher"], labels, processor.channels)
+                    module.alpha_lr_scale = s.dyt_alpha_lr
+        teacher = None if s.teacher is None else load_teacher(s.teacher, labels, processor.channels)
         t = self._schedule(s, len(data["train"][1]))
-        s["lr"] = t["lr"]
+        s.lr = t["lr"]
         if not t["budget_schedule"]:
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         task = ImageClassificationTask(model, processor, labels, data["train"], data["valid"],
-                                       batch_size=s["batch_size"], augmentation=s["augment"], teacher=teacher,
-                                       distillation=s["distillation"] or "hard", alpha=s["distillation_alpha"] or 0.1,
-                                       tau=s["distillation_tau"] or 3.0, label_smoothing=s["label_smoothing"])
+                                       batch_size=s.batch_size, augmentation=s.augment, teacher=teacher,
+                                       distillation=s.distillation or "hard", alpha=s.distillation_alpha or 0.1,
+                                       tau=s.distillation_tau or 3.0, label_smoothing=s.label_smoothing)
         n = sum(p.numel() for p in model.parameters()) / 1e6
         test = data.get("test")
-        few = f" (--label-fraction {s['label_fraction']:g}, stratified)" if s["label_fraction"] < 1 else ""
+        few = f" (--label-fraction {s.label_fraction:g}, stratified)" if s.label_fraction < 1 else ""
         lines = [f"data: {data['root']}: {len(data['train'][1]):,} training images{few}, {len(data['valid'][1]):,} "
                  "validation" + (f", {len(test[1] if isinstance(test, tuple) else test):,} test" if test else "")
                  + f"; {len(labels)} classes: "
                  + ", ".join(labels),
-                 f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters"
+                 f"model: {type(model).__name__} ({s.model}), {n:.2f}M parameters"
                  + (", from the checkpoint" if saved is not None else "")
-                 + f"; images {s['image_size']}x{s['image_size']}, {s['channels']} channel(s), patches of "
-                   f"{s['patch_size']}; augmentation: {s['augment']}",
+                 + f"; images {s.image_size}x{s.image_size}, {s.channels} channel(s), patches of "
+                   f"{s.patch_size}; augmentation: {s.augment}",
                  describe_training(s, t)]
         if teacher is not None:
-            lines.append(f"teacher: {type(teacher.model).__name__} from {teacher.where}, frozen; {s['distillation']} "
-                         "distillation" + (f" (tau {s['distillation_tau']:g}, alpha {s['distillation_alpha']:g})"
-                                           if s["distillation"] == "soft" else ""))
-        return Setup(task, lines, {"test": test})
+            lines.append(f"teacher: {type(teacher.model).__name__} from {teacher.where}, frozen; {s.distillation} "
+                         "distillation" + (f" (tau {s.distillation_tau:g}, alpha {s.distillation_alpha:g})"
+                                           if s.distillation == "soft" else ""))
+        return Setup(task, lines, {"test": test}, schedule=t)
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        beta2 = s["beta2"] if s["beta2"] is not None else 0.999
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        beta2 = s.beta2 if s.beta2 is not None else 0.999
         # the digits' 100 validation images move accuracy in whole points, and a tie keeps the earlier
         # checkpoint: their loss tells two checkpoints apart, so it picks the best one there
         best = ("val_loss", "min") if data_source(s) == "digits" else ("accuracy", "max")
-        return dict(self._schedule(s, len(setup.task.train_y)), betas=(0.9, beta2), best_metric=best[0],
-                    best_mode=best[1], ema_decay=s["ema"] or None)
+        return dict(setup.schedule, betas=(0.9, beta2), best_metric=best[0],
+                    best_mode=best[1], ema_decay=s.ema or None)
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
         from .run import open_run
         test = setup.extra["test"]
         if isinstance(test, tuple):          # the fixed test digits, scored by the checkpoint validation chose

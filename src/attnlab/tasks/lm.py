@@ -40,6 +40,7 @@ from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import Tokenizer
 from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
 from ..models.registry import default_family
+from .settings import Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
 from .sft import FINE_TUNING_OPTIONS, fine_tuning, prepare_fine_tuning
@@ -253,28 +254,28 @@ class LanguageModeling(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ training
-    def check(self, s: dict) -> None:
+    def check(self, s: Settings) -> None:
         from ..models.registry import families, family
         known = sorted(f.model_type for f in families(kind=self.kind))
-        if s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered causal-LM family ({', '.join(known)})")
+        if s.model not in known:
+            raise ValueError(f"--model: {s.model!r} is not a registered causal-LM family ({', '.join(known)})")
         super().check(s)
 
-    def _model(self, s: dict, tok) -> nn.Module:
+    def _model(self, s: Settings, tok) -> nn.Module:
         from ..models.registry import family
-        self.check(s)
-        fam = family(s["model"])
-        config = fam.build_config(vocab_size=tok.vocab_size, context=s["context"], d_model=s["d_model"],
-                                  num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
-                                  dropout=s["dropout"], **self.family_sizes(s, tok))
-        torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
+        fam = family(s.model)
+        config = fam.build_config(vocab_size=tok.vocab_size, context=s.context, d_model=s.d_model,
+                                  num_heads=s.heads, num_layers=s.layers, d_ff=s.d_ff,
+                                  dropout=s.dropout, **self.family_sizes(s, tok))
+        torch.manual_seed(s.seed)              # the initial weights depend on the seed alone
         return fam.for_kind(self.kind).build(config)
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
+        self.check_once(s)
         if fine_tuning(s):                  # --init, --lora or a chat file: attnlab.tasks.sft
             return prepare_fine_tuning(self, s, resume_from, LanguageModelTask)
-        corpus = stdlib_corpus(int(s["corpus_mb"] * 1e6)) if s["data"] is None else text_file_corpus(s["data"],
-                                                                                                      s["valid"])
+        corpus = stdlib_corpus(int(s.corpus_mb * 1e6)) if s.data is None else text_file_corpus(s.data,
+                                                                                                      s.valid)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         self.apply_family_defaults(s)
         if saved is not None:               # the run's own tokenizer and model; the Trainer loads the weights
@@ -282,11 +283,11 @@ class LanguageModeling(TaskDefinition):
             model = build_model(saved.model_type, saved.config, saved.architecture)
             context = saved.task_options["context"]
         else:
-            kind = s["tokenizer"] or ("bpe" if s["data"] is None else "char")
-            s["tokenizer"] = kind
-            if s["vocab_size"] is None and kind == "bpe":
-                s["vocab_size"] = 2000 if s["data"] is None else bpe_vocab_size(sum(map(len, corpus.train)))
-            tok = Tokenizer.registry[kind].train(corpus.train, s["vocab_size"])
+            kind = s.tokenizer or ("bpe" if s.data is None else "char")
+            s.tokenizer = kind
+            if s.vocab_size is None and kind == "bpe":
+                s.vocab_size = 2000 if s.data is None else bpe_vocab_size(sum(map(len, corpus.train)))
+            tok = Tokenizer.registry[kind].train(corpus.train, s.vocab_size)
         train = encode_documents(tok, corpus.train, corpus.eos_between)
         valid = encode_documents(tok, corpus.valid, corpus.eos_between)
         d = self._sizes(s, len(train))
@@ -295,25 +296,25 @@ class LanguageModeling(TaskDefinition):
         if not t["budget_schedule"]:        # a budget's steps are planned in training, kept in its checkpoints
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
         if saved is None:
-            model, context = self._model(s, tok), s["context"]
-        task = LanguageModelTask(model, tok, train, valid, context=context, batch_size=s["batch_size"],
-                                 eval_windows=s["eval_windows"])
+            model, context = self._model(s, tok), s.context
+        task = LanguageModelTask(model, tok, train, valid, context=context, batch_size=s.batch_size,
+                                 eval_windows=s.eval_windows)
         n_params = sum(p.numel() for p in model.parameters())
         lines = [f"data: {corpus.source}: {len(train):,} training and {len(valid):,} validation tokens",
                  f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, context {context}, "
                  f"vocab {tok.vocab_size}{' (from the checkpoint)' if saved else ''}"]
         lines += self._describe(s, d, t, len(train), saved)
-        return Setup(task, lines, {"sizes": d})
+        return Setup(task, lines, schedule=t)
 
     # ------------------------------------------------------------------ defaults
-    def _sizes(self, s: dict, n_tokens: int) -> dict:
+    def _sizes(self, s: Settings, n_tokens: int) -> dict:
         """The model, context, batch and optimisation defaults for ``n_tokens`` training tokens
         (the embedded corpus: its own), each replaced by its option when given."""
-        base = EMBEDDED_SIZES if s["data"] is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
-        base = dict(base, **family_recipe(s, s["model"]))
-        return {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
+        base = EMBEDDED_SIZES if s.data is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
+        base = dict(base, **family_recipe(s, s.model))
+        return s.given_or(base)
 
-    def _schedule(self, s: dict, d: dict) -> dict:
+    def _schedule(self, s: Settings, d: dict) -> dict:
         """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
         def warmup(steps: int, budget: bool) -> int:
             if budget:                    # shortened to a tenth of the planned steps if the budget is short
@@ -323,26 +324,25 @@ class LanguageModeling(TaskDefinition):
         return training_schedule(s, d, warmup, lambda steps, budget: max(250 if budget else steps // 10, 50),
                                  BUDGET_EVALS)
 
-    def _describe(self, s: dict, d: dict, t: dict, n_tokens: int, saved) -> list[str]:
+    def _describe(self, s: Settings, d: dict, t: dict, n_tokens: int, saved) -> list[str]:
         """One line per group of the chosen values (as ``attnlab train`` prints them)."""
         model = "model: from the checkpoint" if saved is not None else (
-            f"model (for {n_tokens:,} tokens): {s['model']}, d_model {d['d_model']}, {d['heads']} heads, "
+            f"model (for {n_tokens:,} tokens): {s.model}, d_model {d['d_model']}, {d['heads']} heads, "
             f"{d['layers']} layers, context {d['context']}, dropout {d['dropout']}")
         return [model, f"batches: {d['batch_size']} windows of {d['context']} tokens",
                 describe_training(s, t)]
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        d = setup.extra.get("sizes") or self._sizes(s, 0)
-        return dict(self._schedule(s, d), betas=(0.9, 0.95 if s["beta2"] is None else s["beta2"]), eps=1e-8,
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        return dict(setup.schedule, betas=(0.9, 0.95 if s.beta2 is None else s.beta2), eps=1e-8,
                     min_lr_ratio=0.1, best_metric="val_loss", best_mode="min")
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
         """The best checkpoint continues the start of the validation text."""
-        if s["sample_tokens"] <= 0:
+        if s.sample_tokens <= 0:
             return
         lm = load_lm(run_dir)
         prompt = setup.task.valid_ids[: max(1, min(16, (lm.context or setup.task.context) // 4))].tolist()
-        result = lm.complete(prompt, s["sample_tokens"], temperature=0.8, top_k=40, seed=s["seed"])
+        result = lm.complete(prompt, s.sample_tokens, temperature=0.8, top_k=40, seed=s.seed)
         print("sample (the start of the validation text, continued at temperature 0.8, top-k 40):")
         print(lm.tokenizer.decode(prompt) + result.text)
 

@@ -205,7 +205,7 @@ class MAEPretraining(TaskDefinition):
                                  lambda steps, budget: max(steps // 5, 20), 4)
 
     def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
-        self.check(s)
+        self.check_once(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:            # the run's own processor and model (the Trainer loads the weights)
             processor = load_processors(saved)["image"]
@@ -228,11 +228,11 @@ class MAEPretraining(TaskDefinition):
                    f"of {c.patch_size}, {c.num_patches - c.visible} masked (ratio {c.mask_ratio:g}), "
                    f"{'normalised' if c.norm_pix_loss else 'raw'} pixel targets",
                  describe_training(s, t)]
-        return Setup(task, lines)
+        return Setup(task, lines, schedule=t)
 
     def train_config(self, s: Settings, setup: Setup) -> dict:
         beta2 = s.beta2 if s.beta2 is not None else 0.95          # MAE's AdamW (section A.1)
-        return dict(self._schedule(s, len(setup.task.train_x)), betas=(0.9, beta2), best_metric="val_loss",
+        return dict(setup.schedule, betas=(0.9, beta2), best_metric="val_loss",
                     best_mode="min")
 
     def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedMAE:

@@ -38,6 +38,7 @@ from ..data.masking import IGNORE_INDEX, SentencePair, collate_pairs, mask_token
 from ..tokenizer import BERT_SPECIAL_TOKENS, train_wordpiece
 from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
 from ..models.registry import default_family
+from .settings import Settings
 from .base import (Option, Setup, TaskDefinition, describe_training, family_recipe, fraction, positive, register_task,
                    training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, resume_point, write_run
@@ -46,8 +47,8 @@ __all__ = ["MaskedLMTask", "MaskedLanguageModeling", "read_documents"]
 
 _M, _D = "model", "data and evaluation"
 VALID_FRACTION = 0.05
-# The embedded documents' small vocabulary (~250 words) and short sentences: 4,000 steps (1 min 45 s
-# on a 2-core AMX Xeon) reach masked-LM accuracy 44 % and NSP accuracy 71 % on the held-out pairs,
+# The embedded documents' small vocabulary (~250 words) and short sentences: 4,000 steps (a couple of
+# minutes on a CPU; benchmarks/results/code.md) reach masked-LM accuracy 44 % and NSP accuracy 71 % on the held-out pairs,
 # where 1,500 steps left NSP at 54 % (near chance: the pair head learns after the words); files get sizes by
 # their number of training tokens (at most this many, sizes), BERT-small-like and up.
 EMBEDDED_SIZES = dict(vocab_size=1000, d_model=128, heads=4, layers=2, d_ff=512, context=64, batch_size=32,
@@ -220,62 +221,62 @@ class MaskedLanguageModeling(TaskDefinition):
         Option("seed", int, 0, "seed of the masks drawn over the file", group=_D),
     ]
 
-    def check(self, s: dict) -> None:
+    def check(self, s: Settings) -> None:
         from ..models.registry import families
-        kind = "masked-lm" if s["objective"] == "none" else "pretraining"
+        kind = "masked-lm" if s.objective == "none" else "pretraining"
         known = sorted(f.model_type for f in families(kind=kind))
-        if s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} has no {kind} architecture; families that do: "
+        if s.model not in known:
+            raise ValueError(f"--model: {s.model!r} has no {kind} architecture; families that do: "
                              f"{', '.join(known) or 'none'}")
         super().check(s)
 
-    def _sizes(self, s: dict, n_tokens: int) -> dict:
-        base = EMBEDDED_SIZES if s["data"] is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
-        base = dict(base, **family_recipe(s, s["model"]))
-        d = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
-        if s["d_model"] is not None and s["d_ff"] is None:
+    def _sizes(self, s: Settings, n_tokens: int) -> dict:
+        base = EMBEDDED_SIZES if s.data is None else next(v for most, v in FILE_SIZES if n_tokens <= most)
+        base = dict(base, **family_recipe(s, s.model))
+        d = s.given_or(base)
+        if s.d_model is not None and s.d_ff is None:
             d["d_ff"] = 4 * d["d_model"]
         return d
 
-    def _model(self, s: dict, d: dict, tok) -> nn.Module:
+    def _model(self, s: Settings, d: dict, tok) -> nn.Module:
         from ..models.registry import family
-        fam = family(s["model"])
-        kind = "masked-lm" if s["objective"] == "none" else "pretraining"
+        fam = family(s.model)
+        kind = "masked-lm" if s.objective == "none" else "pretraining"
         config = fam.build_config(vocab_size=tok.vocab_size, context=d["context"], d_model=d["d_model"],
                                   num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"],
                                   dropout=d["dropout"], **self.family_sizes(s, tok))
-        torch.manual_seed(s["seed"])
+        torch.manual_seed(s.seed)
         return fam.for_kind(kind).build(config)
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
         from ..data.numbers import english_documents
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         if saved is not None:
-            s["objective"] = saved.task_options["objective"]
+            s.objective = saved.task_options["objective"]
         self.apply_family_defaults(s)
-        s["objective"] = s["objective"] or "nsp"
-        self.check(s)
-        if s["data"] is None:
-            docs = english_documents(s["corpus_size"], seed=s["seed"])
+        s.objective = s.objective or "nsp"
+        self.check_once(s)
+        if s.data is None:
+            docs = english_documents(s.corpus_size, seed=s.seed)
             source = f"the embedded documents ({len(docs):,})"
             cut = max(1, int(len(docs) * VALID_FRACTION))
             train_text, valid_text = docs[cut:], docs[:cut]
         else:
-            docs = read_documents(s["data"])
-            source = s["data"]
-            if s["valid"] is not None:
-                train_text, valid_text = docs, read_documents(s["valid"])
+            docs = read_documents(s.data)
+            source = s.data
+            if s.valid is not None:
+                train_text, valid_text = docs, read_documents(s.valid)
             else:
                 cut = max(1, int(len(docs) * VALID_FRACTION))
-                if len(docs) - cut < 1 or (s["objective"] == "nsp" and len(docs) - cut < 2):
-                    raise DataFormatError(s["data"], 1, f"{len(docs)} document(s) (blank lines separate them): "
+                if len(docs) - cut < 1 or (s.objective == "nsp" and len(docs) - cut < 2):
+                    raise DataFormatError(s.data, 1, f"{len(docs)} document(s) (blank lines separate them): "
                                           "too few to hold out validation documents and train; give --valid")
                 train_text, valid_text = docs[:-cut], docs[-cut:]
         if saved is not None:
             tok = load_tokenizers(saved)["text"]
         else:
             n_words = sum(len(line.split()) for d in train_text for line in d)
-            vocab = s["vocab_size"] or self._sizes(s, n_words)["vocab_size"]
+            vocab = s.vocab_size or self._sizes(s, n_words)["vocab_size"]
             tok = train_wordpiece((line for d in train_text for line in d), vocab)
 
         def encode(documents):
@@ -293,31 +294,30 @@ class MaskedLanguageModeling(TaskDefinition):
         s.update({k: v for k, v in d.items() if k in s and k not in ("steps", "warmup", "lr")}, lr=t["lr"])
         if not t["budget_schedule"]:
             s.update(steps=t["steps"], warmup=t["warmup_steps"])
-        task = MaskedLMTask(model, tok, train_docs, valid_docs, objective=s["objective"], context=d["context"],
-                            batch_size=d["batch_size"], mask_prob=s["mask_prob"], eval_pairs=s["eval_pairs"])
+        task = MaskedLMTask(model, tok, train_docs, valid_docs, objective=s.objective, context=d["context"],
+                            batch_size=d["batch_size"], mask_prob=s.mask_prob, eval_pairs=s.eval_pairs)
         n_params = sum(p.numel() for p in model.parameters())
         pairs = sum(max(len(doc) - 1, 0) for doc in train_docs)
         lines = [f"data: {source}: {len(train_docs):,} training documents ({pairs:,} sentence pairs, "
                  f"{n_tokens:,} tokens), {len(valid_docs):,} validating",
                  f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, WordPiece vocab "
                  f"{tok.vocab_size}{' (from the checkpoint)' if saved else ''}; objective: masked LM"
-                 + ("" if s["objective"] == "none" else f" + {s['objective'].upper()}"),
+                 + ("" if s.objective == "none" else f" + {s.objective.upper()}"),
                  f"model sizes: d_model {d['d_model']}, {d['heads']} heads, {d['layers']} layers, d_ff {d['d_ff']}, "
                  f"dropout {d['dropout']}; batches of {d['batch_size']} pairs of at most {d['context']} tokens",
                  describe_training(s, t)]
-        return Setup(task, lines, {"sizes": d})
+        return Setup(task, lines, schedule=t)
 
-    def _schedule(self, s: dict, d: dict) -> dict:
+    def _schedule(self, s: Settings, d: dict) -> dict:
         """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
         return training_schedule(s, d, lambda steps, budget: min(d["warmup"], max(1, steps // 10)),
                                  lambda steps, budget: max(250 if budget else steps // 5, 50), 4)
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        d = setup.extra.get("sizes") or self._sizes(s, 0)
-        return dict(self._schedule(s, d), betas=(0.9, 0.999 if s["beta2"] is None else s["beta2"]), eps=1e-6,
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        return dict(setup.schedule, betas=(0.9, 0.999 if s.beta2 is None else s.beta2), eps=1e-6,
                     min_lr_ratio=0.0, best_metric="val_loss", best_mode="min")
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
         """The last validation scores, and a few masked sentences filled in by the model."""
         task = setup.task
         model = task.model.eval()

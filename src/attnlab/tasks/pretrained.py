@@ -17,7 +17,7 @@ module attribute of one class is assumed to match another's.
 """
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Sequence
 
 import torch
@@ -61,40 +61,34 @@ def load_base(path: str, flag: str = "--init") -> tuple[nn.Module, Tokenizer]:
     return base_from_checkpoint(arch, config, read_weights(path), where), tok
 
 
-def native_classifier(base: nn.Module, labels: Sequence[str], dropout: float | None = None) -> nn.Module:
-    """The family's registered classifier around ``base``: built from ``base``'s configuration with
-    ``len(labels)`` classes (their names saved as ``id2label``) and ``dropout`` before the head
-    (None: the configuration's own), holding every weight of ``base``; the head is new.
-
-    The base's weights go out under its own checkpoint names and come in under the classifier's
-    prefix, as a classifier checkpoint saved by transformers holds them; what the classifier has
-    outside the prefix (its head, and the pooler of families that keep it there) keeps its fresh
-    initialisation. A base weight the classifier has no place for, or a weight under the prefix
-    that the base does not supply, is an error: the two would not be the same encoder."""
-    from ..models.pretrained import from_hf_state_dict, to_hf_state_dict
+def native_classifier(base: nn.Module, labels: Sequence[str], dropout: float | None = None,
+                      seed: int = 0) -> nn.Module:
+    """The family's registered classifier around ``base``, by encoder transfer
+    (:func:`attnlab.models.transfer.transfer_encoder`, as ``attnlab train image --init`` does): a
+    new classifier (seeded by ``seed``) of the family ``base``'s encoder starts, its configuration
+    ``base``'s with ``len(labels)`` classes (their names saved as ``id2label``) and ``dropout``
+    before the head (None: the configuration's own), its encoder holding every weight of ``base``;
+    the head (and a pooler the classifier keeps outside its encoder) is new. A base weight the
+    classifier has no place for, or one it lacks, is an error: the two would not be the same encoder."""
     from ..models.registry import architecture_of
+    from ..models.transfer import TransferError, transfer_encoder, transfer_family
     arch = architecture_of(base)
     try:
-        head = arch.family.for_kind("classifier")
-    except ValueError:
+        target = transfer_family(arch, "classifier")
+    except TransferError:
         raise RunError(f"--head native: the {arch.model_type} family has no sequence-classification model; "
                        "use --head pooling") from None
-    names = {f.name for f in fields(base.config)}
+    names = {f.name for f in fields(target.config_cls)}
     if not set(_LABEL_FIELDS) <= names:
-        raise RunError(f"--head native: {head.name}'s configuration takes no number of labels; use --head pooling")
-    changes = {"num_labels": len(labels), "id2label": dict(enumerate(labels))}
+        raise RunError(f"--head native: {target.for_kind('classifier').name}'s configuration takes no number of "
+                       "labels; use --head pooling")
+    overrides = {"num_labels": len(labels), "id2label": dict(enumerate(labels))}
     if dropout is not None and "classifier_dropout" in names:
-        changes["classifier_dropout"] = dropout
-    model = head.build(replace(base.config, **changes))
-    given = {head.prefix + k: v for k, v in to_hf_state_dict(base).items()}
-    fresh = to_hf_state_dict(model)
-    unplaced = sorted(set(given) - set(fresh))
-    lacking = sorted(k for k in fresh if k.startswith(head.prefix) and k not in given)
-    if unplaced or lacking:
-        raise RunError(f"--head native: {arch.name}'s weights do not fit {head.name} "
-                       f"(no place for {unplaced[:3]}, not supplied {lacking[:3]})")
-    model.load_state_dict(from_hf_state_dict(model, {**fresh, **given}))
-    return model
+        overrides["classifier_dropout"] = dropout
+    try:
+        return transfer_encoder(base, target, kind="classifier", overrides=overrides, seed=seed)
+    except TransferError as e:
+        raise RunError(f"--head native: {arch.name}'s {e}") from None
 
 
 def base_from_checkpoint(arch, config, checkpoint: dict[str, Tensor], where: str) -> nn.Module:

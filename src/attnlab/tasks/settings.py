@@ -4,14 +4,18 @@ error where the settings are defined, not a silent default where they are read.
 
     image = get_task("image")
     s = image.settings(d_model=16, heads=2)        # an ImageClassificationSettings
-    s.d_model, s["heads"]                          # typed fields; the mapping view the tasks read
+    s.d_model, s[name]                             # typed fields; the mapping view for a computed name
     image.settings(d_modle=16)                     # ValueError: 'd_modle' is not an option of ...
-    s["d_modle"] = 16                              # KeyError, the same line
+    s["d_modle"] = 16; s.d_modle                   # KeyError, AttributeError: the same line
     s.to_dict(), type(s).from_dict(saved)          # what config.yaml holds, and back
 
-Every value is validated by its option as it is set (its type, choices and check), so a settings
-object holds valid values only; ``task.check`` adds the checks across options. The class is made
-once per task and set of options (a family registered later adds its options to a new class).
+The tasks read fields (``s.d_model``); tests/test_settings.py scans every function of attnlab/tasks
+and the train command that takes a ``Settings`` and fails on a field that is not an option of its
+task, so a misspelt name fails in the tests, not in a run. Every value is validated by its option
+as it is set (its type, choices and check), so a settings object holds valid values only;
+``task.check_once`` adds the checks across options, once: a settings object remembers that it
+passed them until a value changes (:attr:`Settings.checked`). The class is made once per task and
+set of options (a family registered later adds its options to a new class).
 """
 from __future__ import annotations
 
@@ -21,12 +25,14 @@ from typing import Any, ClassVar
 
 __all__ = ["Settings", "settings_class"]
 
+_UNSET = object()
+
 
 class Settings(MutableMapping):
     """The base of every task's settings class (module docstring): typed fields, one per option,
     and a mapping view with the options' names as its only keys."""
 
-    __slots__ = ()
+    __slots__ = ("_checked",)            # whether the task's checks passed since the last change
     options: ClassVar[dict] = {}          # name -> Option
     task: ClassVar[str] = ""
 
@@ -43,12 +49,26 @@ class Settings(MutableMapping):
             raise KeyError(self._unknown(key))
         setattr(self, key, value)
 
+    def __getattr__(self, key: str) -> Any:          # only for a name that is not a field
+        raise AttributeError(self._unknown(key))
+
     def __setattr__(self, key: str, value: Any) -> None:
         option = self.options.get(key)
         if option is None:
             raise AttributeError(self._unknown(key))
         option.validate(value)
+        if getattr(self, key, _UNSET) != value:
+            object.__setattr__(self, "_checked", False)
         object.__setattr__(self, key, value)
+
+    @property
+    def checked(self) -> bool:
+        """Whether the task's checks across options (``TaskDefinition.check_once``) passed on these
+        values: any change of a value clears it."""
+        return getattr(self, "_checked", False)
+
+    def mark_checked(self) -> None:
+        object.__setattr__(self, "_checked", True)
 
     def __delitem__(self, key: str) -> None:
         raise TypeError(f"settings of 'attnlab train {self.task}' keep every option; set {key!r} to None instead")
@@ -63,6 +83,11 @@ class Settings(MutableMapping):
         given = ", ".join(f"{k}={v!r}" for k, v in self.items() if v != self.options[k].default)
         return f"{type(self).__name__}({given})"
 
+    def given_or(self, defaults: dict) -> dict:
+        """``defaults`` (option name -> value) with each replaced by its option's value where that is
+        given (not None); a key that is not an option is a KeyError naming it."""
+        return {k: v if self[k] is None else self[k] for k, v in defaults.items()}
+
     def to_dict(self) -> dict:
         """Every option's value, by name: what a run's config.yaml holds."""
         return {k: getattr(self, k) for k in self.options}
@@ -70,18 +95,21 @@ class Settings(MutableMapping):
     def copy(self) -> "Settings":
         return type(self).from_dict(self.to_dict())
 
-    @classmethod
-    def from_dict(cls, values: dict, where: str | None = None) -> "Settings":
-        """The settings with ``values`` over the defaults; ValueError in one line naming an unknown
-        key or a bad value (``where``: the file they came from)."""
-        out = cls()
+    def merge(self, values: dict, where: str | None = None) -> "Settings":
+        """Set ``values`` (option name -> value), each validated as it is set; ValueError in one line
+        naming an unknown key or a bad value (``where``: the file they came from). Returns self."""
         for key, value in values.items():
             try:
-                out[key] = value
+                self[key] = value
             except (KeyError, ValueError) as e:
                 message = e.args[0] if e.args else str(e)
                 raise ValueError(f"{where}: {message}" if where else message) from None
-        return out
+        return self
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str | None = None) -> "Settings":
+        """The settings with ``values`` over the defaults (:meth:`merge`)."""
+        return cls().merge(values, where)
 
 
 def _annotation(option) -> Any:

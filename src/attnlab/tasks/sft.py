@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.chats import ChatTemplate, encode_chat, is_chat_file, read_chat_file
+from .settings import Settings
 from .base import Option, Setup, fraction, positive
 from .run import RunError, build_model, inspect_path, load_model, load_tokenizers, model_context, resume_point, write_run
 
@@ -49,9 +50,9 @@ CHAT_SIZES = dict(batch_size=8, context=1024, dropout=0.0, warmup=None, steps=20
 LORA_LR, FULL_LR = 2e-4, 2e-5
 
 
-def fine_tuning(s: dict) -> bool:
+def fine_tuning(s: Settings) -> bool:
     """Whether these settings fine-tune a pretrained model (``--init``, ``--lora`` or a chat file)."""
-    return bool(s.get("init") or s.get("lora") or is_chat_file(s.get("data")))
+    return bool(s.init or s.lora or is_chat_file(s.data))
 
 
 def lora_options(model: nn.Module) -> dict | None:
@@ -59,8 +60,8 @@ def lora_options(model: nn.Module) -> dict | None:
     from ..adapters import lora_layers, lora_summary
     if not lora_layers(model):
         return None
-    s = lora_summary(model)
-    return {k: s[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules")}
+    summary = lora_summary(model)
+    return {k: summary[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules")}
 
 
 def apply_recorded_lora(model: nn.Module, recorded: dict | None) -> nn.Module:
@@ -149,7 +150,7 @@ def save_run_assets(directory: Path, model: nn.Module, tokenizer, context: int, 
         save_adapter(model, Path(directory) / "adapter")
 
 
-def _base(s: dict, resume_from: Path | None):
+def _base(s: Settings, resume_from: Path | None):
     """(model, tokenizer, chat template, where it came from) of the run being resumed or of --init."""
     saved = None if resume_from is None else resume_point(resume_from, "lm")
     if saved is not None:
@@ -158,26 +159,26 @@ def _base(s: dict, resume_from: Path | None):
         tok = load_tokenizers(saved)["text"]
         source = saved.task_options.get("chat_template")
         return model, tok, ChatTemplate(source) if source else None, "the checkpoint"
-    if not s.get("init"):
+    if not s.init:
         raise RunError("--lora and chat files fine-tune a pretrained model: give it with --init DIR")
-    info = inspect_path(s["init"])
+    info = inspect_path(s.init)
     if info.kind == "run":
         if info.run.task != "lm":
-            raise RunError(f"--init {s['init']}: {info.describe()}, not a language model")
+            raise RunError(f"--init {s.init}: {info.describe()}, not a language model")
         model, tok = load_model(info.run), load_tokenizers(info.run)["text"]
         source = info.run.task_options.get("chat_template")
         template = ChatTemplate(source) if source else ChatTemplate.for_model(None, tok)
         model = _merged(model)
     else:
         from ..hub import from_pretrained, load_tokenizer       # hub's: a GGUF file's tokenizer too
-        model, tok = from_pretrained(s["init"]).train(), load_tokenizer(s["init"])
-        template = ChatTemplate.for_model(s["init"], tok)
-    if s.get("lora"):
+        model, tok = from_pretrained(s.init).train(), load_tokenizer(s.init)
+        template = ChatTemplate.for_model(s.init, tok)
+    if s.lora:
         from ..adapters import add_lora
-        torch.manual_seed(s["seed"])              # the adapters' initial A depends on the seed alone
-        add_lora(model, [t.strip() for t in s["lora_targets"].split(",") if t.strip()], s["lora_rank"],
-                 s["lora_alpha"], s["lora_dropout"])
-    return model, tok, template, s["init"]
+        torch.manual_seed(s.seed)              # the adapters' initial A depends on the seed alone
+        add_lora(model, [t.strip() for t in s.lora_targets.split(",") if t.strip()], s.lora_rank,
+                 s.lora_alpha, s.lora_dropout)
+    return model, tok, template, s.init
 
 
 def _merged(model: nn.Module) -> nn.Module:
@@ -194,19 +195,19 @@ def _held_out(items: list, valid: list | None) -> tuple[list, list]:
     return items[:len(items) - n], items[len(items) - n:]
 
 
-def prepare_fine_tuning(task_def, s: dict, resume_from: Path | None, text_task_cls) -> Setup:
+def prepare_fine_tuning(task_def, s: Settings, resume_from: Path | None, text_task_cls) -> Setup:
     """``attnlab train lm``'s Setup when ``--init``, ``--lora`` or a chat file is given."""
-    if s["data"] is None:
+    if s.data is None:
         raise RunError("fine-tuning needs --data: a chat file (JSONL of {\"messages\": [...]}) or a text file")
     model, tok, template, source = _base(s, resume_from)
     from ..models.registry import architecture_of
-    s["model"] = architecture_of(model).model_type
+    s.model = architecture_of(model).model_type
     limit = model_context(model)
-    chat = is_chat_file(s["data"])
-    d = dict(CHAT_SIZES, lr=LORA_LR if s.get("lora") else FULL_LR, **({} if chat else {"batch_size": 16,
+    chat = is_chat_file(s.data)
+    d = dict(CHAT_SIZES, lr=LORA_LR if s.lora else FULL_LR, **({} if chat else {"batch_size": 16,
                                                                                         "context": 256}))
     d["context"] = min(d["context"], limit) if limit else d["context"]
-    d = {k: (s[k] if s.get(k) is not None else v) for k, v in d.items()}
+    d = s.given_or(d)
     if limit is not None and d["context"] > limit:
         raise ValueError(f"--context {d['context']} exceeds the model's context of {limit} tokens")
     t = task_def._schedule(s, d)
@@ -215,7 +216,7 @@ def prepare_fine_tuning(task_def, s: dict, resume_from: Path | None, text_task_c
         s.update(steps=t["steps"], warmup=t["warmup_steps"])
     if chat:
         template = template or ChatTemplate.for_model(None, tok)
-        train, valid = _held_out(read_chat_file(s["data"]), read_chat_file(s["valid"]) if s["valid"] else None)
+        train, valid = _held_out(read_chat_file(s.data), read_chat_file(s.valid) if s.valid else None)
         encode = [[encode_chat(tok, template, m) for m in part] for part in (train, valid)]
         task = ChatTask(model, tok, template, *encode, context=d["context"], batch_size=d["batch_size"])
         what = f"{len(task.train)} training and {len(task.valid)} validation conversations (the replies' tokens count)"
@@ -224,17 +225,17 @@ def prepare_fine_tuning(task_def, s: dict, resume_from: Path | None, text_task_c
         what = f"{len(task.train_ids):,} training and {len(task.valid_ids):,} validation tokens"
     n = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lines = [f"data: {s['data']}: {what}",
+    lines = [f"data: {s.data}: {what}",
              f"model: {type(model).__name__} from {source}, {n / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M "
-             f"trained{' (LoRA adapters)' if s.get('lora') else ''}, context {d['context']}",
+             f"trained{' (LoRA adapters)' if s.lora else ''}, context {d['context']}",
              task_def._describe(s, d, t, 0, True)[-1]]
-    return Setup(task, lines, {"sizes": d})
+    return Setup(task, lines, schedule=t)
 
 
-def _text_task(cls, model, tok, template, s: dict, d: dict):
+def _text_task(cls, model, tok, template, s: Settings, d: dict):
     """The task's own next-token task over a text file, saving the adapters and template with each checkpoint."""
     from ..data.text import encode_documents, text_file_corpus
-    corpus = text_file_corpus(s["data"], s["valid"])
+    corpus = text_file_corpus(s.data, s.valid)
     train, valid = (encode_documents(tok, part, corpus.eos_between) for part in (corpus.train, corpus.valid))
 
     class AdaptedText(cls):

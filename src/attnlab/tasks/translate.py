@@ -31,6 +31,7 @@ from ..data.numbers import number_corpus
 from ..data.sniff import data_directory, describe_file, scored_file
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
+from .settings import Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
@@ -193,99 +194,98 @@ class Translate(TaskDefinition):
     ]
 
     # ------------------------------------------------------------------ training
-    def _sizes(self, s: dict, n_pairs: int) -> dict:
+    def _sizes(self, s: Settings, n_pairs: int) -> dict:
         """The model, vocabulary, batch and optimisation defaults for ``n_pairs`` training pairs
         (the embedded corpus: the main job's), each replaced by its option when given."""
-        if s["data"] is None:
+        if s.data is None:
             base = dict(EMBEDDED_SIZES, tokenizer="word", pre_norm=False)
         else:
             base = dict(next(sizes for most, sizes in FILE_SIZES if n_pairs <= most), tokenizer="bpe", pre_norm=True)
-        base.update(family_recipe(s, s["model"]))            # a family's own optimizer, lr and weight decay
+        base.update(family_recipe(s, s.model))            # a family's own optimizer, lr and weight decay
         from ..models.registry import family
-        if "norm_first" not in family(s["model"]).options:
+        if "norm_first" not in family(s.model).options:
             base["pre_norm"] = None                 # a fixed layer order (T5's): nothing to choose or record
-        if s["tokenizer"] not in (None, "bpe") or base["tokenizer"] != "bpe":
+        if s.tokenizer not in (None, "bpe") or base["tokenizer"] != "bpe":
             base["vocab_size"] = None               # word and char vocabularies are what the text holds
-        chosen = {k: (s[k] if s.get(k) is not None else v) for k, v in base.items()}
-        if s["d_model"] is not None and s["d_ff"] is None and s["data"] is not None:
-            chosen["d_ff"] = 4 * s["d_model"]       # the family's usual ratio when only the width is given
+        chosen = s.given_or(base)
+        if s.d_model is not None and s.d_ff is None and s.data is not None:
+            chosen["d_ff"] = 4 * s.d_model       # the family's usual ratio when only the width is given
         return chosen
 
-    def _schedule(self, s: dict, d: dict) -> dict:
+    def _schedule(self, s: Settings, d: dict) -> dict:
         """The Trainer's length, lr, warmup and evaluation defaults (flags win)."""
         def warmup(steps: int, budget: bool) -> int:
             if budget:                    # shortened to a tenth of the planned steps if the budget is short
                 return d["warmup"]
-            return min(d["warmup"] if s["data"] is not None else 4000, max(1, steps // 10))   # a tenth at most
+            return min(d["warmup"] if s.data is not None else 4000, max(1, steps // 10))   # a tenth at most
 
         return training_schedule(s, d, warmup, lambda steps, budget: max(500 if budget else steps // 5, 100),
                                  BUDGET_EVALS)
 
-    def _describe(self, s: dict, d: dict, n_pairs: int, src_tok, tgt_tok, saved) -> list[str]:
+    def _describe(self, s: Settings, d: dict, t: dict, n_pairs: int, src_tok, tgt_tok, saved) -> list[str]:
         """One line per group of the chosen values (as ``attnlab train`` prints them)."""
-        t = self._schedule(s, d)
         if saved is not None:
             model = "model: from the checkpoint"
         else:
             vocab = (f"{d['tokenizer']} vocabulary {src_tok.vocab_size}/{tgt_tok.vocab_size}"
                      f"{' (shared)' if src_tok is tgt_tok else ''}")
             from ..models.registry import family
-            norm = f"{'Pre' if d['pre_norm'] else 'Post'}-Norm " if "norm_first" in family(s["model"]).options else ""
+            norm = f"{'Pre' if d['pre_norm'] else 'Post'}-Norm " if "norm_first" in family(s.model).options else ""
             model = (f"model (for {n_pairs:,} pairs): {vocab}, d_model {d['d_model']}, {d['heads']} heads, "
                      f"{d['layers']}+{d['layers']} {norm}layers, d_ff {d['d_ff']}, dropout {d['dropout']}, "
-                     f"family {s['model']}")
+                     f"family {s.model}")
         return [model, f"batches: at most {d['max_tokens']:,} padded tokens",
                 describe_training(s, t)]
 
-    def check(self, s: dict) -> None:
+    def check(self, s: Settings) -> None:
         from ..models.registry import families, family
         known = sorted(f.model_type for f in families(kind=self.kind))
-        if s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered encoder-decoder family ({', '.join(known)})")
+        if s.model not in known:
+            raise ValueError(f"--model: {s.model!r} is not a registered encoder-decoder family ({', '.join(known)})")
         super().check(s)
-        if s.get("pre_norm") is not None and "norm_first" not in family(s["model"]).options:
+        if s.pre_norm is not None and "norm_first" not in family(s.model).options:
             # a family with a fixed layer order (T5 is Pre-Norm by design) would silently ignore it
-            raise ValueError(f"--pre-norm/--no-pre-norm: --model {s['model']} has a fixed layer order; the choice "
+            raise ValueError(f"--pre-norm/--no-pre-norm: --model {s.model} has a fixed layer order; the choice "
                              f"applies to families with a Norm option (transformer)")
-        s["data"], s["valid"] = data_directory(s["data"], s["valid"], (".tsv",))
+        s.data, s.valid = data_directory(s.data, s.valid, (".tsv",))
 
-    def _model(self, s: dict, d: dict, src_tok, tgt_tok) -> nn.Module:
+    def _model(self, s: Settings, d: dict, src_tok, tgt_tok) -> nn.Module:
         """A fresh model of the chosen family through the model registry, sized by the options."""
         from ..models.registry import family
-        self.check(s)
-        fam = family(s["model"])
+        fam = family(s.model)
         # what the task knows beyond the shared sizes; a family takes those its builder has (a family
         # without a Norm choice or with its own tying rule has no norm_first or tie_output), and the
         # target tokenizer's special ids it states (register_family's token_ids)
-        known = dict(tgt_vocab_size=tgt_tok.vocab_size, norm_first=s["pre_norm"], tie_output=True,
+        known = dict(tgt_vocab_size=tgt_tok.vocab_size, norm_first=s.pre_norm, tie_output=True,
                      share_embeddings=src_tok is tgt_tok)
         config = fam.build_config(
-            vocab_size=src_tok.vocab_size, context=max(s["max_len"] + 2, 64), d_model=d["d_model"],
+            vocab_size=src_tok.vocab_size, context=max(s.max_len + 2, 64), d_model=d["d_model"],
             num_heads=d["heads"], num_layers=d["layers"], d_ff=d["d_ff"], dropout=d["dropout"],
             **{k: v for k, v in known.items() if k in fam.options}, **self.family_sizes(s, tgt_tok))
-        torch.manual_seed(s["seed"])              # the initial weights depend on the seed alone
+        torch.manual_seed(s.seed)              # the initial weights depend on the seed alone
         return fam.for_kind(self.kind).build(config)
 
-    def _data(self, s: dict) -> tuple[list, list, list, int]:
-        if s["data"] is None:
-            train, valid, test = number_corpus(n_train=s["corpus_size"], seed=s["seed"])
+    def _data(self, s: Settings) -> tuple[list, list, list, int]:
+        if s.data is None:
+            train, valid, test = number_corpus(n_train=s.corpus_size, seed=s.seed)
             return train, valid, test, 0
-        train, skipped = read_pairs(s["data"], s["skip_malformed"])
-        if s["valid"]:
-            valid, more = read_pairs(s["valid"], s["skip_malformed"])
+        train, skipped = read_pairs(s.data, s.skip_malformed)
+        if s.valid:
+            valid, more = read_pairs(s.valid, s.skip_malformed)
             return train, valid, [], skipped + more
         if len(train) < 2:
-            raise ValueError(f"{s['data']}: {len(train)} sentence pair: too few to hold out validation pairs and "
+            raise ValueError(f"{s.data}: {len(train)} sentence pair: too few to hold out validation pairs and "
                              "train; give --valid FILE")
         order = list(range(len(train)))                  # hold out a deterministic 2% (at most 1000 pairs)
-        random.Random(s["seed"]).shuffle(order)
+        random.Random(s.seed).shuffle(order)
         held = set(order[:min(1000, max(1, len(train) // 50))])
         return ([p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held],
                 [], skipped)
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
         """Data, tokenizers, model and the Trainer's task. The data-derived defaults are written
         into ``s``, so the run's saved settings hold the values it used."""
+        self.check_once(s)
         self.apply_family_defaults(s)
         train, valid, test, skipped = self._data(s)
         d = self._sizes(s, len(train))
@@ -300,31 +300,30 @@ class Translate(TaskDefinition):
             model = build_model(saved.model_type, saved.config, saved.architecture)
         else:
             src_tok, tgt_tok = train_tokenizers(d["tokenizer"], [a for a, _ in train], [b for _, b in train],
-                                                shared=not s["separate_vocab"], vocab_size=d["vocab_size"] or 8000)
+                                                shared=not s.separate_vocab, vocab_size=d["vocab_size"] or 8000)
             model = self._model(s, d, src_tok, tgt_tok)
         encoded = [(src_tok.encode(a), tgt_tok.encode(b)) for a, b in train]
-        kept = _within(encoded, s["max_len"], s["data"])
+        kept = _within(encoded, s.max_len, s.data)
         skipped += len(encoded) - len(kept)
         encoded = kept
-        embedded = s["data"] is None
+        embedded = s.data is None
         task = TranslationTask(model, src_tok, tgt_tok, encoded, valid, max_tokens=d["max_tokens"],
-                               label_smoothing=s["label_smoothing"], eval_size=s["eval_size"])
+                               label_smoothing=s.label_smoothing, eval_size=s.eval_size)
         n_params = sum(p.numel() for p in model.parameters())
-        lines = [f"data: {'the embedded English->German corpus' if embedded else s['data']}: {len(encoded):,} "
+        lines = [f"data: {'the embedded English->German corpus' if embedded else s.data}: {len(encoded):,} "
                  f"training pairs, {len(valid):,} validation" + (f", {len(test):,} test" if test else "")]
         if skipped:
-            lines.append(f"skipped {skipped} training pairs (malformed or longer than {s['max_len']} tokens)")
+            lines.append(f"skipped {skipped} training pairs (malformed or longer than {s.max_len} tokens)")
         lines.append(f"model: {n_params / 1e6:.2f}M parameters, vocab {src_tok.vocab_size}/{tgt_tok.vocab_size}"
                      + (" (from the checkpoint)" if saved else ""))
-        lines += self._describe(s, d, len(train), src_tok, tgt_tok, saved)
-        return Setup(task, lines, {"test": test, "sizes": d})
+        lines += self._describe(s, d, t, len(train), src_tok, tgt_tok, saved)
+        return Setup(task, lines, {"test": test}, schedule=t)
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        d = setup.extra.get("sizes") or self._sizes(s, 0)
-        return dict(self._schedule(s, d), betas=(0.9, 0.98 if s["beta2"] is None else s["beta2"]),
-                    best_metric="bleu" if s["eval_size"] else "val_loss", best_mode="max" if s["eval_size"] else "min")
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        return dict(setup.schedule, betas=(0.9, 0.98 if s.beta2 is None else s.beta2),
+                    best_metric="bleu" if s.eval_size else "val_loss", best_mode="max" if s.eval_size else "min")
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
         """A few held-out translations and the test (embedded corpus) or validation scores."""
         translator = self.load(open_run(run_dir))
         pairs = setup.extra["test"] or setup.task.valid[:500]
@@ -361,9 +360,9 @@ class Translate(TaskDefinition):
         pairs = pairs[: settings["limit"]]
         translator = self.load(info.run, device, dtype)
         hyps = translator([a for a, _ in pairs], beam_size=settings["beam"])
-        s = score_translations(hyps, [b for _, b in pairs])
-        print(f"{data}: {len(pairs)} pairs, beam {settings['beam']}: BLEU {s['bleu']:.2f}  chrF {s['chrf']:.2f}  "
-              f"exact match {s['exact']:.1f}%")
+        scores = score_translations(hyps, [b for _, b in pairs])
+        print(f"{data}: {len(pairs)} pairs, beam {settings['beam']}: BLEU {scores['bleu']:.2f}  "
+              f"chrF {scores['chrf']:.2f}  exact match {scores['exact']:.1f}%")
 
 
 TRANSLATE = register_task(Translate())

@@ -41,8 +41,8 @@ newest intact one (:func:`resolve_resume` says which it skipped and why). A chec
 a manifest (written by an older attnlab, or whose manifest was removed to accept a file edited
 on purpose) loads unchecked, without a word: there is nothing to check it against, and a
 warning on every load of an old run would say nothing its owner can act on. Hashing costs less
-than loading: on a 2-core AMD EPYC shared with other jobs a 440 MB file (BERT-base) hashed in
-0.8-1.2 s and loaded into a module in 1.3-2.0 s. A file is hashed once per process while it is
+than loading (a BERT-base file hashed in about two thirds of the time it took to load;
+benchmarks/results/code.md). A file is hashed once per process while it is
 unchanged (same inode, size and times), so a loader that checks a checkpoint before choosing it
 does not hash it again to load it.
 

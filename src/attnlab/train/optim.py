@@ -117,8 +117,8 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
     Fused (one kernel pass over parameters, gradients and both moments, instead of about a
     dozen passes) when torch has a fused AdamW for every parameter's device and dtype;
     otherwise torch's default (a per-parameter loop on CPU, foreach on CUDA). Same update rule
-    either way; on this project's 2-core CPU the step of a 56M-parameter model takes about
-    4x less time fused (190 -> 42 ms; benchmarks/seq2seq.py). Build it after moving the model
+    either way; on a CPU the step of a 56M-parameter model took about 4x less time fused
+    (benchmarks/seq2seq.py, benchmarks/results/code.md). Build it after moving the model
     to its device, as the Trainer does.
     """
     groups = param_groups(model, config.weight_decay)

@@ -183,9 +183,9 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- helpers
-# below this many parameters a CPU model's matmuls are too small for bf16 autocast to pay: measured on
-# an AMX Xeon, the 0.7M-parameter main job ran no faster in bf16 (14.7k vs 15.0k tokens/s) and ended
-# 0.5 BLEU lower, while the 7.6M Multi30k model gained ~10 % and a 10.7M GPT 1.4x
+# below this many parameters a CPU model's matmuls are too small for bf16 autocast to pay: on a CPU with
+# native bf16 the 0.7M-parameter main job ran no faster in bf16 and ended 0.5 BLEU lower, while the 7.6M
+# Multi30k model gained ~10 % and a 10.7M GPT 1.4x (benchmarks/results/code.md)
 AUTO_BF16_MIN_PARAMS = 2_000_000
 
 
