@@ -112,6 +112,12 @@ class CLIPVisionTower(nn.Module):
         self.post_norm = nn.LayerNorm(c.vision_d_model, eps=c.layer_norm_eps)
 
     def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> tuple[Tensor, Tensor]:
+        x = self.hidden_states(pixel_values, len(self.layers), interpolate_pos_encoding)
+        return x, self.post_norm(x[:, 0])
+
+    def hidden_states(self, pixel_values: Tensor, layers: int, interpolate_pos_encoding: bool = False) -> Tensor:
+        """(B, 1 + P, E): the tokens after the first ``layers`` layers (0: the embeddings after
+        ``pre_norm``), transformers' ``hidden_states[layers]`` (a vision-language model reads one)."""
         c = self.config
         H, W = pixel_values.shape[-2:]
         if not interpolate_pos_encoding and (H, W) != (c.image_size, c.image_size):
@@ -120,9 +126,9 @@ class CLIPVisionTower(nn.Module):
         x = self.patch_embed(pixel_values.to(self.patch_embed.proj.weight.dtype))
         x = torch.cat([self.cls_token.expand(x.size(0), -1, -1), x], dim=1)
         x = self.pre_norm(self.position(x, patch_grid(H, W, c.patch_size)))
-        for layer in self.layers:
+        for layer in self.layers[:layers]:
             x = layer(x)
-        return x, self.post_norm(x[:, 0])
+        return x
 
 
 class CLIPTextTower(nn.Module):
