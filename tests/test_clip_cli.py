@@ -1,5 +1,5 @@
 """`attnlab train clip` end to end on tiny settings: the digits and an image folder with class or
-file captions, batches with no caption twice, the end token where both pooling rules find it, an
+file captions, batches whose images point at their distinct captions, the end token where both pooling rules find it, an
 exact resume, zero-shot `classify`, `embed` of texts and images, `export` read by transformers'
 CLIPModel and CLIPProcessor (fp32, 1e-5 relative to scale), and bad input in one line."""
 import numpy as np
@@ -49,10 +49,16 @@ def test_the_digits_train_with_one_image_per_caption_and_the_end_token_last(digi
     task = get_task("clip")
     setup = task.prepare(task.settings(out=str(digits_run.parent / "x")), None)
     plan = setup.task.plan(0, 0)
-    for index, _ in plan:
-        captions = setup.task.train_c[index]
-        assert len(captions.unique()) == len(captions)          # no caption twice in a batch
     assert sorted(torch.cat([i for i, _ in plan]).tolist()) == list(range(len(setup.task.train_c)))
+    index, seed = plan[0]
+    images = setup.task.train_x[index]
+    batch = setup.task.inputs(images, setup.task.train_c[index], "cpu")
+    # the batch's distinct captions, each image pointing at its own
+    texts = batch["input_ids"]
+    assert len(texts) == len(setup.task.train_c[index].unique()) < len(index)
+    for i, t in enumerate(batch["text_index"].tolist()):
+        caption = setup.task.captions[int(setup.task.train_c[index][i])]
+        assert tok.decode(texts[t].tolist()) == caption
 
 
 def test_zero_shot_classify_and_embed_texts_and_images(digits_run, tmp_path, capsys):

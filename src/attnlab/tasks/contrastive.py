@@ -14,12 +14,9 @@ captions of one's own instead, one ``IMAGE<TAB>caption`` per line, IMAGE relativ
 Without ``--data``: the embedded 8x8 digits (:mod:`attnlab.data.digits`, the image task's split:
 1,497 to train on, 100 to validate with, 200 held out for the report).
 
-Batches. The loss scores each image of a batch against every caption of the batch, its own being
-the target: two images of one class in a batch share a caption, and the loss would push an image
-away from a caption that describes it as well as its own. So a batch never holds one caption
-twice: each epoch deals the images of every caption into rounds (round r: the r-th image of each
-caption, in shuffled order) and cuts each round into batches of at most ``--batch-size``. With
-ten class captions a batch holds one image per class.
+Batches. The loss scores each image of a batch against the batch's distinct captions: images
+of one class share a caption, which then takes every one of them as its target (the model's
+objective with ``text_index``), so no image is pushed away from a caption that describes it.
 
 The tokenizer. A byte-pair vocabulary trained on the captions, with one token added after it, the
 end of text: the text's vector is read at the end token, which models of this kind find either by
@@ -111,7 +108,7 @@ def _read_captions(file: str, root: str) -> tuple[list[Path], list[str]]:
 # ----------------------------------------------------------------------------- the Trainer's task
 class ContrastiveTask:
     """The Trainer's view: images as resized bytes, each with the index of its caption; a planned
-    batch is (image indices, augmentation seed) with no caption twice."""
+    batch is (image indices, augmentation seed)."""
 
     def __init__(self, model: nn.Module, processor: ImageProcessor, tokenizer, captions: list[str],
                  train: tuple[Tensor, Tensor], valid: tuple[Tensor, Tensor], *, batch_size: int, augmentation: str,
@@ -124,21 +121,17 @@ class ContrastiveTask:
 
     def plan(self, epoch: int, seed: int) -> list[tuple[Tensor, int]]:
         g = torch.Generator().manual_seed(seed * 1000 + epoch)
-        groups = [m[torch.randperm(len(m), generator=g)] for c in self.train_c.unique()
-                  for m in [(self.train_c == c).nonzero().flatten()]]
-        batches = []
-        for r in range(max(map(len, groups))):
-            round_ = torch.stack([m[r] for m in groups if len(m) > r])
-            batches += list(round_[torch.randperm(len(round_), generator=g)].split(self.batch_size))
-        order = torch.randperm(len(batches), generator=g).tolist()
-        seeds = torch.randint(0, 2 ** 62, (len(batches),), generator=g).tolist()
-        return [(batches[i], s) for i, s in zip(order, seeds)]
+        order = torch.randperm(len(self.train_c), generator=g).split(self.batch_size)
+        seeds = torch.randint(0, 2 ** 62, (len(order),), generator=g).tolist()
+        return list(zip(order, seeds))
 
     def inputs(self, images: Tensor, caption_index: Tensor, device) -> dict:
-        ids, mask = self.ids[caption_index], self.mask[caption_index]
+        """The model's batch: the images, their distinct captions, and which caption is each image's."""
+        captions, text_index = caption_index.unique(return_inverse=True)
+        ids, mask = self.ids[captions], self.mask[captions]
         T = int(mask.sum(1).max())
         return {"input_ids": ids[:, :T].to(device), "pixel_values": self.processor.finish(images).to(device),
-                "attention_mask": mask[:, :T].to(device)}
+                "attention_mask": mask[:, :T].to(device), "text_index": text_index.to(device)}
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, int]) -> tuple[Tensor, int, dict]:
         from ..models.registry import training_loss
@@ -236,7 +229,7 @@ class ContrastiveTraining(TaskDefinition):
                check=lambda v: None if v.count("{}") == 1 else "must hold {} once", group=_D),
         Option("captions", str, None, "a file of IMAGE<TAB>caption lines (IMAGE relative to --data) instead of "
                "the class folders' captions", metavar="FILE", group=_D),
-        Option("batch_size", int, 64, "images per micro-batch (at most one per caption)", check=positive, group=_D),
+        Option("batch_size", int, 64, "images per micro-batch", check=positive, group=_D),
         Option("augment", str, None, "augmentation of the training images (default: affine for the digits, "
                "crop-flip for a folder)", choices=AUGMENTATIONS, group=_D),
     ]
