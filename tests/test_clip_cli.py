@@ -50,6 +50,10 @@ def test_the_digits_train_with_one_image_per_caption_and_the_end_token_last(digi
     setup = task.prepare(task.settings(out=str(digits_run.parent / "x")), None)
     plan = setup.task.plan(0, 0)
     assert sorted(torch.cat([i for i, _ in plan]).tolist()) == list(range(len(setup.task.train_c)))
+    # as many images of each caption in a batch (64 // 10 = 6), but where a class runs out
+    counts = [setup.task.train_c[i].bincount() for i, _ in plan]
+    balanced = [set(c[c > 0].tolist()) == {6} and len(c[c > 0]) == 10 for c in counts]
+    assert sum(balanced) >= 0.9 * len(plan)
     index, seed = plan[0]
     images = setup.task.train_x[index]
     batch = setup.task.inputs(images, setup.task.train_c[index], "cpu")

@@ -16,7 +16,11 @@ Without ``--data``: the embedded 8x8 digits (:mod:`attnlab.data.digits`, the ima
 
 Batches. The loss scores each image of a batch against the batch's distinct captions: images
 of one class share a caption, which then takes every one of them as its target (the model's
-objective with ``text_index``), so no image is pushed away from a caption that describes it.
+objective with ``text_index``), so no image is pushed away from a caption that describes it. A
+batch holds as many images of each of its captions (``--batch-size`` // captions, at least one;
+rounds of that many from each caption, in shuffled order): with unequal counts every caption's
+vector was pulled along the images' common direction, and on the digits the ten captions' vectors
+became one (cosine 1.0000 within 25 steps) and stayed there at chance accuracy.
 
 The tokenizer. A byte-pair vocabulary trained on the captions, with one token added after it, the
 end of text: the text's vector is read at the end token, which models of this kind find either by
@@ -121,9 +125,16 @@ class ContrastiveTask:
 
     def plan(self, epoch: int, seed: int) -> list[tuple[Tensor, int]]:
         g = torch.Generator().manual_seed(seed * 1000 + epoch)
-        order = torch.randperm(len(self.train_c), generator=g).split(self.batch_size)
-        seeds = torch.randint(0, 2 ** 62, (len(order),), generator=g).tolist()
-        return list(zip(order, seeds))
+        groups = [m[torch.randperm(len(m), generator=g)] for c in self.train_c.unique()
+                  for m in [(self.train_c == c).nonzero().flatten()]]
+        k = max(1, self.batch_size // len(groups))              # images per caption in a batch
+        batches = []
+        for r in range(0, max(map(len, groups)), k):
+            round_ = torch.cat([m[r:r + k] for m in groups if len(m) > r])
+            batches += list(round_[torch.randperm(len(round_), generator=g)].split(self.batch_size))
+        order = torch.randperm(len(batches), generator=g).tolist()
+        seeds = torch.randint(0, 2 ** 62, (len(batches),), generator=g).tolist()
+        return [(batches[i], s) for i, s in zip(order, seeds)]
 
     def inputs(self, images: Tensor, caption_index: Tensor, device) -> dict:
         """The model's batch: the images, their distinct captions, and which caption is each image's."""
