@@ -11,16 +11,9 @@ import attnlab
 from attnlab.models.llava import LlavaForConditionalGeneration, expand_image_tokens, llava_config_to_hf
 from attnlab.models.registry import family
 from _tolerance import FP32, assert_close_scaled
+from contract import randomize_ as _randomize
 
 transformers = pytest.importorskip("transformers")
-
-
-def _randomize(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0
-            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
 
 
 def _batch(config):
@@ -80,3 +73,25 @@ def test_the_image_tokens_must_match_the_images():
     assert model(ids[:1], pixels[:1], mask[:1]).shape == (1, ids.size(1), config.text.vocab_size)
     with pytest.raises(ValueError, match=r"input_ids hold 32 image tokens, the 1 image\(s\) give 16 each"):
         model(ids, pixels[:1], mask)
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_image_tokens_are_expanded_as_transformers_processor_does(strategy):
+    """transformers' LlavaProcessor turns one "<image>" into as many tokens as the tower gives
+    features; expand_image_tokens on the ids with one placeholder gives the same ids."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    config = family("llava").preset("tiny", vision_feature_select_strategy=strategy)
+    vocab = {"<unk>": 0, "USER:": 1, "what": 2, "digit?": 3, "<image>": config.image_token_id}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
+                                            vision_feature_select_strategy=strategy, image_token="<image>",
+                                            num_additional_image_tokens=1)
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    got = processor(text="USER: <image> what digit?", images=image)["input_ids"][0]
+    want = expand_image_tokens([1, config.image_token_id, 2, 3], config.image_token_id, config.image_tokens)
+    assert list(got) == want and config.image_tokens == 16 + (strategy == "full")
