@@ -283,8 +283,8 @@ class ContrastiveTraining(TaskDefinition):
             pick = lambda keep: ([p for i, p in enumerate(paths) if (i in held) != keep],    # noqa: E731
                                  [c for i, c in enumerate(captions) if (i in held) != keep])
             return dict(train=pick(True), valid=pick(False), labels=[], root=s["captions"])
-        from .image import ImageClassification
-        train, valid, test = ImageClassification._folders(ImageClassification(), s)
+        from .image import IMAGE
+        train, valid, test = IMAGE._folders(s)
         caption = lambda f: (f.paths, [template.format(y) for y in f.labels])           # noqa: E731
         out = dict(train=caption(train), valid=caption(valid), labels=train.classes, root=str(train.root))
         if test is not None:
