@@ -50,7 +50,7 @@ from .base import Option, Setup, TaskDefinition, describe_training, positive, re
 from .image import _arrays, _bytes
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
 
-__all__ = ["ContrastiveTraining", "ContrastiveTask", "LoadedContrastive", "caption_tokenizer", "END_TOKEN"]
+__all__ = ["ImagesWithText", "ContrastiveTraining", "ContrastiveTask", "LoadedContrastive", "caption_tokenizer", "END_TOKEN"]
 
 KIND = "contrastive"
 END_TOKEN = "<|endoftext|>"
@@ -122,6 +122,7 @@ class ContrastiveTask:
         self.context = model.config.context
         self.ids, self.mask = encode_captions(tokenizer, captions, self.context)
         (self.train_x, self.train_c), (self.valid_x, self.valid_c) = train, valid
+        self.train_y = self.train_c                     # what the shared schedule counts
 
     def plan(self, epoch: int, seed: int) -> list[tuple[Tensor, int]]:
         g = torch.Generator().manual_seed(seed * 1000 + epoch)
@@ -212,7 +213,39 @@ class LoadedContrastive:
         return torch.softmax(scale * self.image_vectors(images, batch_size=batch_size) @ texts.t(), -1)
 
 
-class ContrastiveTraining(TaskDefinition):
+class ImagesWithText(TaskDefinition):
+    """What the tasks on images and texts share: the family of the task's kind, the sizes and the
+    schedule of the digits or of a folder (:data:`_SIZES`), the best checkpoint by accuracy."""
+
+    def check(self, s: dict) -> None:
+        from ..models.registry import default_family, families
+        known = [f.model_type for f in families(kind=self.kind)]
+        s["model"] = s["model"] or default_family(self.kind)
+        if s["model"] not in known:
+            raise ValueError(f"--model: {s['model']!r} is not a registered family of kind {self.kind} "
+                             f"({', '.join(known) or 'none registered'})")
+        super().check(s)
+        if s["data"] is None and s["valid"] is not None:
+            raise ValueError("--valid: give the training images too (--data DIR); the digits have their own split")
+        for name in ("image_size", "patch_size", "augment"):
+            if s[name] is None:
+                s[name] = _SIZES[data_source(s)][name]
+        if s["image_size"] % s["patch_size"]:
+            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
+
+    def _schedule(self, s: dict, n_images: int) -> dict:
+        kind = data_source(s)
+        steps = _SIZES[kind]["steps"] or max(100, min(5000, 10 * -(-n_images // s["batch_size"])))
+        return training_schedule(s, dict(steps=steps, lr=_SIZES[kind]["lr"]),
+                                 lambda steps, budget: 50 if budget else max(1, steps // 10),
+                                 lambda steps, budget: max(steps // 5, 20), 4)
+
+    def train_config(self, s: dict, setup: Setup) -> dict:
+        return dict(self._schedule(s, len(setup.task.train_y)), betas=(0.9, 0.98), best_metric="accuracy",
+                    best_mode="max")
+
+
+class ContrastiveTraining(ImagesWithText):
     name = "clip"
     kind = KIND
     help = ("a contrastive image-text model (any registered family of kind contrastive) on the embedded digits or "
@@ -248,22 +281,9 @@ class ContrastiveTraining(TaskDefinition):
     data_help = "an image folder: one sub-folder of images per class (or any images, with --captions)"
 
     def check(self, s: dict) -> None:
-        from ..models.registry import default_family, families
-        known = [f.model_type for f in families(kind=KIND)]
-        s["model"] = s["model"] or default_family(KIND)
-        if s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered family of kind {KIND} "
-                             f"({', '.join(known) or 'none registered'})")
-        super().check(s)
         if s["data"] is None and s["captions"] is not None:
             raise ValueError("--captions: give the images too (--data DIR)")
-        if s["data"] is None and s["valid"] is not None:
-            raise ValueError("--valid: give the training images too (--data DIR); the digits have their own split")
-        for name in ("image_size", "patch_size", "augment"):
-            if s[name] is None:
-                s[name] = _SIZES[data_source(s)][name]
-        if s["image_size"] % s["patch_size"]:
-            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
+        super().check(s)
 
     # ------------------------------------------------------------------ data
     def _examples(self, s: dict) -> dict:
@@ -332,17 +352,6 @@ class ContrastiveTraining(TaskDefinition):
                  f"{s['image_size']}x{s['image_size']} in patches of {s['patch_size']}, captions of at most "
                  f"{s['context']} tokens (vocabulary {tokenizer.vocab_size})", describe_training(s, t)]
         return Setup(task, lines, {"test": sets.get("test")})
-
-    def _schedule(self, s: dict, n_images: int) -> dict:
-        kind = data_source(s)
-        steps = _SIZES[kind]["steps"] or max(100, min(5000, 10 * -(-n_images // s["batch_size"])))
-        return training_schedule(s, dict(steps=steps, lr=_SIZES[kind]["lr"]),
-                                 lambda steps, budget: 50 if budget else max(1, steps // 10),
-                                 lambda steps, budget: max(steps // 5, 20), 4)
-
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        return dict(self._schedule(s, len(setup.task.train_c)), betas=(0.9, 0.98), best_metric="accuracy",
-                    best_mode="max")
 
     def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
         from .run import open_run

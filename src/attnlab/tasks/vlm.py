@@ -30,7 +30,8 @@ from ..data.images import AUGMENTATIONS, augment
 from ..models.objective import IGNORE_INDEX
 from ..processors import ImageProcessor
 from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, WordTokenizer
-from .base import Option, Setup, TaskDefinition, describe_training, positive, register_task, training_schedule
+from .base import Option, Setup, describe_training, positive, register_task
+from .contrastive import ImagesWithText, data_source
 from .image import _arrays, _bytes
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
 
@@ -40,14 +41,8 @@ KIND = "vision-language"
 IMAGE_TOKEN = "<image>"
 QUESTIONS = {"digits": ("what digit is this?", "which digit is shown?", "what number is in the picture?"),
              "folder": ("what is this?", "what is in the picture?", "which class is shown?")}
-_SIZES = {"digits": dict(image_size=8, patch_size=2, augment="affine", steps=1500, lr=2e-3),
-          "folder": dict(image_size=32, patch_size=4, augment="crop-flip", steps=None, lr=1e-3)}
 _M, _D = "model", "data and evaluation"
 MAX_ANSWER = 4
-
-
-def data_source(s) -> str:
-    return "digits" if s["data"] is None else "folder"
 
 
 def _prompt(tokenizer, question: str, image_tokens: int) -> list[int]:
@@ -148,7 +143,7 @@ class LoadedVisionLanguage:
         return answer(self.model, self.tokenizer, self.processor(images), question or self.questions[0])
 
 
-class VisionLanguageTraining(TaskDefinition):
+class VisionLanguageTraining(ImagesWithText):
     name = "vlm"
     kind = KIND
     help = ("a vision-language model (any registered family of kind vision-language) answering generated questions "
@@ -171,22 +166,6 @@ class VisionLanguageTraining(TaskDefinition):
     ]
     data_paths = ("directory",)
     data_help = "an image folder: one sub-folder of images per class"
-
-    def check(self, s: dict) -> None:
-        from ..models.registry import default_family, families
-        known = [f.model_type for f in families(kind=KIND)]
-        s["model"] = s["model"] or default_family(KIND)
-        if s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered family of kind {KIND} "
-                             f"({', '.join(known) or 'none registered'})")
-        super().check(s)
-        if s["data"] is None and s["valid"] is not None:
-            raise ValueError("--valid: give the training images too (--data DIR); the digits have their own split")
-        for name in ("image_size", "patch_size", "augment"):
-            if s[name] is None:
-                s[name] = _SIZES[data_source(s)][name]
-        if s["image_size"] % s["patch_size"]:
-            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
 
     def _data(self, s: dict, processor: ImageProcessor) -> dict:
         if data_source(s) == "digits":
@@ -234,17 +213,6 @@ class VisionLanguageTraining(TaskDefinition):
                  f"validation; questions such as {questions[0]!r}, answers: {', '.join(data['labels'][:12])}",
                  f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters", describe_training(s, t)]
         return Setup(task, lines, {"test": data.get("test")})
-
-    def _schedule(self, s: dict, n_images: int) -> dict:
-        kind = data_source(s)
-        steps = _SIZES[kind]["steps"] or max(100, min(5000, 10 * -(-n_images // s["batch_size"])))
-        return training_schedule(s, dict(steps=steps, lr=_SIZES[kind]["lr"]),
-                                 lambda steps, budget: 50 if budget else max(1, steps // 10),
-                                 lambda steps, budget: max(steps // 5, 20), 4)
-
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        return dict(self._schedule(s, len(setup.task.train_y)), betas=(0.9, 0.98), best_metric="accuracy",
-                    best_mode="max")
 
     def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
         from .run import open_run
