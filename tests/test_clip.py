@@ -108,3 +108,18 @@ def test_the_published_size_and_bad_configs():
         CLIPConfig(image_size=20, patch_size=8)
     with pytest.raises(ValueError, match="activation must be one of"):
         CLIPConfig(activation="swish")
+
+
+def test_a_caption_shared_by_several_images_takes_them_all_as_targets():
+    """Four images, three captions (images 0 and 2 share caption 1): image->text is the cross-entropy
+    against each image's caption; text->image, per caption, the mean of -log p over its images."""
+    logits = torch.tensor([[0.3, 2.0, -1.0], [1.5, 0.0, 0.2], [0.1, 1.0, 0.4], [-0.5, 0.3, 2.5]])
+    text_index = torch.tensor([1, 0, 1, 2])
+    loss, correct = contrastive_loss(logits, text_index)
+    image_to_text = torch.nn.functional.cross_entropy(logits, text_index)
+    log_p = logits.t().log_softmax(-1)                       # (texts, images)
+    per_text = [-(sum(log_p[t, i] for i in range(4) if text_index[i] == t) / int((text_index == t).sum()))
+                for t in range(3)]
+    want = (image_to_text + sum(per_text) / 3) / 2
+    torch.testing.assert_close(loss, want)
+    assert int(correct) == 4

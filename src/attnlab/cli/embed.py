@@ -1,4 +1,6 @@
-"""``attnlab embed DIR "text" ...``: sentence vectors from an encoder (mean over the real tokens).
+"""``attnlab embed DIR "text" ...``: sentence vectors from an encoder (mean over the real tokens);
+``attnlab embed RUN "text" ... --images a.png ...``: texts and images in one space, from a run of a
+model of images and texts (``attnlab train clip``), the texts' rows first, then the images'.
 
 Vectors are normalised to unit length by default, as sentence-transformers checkpoints
 (all-MiniLM-L6-v2) normalise theirs, so that a dot product is the cosine similarity;
@@ -11,15 +13,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "sentence embeddings from an encoder (a Hugging Face directory such as all-MiniLM-L6-v2, or an attnlab run)"
+HELP = ("sentence embeddings from an encoder (a Hugging Face directory such as all-MiniLM-L6-v2, or an attnlab run); "
+        "texts and images from an image-text run")
 EXAMPLE = ('attnlab embed all-MiniLM-L6-v2/ "a cat sits on the mat" "a dog runs"\n'
-           "  attnlab embed runs/classify --out vectors.npy < sentences.txt")
+           "  attnlab embed runs/classify --out vectors.npy < sentences.txt\n"
+           '  attnlab embed runs/clip "a photo of a 3" --images three.png seven.png')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a Hugging Face model directory (config.json, weights, tokenizer.json) or an "
                    "attnlab run whose model has token vectors (a base encoder, a classifier)")
     p.add_argument("texts", nargs="*", help="texts to embed (default: one per line from stdin)")
+    p.add_argument("--images", nargs="+", default=[], metavar="IMAGE", help="image files to embed after the texts "
+                   "(a run of a model of images and texts)")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                    help="unit-length vectors, so that a dot product is the cosine (default: on)")
     p.add_argument("--out", metavar="FILE.npy", help="write the (N, E) float32 array here instead of printing it")
@@ -36,11 +42,20 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.out is not None and not args.out.endswith(".npy"):
         raise UserError(f"--out {args.out}: give a file name ending in .npy")
-    open_model_path(args.checkpoint, "embed", ("base", "classifier", "masked-lm", "causal-lm", "pretraining"))
-    texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
-    if not texts:
+    from ..models.registry import KINDS
+    info, kind = open_model_path(args.checkpoint, "embed", ("base", "classifier", "masked-lm", "causal-lm",
+                                                            "pretraining", "contrastive"))
+    both = KINDS[kind].modality == "image-text"
+    if args.images and not both:
+        raise UserError(f"--images: {args.checkpoint} embeds texts only; images take a model of images and texts "
+                        "(an attnlab train clip run)")
+    texts = args.texts or ([] if args.images else [line.rstrip("\r\n") for line in sys.stdin])
+    if not texts and not args.images:
         raise UserError("no texts to embed: give them as arguments or one per line on stdin")
-    vectors = load_embedder(args.checkpoint, args.device).embed(texts, args.normalize, args.batch_size)
+    if both:
+        vectors = _texts_and_images(args, info, texts)
+    else:
+        vectors = load_embedder(args.checkpoint, args.device).embed(texts, args.normalize, args.batch_size)
     if args.out is not None:
         import numpy as np
         np.save(args.out, vectors.numpy().astype("float32"))
@@ -50,3 +65,17 @@ def run(args: argparse.Namespace) -> int:
     for v in vectors.tolist():
         print(" ".join(f"{x:.6f}" for x in v))
     return 0
+
+
+def _texts_and_images(args: argparse.Namespace, info, texts: list[str]):
+    """(texts + images, P) vectors from an image-text run, in one space."""
+    import torch
+    from . import UserError
+    from ..tasks import get_task
+    if info.kind != "run":
+        raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab embed' reads an image-text model from an "
+                        "attnlab run, which holds its tokenizer and image processor")
+    model = get_task(info.run.task).load(info.run, args.device)
+    parts = ([model.text_vectors(texts, args.normalize, args.batch_size)] if texts else []) + (
+        [model.image_vectors(args.images, args.normalize, args.batch_size)] if args.images else [])
+    return torch.cat(parts)

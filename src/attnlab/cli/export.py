@@ -2,7 +2,8 @@
 
 OUT receives ``config.json`` (the architecture's transformers class in "architectures"; a classify
 or image run's label names as ``id2label`` and ``label2id``), ``model.safetensors``, an image run's image processor as
-``preprocessor_config.json`` and, where the run's tokenizer is one
+``preprocessor_config.json`` (an image-text run: both it and the tokenizer files, as
+transformers' processors of images and texts read them) and, where the run's tokenizer is one
 the ``tokenizers`` library reads (a pretrained model's tokenizer.json, or a BPE vocabulary trained
 by attnlab), ``tokenizer.json`` with a ``tokenizer_config.json`` naming its special tokens, so
 that ``AutoTokenizer.from_pretrained(OUT)`` works too. A word- or character-level vocabulary has
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         if processors["image"].channels == 1:
             note = (f"{out}: a grey (1-channel) model: transformers' image-classification pipeline makes every image "
                     "RGB and cannot run it; call the model on 1-channel pixel_values, or train with --channels 3")
-    else:
+    if "image" not in processors or "text" in processors:       # a model of images and texts has both
         tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
         why = _tokenizer_files(tok, out, model_context(model), arch.family.special_tokens)
         template = info.run.task_options.get("chat_template")

@@ -170,11 +170,13 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         return layer(x, mask, **kwargs)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: LayerCaches | None = None) -> Tensor:
+                cache: LayerCaches | None = None, inputs_embeds: Tensor | None = None) -> Tensor:
         """Token ids (B, T) -> next-token logits (B, T, V).
 
         ``positions`` (T,) or (B, T) overrides the query positions; without a cache they are
         the keys' positions too (with one, the keys' come from the mask, or are arange(S)).
+        ``inputs_embeds`` (B, T, E): the tokens' vectors to use instead of embedding ``input_ids``
+        (a vision-language model puts image features among them); the ids still give the shape.
         """
         self._check_ids(input_ids)
         B, T = input_ids.shape
@@ -190,7 +192,7 @@ class CausalLM(GenerationMixin, SavePretrained, nn.Module):
         # unless the model also embeds absolute positions (its own embed)
         bounded = cache is None or not cache.rebases_positions or type(self).embed is not CausalLM.embed
         positions, key_positions = self._positions(positions, mask, past, B, T, input_ids.device, bounded)
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids, positions) if inputs_embeds is None else inputs_embeds
         for i, layer in enumerate(self.layers):
             x = self._run(layer, x, mask, positions=positions, key_positions=key_positions,
                           cache=None if cache is None else cache.self_attn[i])

@@ -112,6 +112,12 @@ class CLIPVisionTower(nn.Module):
         self.post_norm = nn.LayerNorm(c.vision_d_model, eps=c.layer_norm_eps)
 
     def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> tuple[Tensor, Tensor]:
+        x = self.hidden_states(pixel_values, len(self.layers), interpolate_pos_encoding)
+        return x, self.post_norm(x[:, 0])
+
+    def hidden_states(self, pixel_values: Tensor, layers: int, interpolate_pos_encoding: bool = False) -> Tensor:
+        """(B, 1 + P, E): the tokens after the first ``layers`` layers (0: the embeddings after
+        ``pre_norm``), transformers' ``hidden_states[layers]`` (a vision-language model reads one)."""
         c = self.config
         H, W = pixel_values.shape[-2:]
         if not interpolate_pos_encoding and (H, W) != (c.image_size, c.image_size):
@@ -120,9 +126,9 @@ class CLIPVisionTower(nn.Module):
         x = self.patch_embed(pixel_values.to(self.patch_embed.proj.weight.dtype))
         x = torch.cat([self.cls_token.expand(x.size(0), -1, -1), x], dim=1)
         x = self.pre_norm(self.position(x, patch_grid(H, W, c.patch_size)))
-        for layer in self.layers:
+        for layer in self.layers[:layers]:
             x = layer(x)
-        return x, self.post_norm(x[:, 0])
+        return x
 
 
 class CLIPTextTower(nn.Module):
@@ -207,22 +213,30 @@ class CLIPModel(SavePretrained, nn.Module):
         return logits_per_text.t(), logits_per_text, text, image
 
     def loss(self, batch: dict, forward=None):
-        """The symmetric contrastive loss of a batch of matching pairs (row i of ``input_ids`` describes
-        image i): :func:`contrastive_loss`, with the image-to-text accuracy as its metric."""
+        """The symmetric contrastive loss of a batch (:func:`contrastive_loss`), with the number of
+        images whose own caption scores highest as its metric. Row i of ``input_ids`` describes
+        image i, or, with ``text_index`` (B_i,), image i is described by text ``text_index[i]``
+        (several images may share one caption, a class name's)."""
         from .objective import Objective
         forward = forward or self
         logits_per_image = forward(batch["input_ids"], batch["pixel_values"], batch.get("attention_mask"))[0]
-        loss, correct = contrastive_loss(logits_per_image)
+        loss, correct = contrastive_loss(logits_per_image, batch.get("text_index"))
         n = logits_per_image.size(0)
         return Objective(loss * n, n, {"correct": correct})
 
 
-def contrastive_loss(logits_per_image: Tensor) -> tuple[Tensor, Tensor]:
+def contrastive_loss(logits_per_image: Tensor, text_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(the mean of the image->text and text->image cross-entropies, the number of images whose
-    own caption scores highest) for (B, B) logits whose diagonal holds the matching pairs."""
-    target = torch.arange(logits_per_image.size(0), device=logits_per_image.device)
-    loss = (F.cross_entropy(logits_per_image, target) + F.cross_entropy(logits_per_image.t(), target)) / 2
-    return loss, (logits_per_image.argmax(-1) == target).sum().detach()
+    own caption scores highest) for (B_i, B_t) logits. Image i's caption is text ``text_index[i]``
+    (default: i, the diagonal, B_i == B_t); a text that describes several images takes them all as
+    its targets, each with an equal share (the text->image cross-entropy against that distribution)."""
+    B, n_texts = logits_per_image.shape
+    if text_index is None:
+        text_index = torch.arange(B, device=logits_per_image.device)
+    share = F.one_hot(text_index, n_texts).t().to(logits_per_image.dtype)          # (B_t, B_i)
+    share = share / share.sum(-1, keepdim=True)
+    loss = (F.cross_entropy(logits_per_image, text_index) + F.cross_entropy(logits_per_image.t(), share)) / 2
+    return loss, (logits_per_image.argmax(-1) == text_index).sum().detach()
 
 
 # ----------------------------------------------------------------------------- Hugging Face
