@@ -2,9 +2,7 @@
 alpha = 0 against plain training, exact resume, and the refusals (another vocabulary, another
 teacher on --resume, --kd-* without a teacher)."""
 import json
-import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -13,7 +11,8 @@ from safetensors.torch import load_file
 
 from attnlab.cli import main
 from attnlab.train.losses import distillation_loss
-from _tolerance import FP32_OP, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
+from _signals import sigint_during_step  # noqa: E402  (tests/ is on sys.path under pytest)
+from _tolerance import FP32_OP, assert_close_scaled  # noqa: E402
 
 TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--context", "16", "--batch-size", "4",
         "--sample-tokens", "0", "--no-progress", "--eval-every", "0"]
@@ -106,19 +105,11 @@ def test_alpha_zero_trains_exactly_as_plain_next_token_training(teachers, tmp_pa
 
 
 def test_a_distilled_run_interrupted_and_resumed_ends_bit_equal(teachers, tmp_path, monkeypatch, capsys):
-    from attnlab.train import Trainer
     d = teachers
     args = ["--data", d / "text.txt", "--steps", "4", "--save-every", "10", "--teacher", d / "teacher",
             "--kd-alpha", "0.7", "--kd-temperature", "2"]
     assert _train(*args, "--out", tmp_path / "ref") == 0
-    real_step = Trainer._optimizer_step
-
-    def step_then_signal(self):
-        if self.step == 1:                          # inside step 2
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "_optimizer_step", step_then_signal)
+    sigint_during_step(monkeypatch, 2)
     assert _train(*args, "--out", tmp_path / "run") == 130
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-0000002"
     monkeypatch.undo()
