@@ -12,8 +12,9 @@ each command):
   hard     the student (--d-model 48 --heads 4 --layers 2), --steps steps on the labels
   kd       the same student and steps, --teacher TEACHER --kd-temperature T --kd-alpha A
 
-Both students start from the same weights (the same seed and sizes) and see the same batches;
-the only difference is the loss. The result is the held-out perplexity of each and the ratio
+Both students of a seed start from the same weights and see the same batches: the only
+difference is the loss. Each of ``--seeds`` (default 0 and 1) trains such a pair; the teacher is
+one (seed 0). The result is the held-out perplexity of each model and, per seed, the ratio
 kd / hard (below 1: distillation helped), with each run's wall time.
 
 Usage:
@@ -77,30 +78,35 @@ def run(a: argparse.Namespace) -> None:
     (work / "valid.txt").write_text(held_out, encoding="utf-8")
     data = ["--data", str(work / "train.txt"), "--valid", str(work / "valid.txt"), "--context", str(a.context),
             "--batch-size", str(a.batch_size), "--sample-tokens", "0", "--no-progress", "--eval-every", "0",
-            "--seed", "0", "--precision", "fp32"]
-    teacher_sizes = ["--d-model", str(a.teacher_d_model), "--heads", "4", "--layers", str(a.teacher_layers)]
-    student_sizes = ["--d-model", str(a.student_d_model), "--heads", "4", "--layers", str(a.student_layers)]
-    rows, commands = [], []
-    for name, extra in (("teacher", [*teacher_sizes, "--steps", str(a.teacher_steps)]),
-                        ("student, hard labels", [*student_sizes, "--steps", str(a.steps)]),
-                        ("student, distilled", [*student_sizes, "--steps", str(a.steps), "--teacher",
-                                                str(work / "teacher"), "--kd-temperature", str(a.temperature),
-                                                "--kd-alpha", str(a.alpha)])):
-        out = work / {"teacher": "teacher", "student, hard labels": "hard", "student, distilled": "kd"}[name]
-        seconds, command = train([*data, *extra, "--out", str(out)])
+            "--precision", "fp32"]
+    teacher = ["--d-model", str(a.teacher_d_model), "--heads", "4", "--layers", str(a.teacher_layers), "--steps",
+               str(a.teacher_steps), "--seed", "0"]
+    student = ["--d-model", str(a.student_d_model), "--heads", "4", "--layers", str(a.student_layers), "--steps",
+               str(a.steps)]
+    distil = ["--teacher", str(work / "teacher"), "--kd-temperature", str(a.temperature), "--kd-alpha", str(a.alpha)]
+    runs = [("teacher", "teacher", "0", teacher)]
+    for seed in a.seeds.split(","):
+        runs += [("student, hard labels", f"hard-{seed}", seed, [*student, "--seed", seed]),
+                 ("student, distilled", f"kd-{seed}", seed, [*student, "--seed", seed, *distil])]
+    rows, commands, ppl = [], [], {}
+    for name, folder, seed, extra in runs:
+        seconds, command = train([*data, *extra, "--out", str(work / folder)])
         commands.append(command)
-        params = sum(p.numel() for p in load_lm(out, "cpu", "fp32").model.parameters())
-        rows.append([name, f"{params / 1e6:.3f}M", extra[extra.index("--steps") + 1],
-                     f"{perplexity(out, held_out):.3f}", f"{seconds:.0f}"])
-    hard, kd = float(rows[1][3]), float(rows[2][3])
-    table = render_table(["model", "parameters", "steps", "held-out perplexity", "train s"], rows,
+        params = sum(p.numel() for p in load_lm(work / folder, "cpu", "fp32").model.parameters())
+        ppl[folder] = perplexity(work / folder, held_out)
+        rows.append([name, seed, f"{params / 1e6:.3f}M", extra[extra.index("--steps") + 1], f"{ppl[folder]:.3f}",
+                     f"{seconds:.0f}"])
+    ratios = [ppl[f"kd-{seed}"] / ppl[f"hard-{seed}"] for seed in a.seeds.split(",")]
+    table = render_table(["model", "seed", "parameters", "steps", "held-out perplexity", "train s"], rows,
                          markdown=a.markdown)
     print()
     print(f"{datetime.date.today()}; {cpu_name()}, {a.threads} threads (a loaded, shared machine); torch "
           f"{torch.__version__}; Tiny Shakespeare, characters: {min(a.train_chars, int(len(text) * 0.9)):,} "
           f"training, {len(held_out):,} held out; T = {a.temperature:g}, alpha = {a.alpha:g}")
     print(table)
-    print(f"\ndistilled / hard-label perplexity: {kd / hard:.3f} ({(kd / hard - 1) * 100:+.1f} %)")
+    each = ", ".join(f"seed {s} {r:.3f}" for s, r in zip(a.seeds.split(","), ratios))
+    mean = sum(ratios) / len(ratios)
+    print(f"\ndistilled / hard-label perplexity: {each}; mean {mean:.3f} ({(mean - 1) * 100:+.1f} %)")
     print("\ncommands:")
     for c in commands:
         print(f"  {c}")
@@ -122,6 +128,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=250, help="the students' steps")
     p.add_argument("--temperature", type=float, default=2.0)
     p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--seeds", default="0,1", help="the students' seeds (initial weights and batches), one pair each")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a loaded 2-core machine two threads stall each other)")
     p.add_argument("--markdown", action="store_true")
@@ -130,7 +137,7 @@ def parse(argv=None) -> argparse.Namespace:
     if a.quick:
         a.train_chars, a.eval_chars, a.context, a.batch_size = 20_000, 2_000, 32, 4
         a.teacher_d_model, a.teacher_layers, a.teacher_steps = 32, 1, 4
-        a.student_d_model, a.student_layers, a.steps = 16, 1, 3
+        a.student_d_model, a.student_layers, a.steps, a.seeds = 16, 1, 3, "0"
     return a
 
 

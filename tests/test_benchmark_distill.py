@@ -18,9 +18,9 @@ def test_distill_benchmark_quick_runs(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    rows = {name: re.search(rf"{name}\s+\S+\s+\d+\s+([0-9.]+)", out) for name in
+    rows = {name: re.search(rf"{name}\s+\d+\s+\S+\s+\d+\s+([0-9.]+)", out) for name in
             ("teacher", "student, hard labels", "student, distilled")}
     assert all(rows.values()), out
     assert all(float(m.group(1)) > 1 for m in rows.values())
     assert "distilled / hard-label perplexity" in out and "--teacher" in out
-    assert (tmp_path / "runs" / "kd" / "latest").is_file()
+    assert (tmp_path / "runs" / "kd-0" / "latest").is_file()
