@@ -152,6 +152,15 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teachers, tmp_pa
     foreign = json.loads((d / "foreign" / "step-0000006" / "run.json").read_text())["config"]["vocab_size"]
     assert foreign != 32
     assert f"its vocabulary has {foreign} tokens, the student's in" in _one_error_line(capsys.readouterr().err)
+    # a student model over another vocabulary than the teacher's (the teacher's tokenizer and model disagree)
+    from attnlab.models import GPT, GPTConfig
+    from attnlab.tasks.distill import Teacher
+    from attnlab.tasks.lm import load_lm
+    teacher = Teacher(load_lm(d / "teacher", "cpu", "fp32"), {"vocab_size": 32}, 2.0, 0.5)
+    assert teacher.check_student(GPT(GPTConfig(vocab_size=32, n_positions=16, d_model=8, num_heads=2,
+                                               num_layers=1))) is teacher
+    with pytest.raises(ValueError, match="its vocabulary has 32 tokens and the student's 40"):
+        teacher.check_student(GPT(GPTConfig(vocab_size=40, n_positions=16, d_model=8, num_heads=2, num_layers=1)))
 
 
 def test_another_teacher_on_resume_is_refused_in_one_line(teachers, tmp_path, capsys):
