@@ -157,6 +157,8 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teachers, tmp_pa
     from attnlab.tasks.distill import Teacher
     from attnlab.tasks.lm import load_lm
     teacher = Teacher(load_lm(d / "teacher", "cpu", "fp32"), {"vocab_size": 32}, 2.0, 0.5)
+    assert not teacher.model.training and not any(p.requires_grad for p in teacher.model.parameters())
+    assert not teacher.logits(torch.zeros(1, 4, dtype=torch.long)).requires_grad
     assert teacher.check_student(GPT(GPTConfig(vocab_size=32, n_positions=16, d_model=8, num_heads=2,
                                                num_layers=1))) is teacher
     with pytest.raises(ValueError, match="its vocabulary has 32 tokens and the student's 40"):
@@ -180,6 +182,15 @@ def test_another_teacher_on_resume_is_refused_in_one_line(teachers, tmp_path, ca
     assert _train(*args, "--steps", "2", "--resume") == 0
 
 
-def test_kd_options_without_a_teacher_are_refused(teachers, tmp_path, capsys):
-    assert _train("--data", teachers / "text.txt", "--out", tmp_path / "r", "--kd-alpha", "0.5") == 2
+def test_bad_distillation_options_are_refused_in_one_line(teachers, tmp_path, capsys):
+    d = teachers
+    assert _train("--data", d / "text.txt", "--out", tmp_path / "r", "--kd-alpha", "0.5") == 2
     assert "--kd-alpha applies with --teacher" in _one_error_line(capsys.readouterr().err)
+    assert _train("--data", d / "text.txt", "--out", tmp_path / "r", "--teacher", tmp_path / "nothing") == 2
+    assert "--teacher: no checkpoint at" in _one_error_line(capsys.readouterr().err)
+    assert _train("--data", d / "text.txt", "--out", tmp_path / "r", "--teacher", d / "teacher", "--init",
+                  d / "teacher2") == 2
+    assert "does not combine with --init" in _one_error_line(capsys.readouterr().err)
+    assert _train("--data", d / "text.txt", "--out", tmp_path / "r", "--teacher", d / "teacher", "--kd-alpha",
+                  "1.5") == 2
+    assert "--kd-alpha: must be in [0, 1], got 1.5" in _one_error_line(capsys.readouterr().err)

@@ -94,7 +94,10 @@ class Teacher:
         CPU; on ``--resume``, RunError unless its weights are those the run was distilled from."""
         if fine_tuning(s):
             raise RunError("--teacher trains a new student; it does not combine with --init, --lora or a chat file")
-        lm = load_lm(s["teacher"], "cpu", "fp32")
+        try:
+            lm = load_lm(s["teacher"], "cpu", "fp32")
+        except (FileNotFoundError, RunError) as e:       # no model there, or not a causal LM: said for --teacher
+            raise RunError(f"--teacher: {e}") from None
         identity = {"path": str(Path(s["teacher"]).resolve()), "vocab_size": _vocab(lm.model),
                     "sha256": weights_sha256(lm.model)}
         saved = None if resume_from is None else resume_point(resume_from, "lm")
