@@ -68,19 +68,12 @@ def test_attnlab_train_on_sigint_saves_says_how_to_resume_and_exits_130(tmp_path
     """The command: a real SIGINT to this process during step 2; then --resume finishes the run
     with metrics.jsonl continued."""
     from attnlab.cli import main
-    from attnlab.train import Trainer
+    from _signals import sigint_during_step
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     args = ["train", "lm", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "run"), "--steps", "4",
             "--eval-every", "10", "--save-every", "10", "--d-model", "16", "--heads", "2", "--layers", "1",
             "--context", "16", "--batch-size", "4", "--sample-tokens", "0", "--no-progress"]
-    real_step = Trainer._optimizer_step
-
-    def step_then_signal(self):
-        if self.step == 1:                          # inside step 2
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "_optimizer_step", step_then_signal)
+    sigint_during_step(monkeypatch, 2)
     assert main(args) == 130
     err = capsys.readouterr().err
     assert "SIGINT: stopped after step 2; checkpoint saved in" in err and "--resume" in err

@@ -43,6 +43,7 @@ from ..models.registry import default_family
 from .settings import Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
+from .distill import DISTILL_OPTIONS, Teacher, check_distillation
 from .sft import FINE_TUNING_OPTIONS, fine_tuning, prepare_fine_tuning
 from .run import (RunError, RunInfo, build_model, inspect_path, load_model, load_tokenizers, model_context, resume_point,
                   write_run)
@@ -82,12 +83,13 @@ class LanguageModelTask:
     ``loss`` = the cross-entropy SUM over the B*T predicted tokens, n = B*T, plus, for a model
     with an auxiliary loss (a mixture of experts' load balancing), ``coef * aux * n``, so that
     after the Trainer divides by the step's tokens it is coef * aux. Extras are the model's own
-    statistics (``aux_loss``, each expert's share of the routing), logged per token.
+    statistics (``aux_loss``, each expert's share of the routing), logged per token. With a
+    ``teacher`` (:class:`attnlab.tasks.distill.Teacher`) the cross-entropy is its distillation loss.
     """
 
     def __init__(self, model: nn.Module, tokenizer, train_ids: Tensor, valid_ids: Tensor, *, context: int,
-                 batch_size: int, steps_per_epoch: int | None = None, eval_windows: int = 64):
-        self.model, self.tokenizer = model, tokenizer
+                 batch_size: int, steps_per_epoch: int | None = None, eval_windows: int = 64, teacher=None):
+        self.model, self.tokenizer, self.teacher = model, tokenizer, teacher
         self.train_ids, self.valid_ids = train_ids.long().cpu(), valid_ids.long().cpu()
         self.context, self.batch_size, self.eval_windows = context, batch_size, eval_windows
         limit = model_context(model)                   # as the family states it; None: no limit (a recurrent model)
@@ -118,7 +120,8 @@ class LanguageModelTask:
         x, y = (t.to(device) for t in self.windows(self.train_ids, batch["start"]))
         logits = model(x)                       # through the (DDP) wrapper: gradients synchronise
         n = y.numel()
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") if self.teacher is None \
+            else self.teacher.loss(x, logits, y)
         # a model's auxiliary loss (a mixture of experts' load balancing) comes from the model itself
         aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         if aux is None:
@@ -145,7 +148,8 @@ class LanguageModelTask:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     def save_assets(self, directory: Path) -> None:
-        write_run(directory, "lm", self.model, {"text": self.tokenizer}, {"context": self.context})
+        write_run(directory, "lm", self.model, {"text": self.tokenizer},
+                  {"context": self.context, **(self.teacher.run_options() if self.teacher else {})})
 
 
 @dataclass
@@ -243,6 +247,7 @@ class LanguageModeling(TaskDefinition):
         Option("sample_tokens", int, 200, "tokens of the sample printed after training (0 = none)",
                check=non_negative, group=_D, resumable=True),
         *FINE_TUNING_OPTIONS,
+        *DISTILL_OPTIONS,
     ]
 
     eval_options = [
@@ -259,6 +264,7 @@ class LanguageModeling(TaskDefinition):
         known = sorted(f.model_type for f in families(kind=self.kind))
         if s.model not in known:
             raise ValueError(f"--model: {s.model!r} is not a registered causal-LM family ({', '.join(known)})")
+        check_distillation(s)
         super().check(s)
 
     def _model(self, s: Settings, tok) -> nn.Module:
@@ -272,6 +278,7 @@ class LanguageModeling(TaskDefinition):
 
     def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
         self.check_once(s)
+        teacher = Teacher.load(s, resume_from, load_lm) if s.teacher is not None else None   # tasks.distill
         if fine_tuning(s):                  # --init, --lora or a chat file: attnlab.tasks.sft
             return prepare_fine_tuning(self, s, resume_from, LanguageModelTask)
         corpus = stdlib_corpus(int(s.corpus_mb * 1e6)) if s.data is None else text_file_corpus(s.data,
@@ -282,6 +289,8 @@ class LanguageModeling(TaskDefinition):
             tok = load_tokenizers(saved)["text"]
             model = build_model(saved.model_type, saved.config, saved.architecture)
             context = saved.task_options["context"]
+        elif teacher is not None:           # a distilled student reads with its teacher's tokenizer
+            tok = teacher.student_tokenizer(s)
         else:
             kind = s.tokenizer or ("bpe" if s.data is None else "char")
             s.tokenizer = kind
@@ -298,12 +307,12 @@ class LanguageModeling(TaskDefinition):
         if saved is None:
             model, context = self._model(s, tok), s.context
         task = LanguageModelTask(model, tok, train, valid, context=context, batch_size=s.batch_size,
-                                 eval_windows=s.eval_windows)
+                                 eval_windows=s.eval_windows, teacher=teacher and teacher.check_student(model))
         n_params = sum(p.numel() for p in model.parameters())
         lines = [f"data: {corpus.source}: {len(train):,} training and {len(valid):,} validation tokens",
                  f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, context {context}, "
                  f"vocab {tok.vocab_size}{' (from the checkpoint)' if saved else ''}"]
-        lines += self._describe(s, d, t, len(train), saved)
+        lines += self._describe(s, d, t, len(train), saved) + ([teacher.describe()] if teacher else [])
         return Setup(task, lines, schedule=t)
 
     # ------------------------------------------------------------------ defaults
