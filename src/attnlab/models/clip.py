@@ -111,6 +111,10 @@ class CLIPVisionTower(nn.Module):
         self.layers = _layers(c.vision_num_layers, c.vision_d_model, c.vision_num_heads, c.vision_d_ff, c, False)
         self.post_norm = nn.LayerNorm(c.vision_d_model, eps=c.layer_norm_eps)
 
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """The class token, a learned input as the patch positions are (whichever model holds the tower)."""
+        return ("cls_token",)
+
     def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> tuple[Tensor, Tensor]:
         x = self.hidden_states(pixel_values, len(self.layers), interpolate_pos_encoding)
         return x, self.post_norm(x[:, 0])
