@@ -124,7 +124,9 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
     decayed though they are embeddings, and the (d, n) transitions A_log of the state-space
     layers, matrices that decay would pull towards A = -1."""
     import contract
+    from attnlab.models.clip import CLIPVisionTower
     from attnlab.models.deberta import RelativeEmbeddings
+    from attnlab.models.vit import ViTEncoder
     from attnlab.models.registry import architectures
     from attnlab.nn.patch import PatchPositionEmbedding
     from attnlab.nn.position import LearnedPositionalEmbedding
@@ -137,8 +139,11 @@ def test_every_registered_model_keeps_its_groups_and_its_position_tables_stop_de
         tables = {f"{name}.weight" for name, m in model.named_modules()
                   if isinstance(m, (LearnedPositionalEmbedding, RelativeEmbeddings, PatchPositionEmbedding))}
         tables |= {f"{name}.table" for name, m in model.named_modules() if isinstance(m, WindowPositionBias)}
-        # an image encoder's class and distillation tokens, the model's own or a tower's (CLIP's)
-        tables |= {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("cls_token", "distillation_token")}
+        # attnlab's image encoders' class and distillation tokens, the model's own or a tower's (CLIP, LLaVA)
+        for prefix, m in model.named_modules():
+            if isinstance(m, (ViTEncoder, CLIPVisionTower)):
+                tables |= {f"{prefix}.{n}".lstrip(".") for n, _ in m.named_parameters(recurse=False)
+                           if n in ("cls_token", "distillation_token")}
         # the masked auto-encoder's learned tokens, inputs as the class token is
         tables |= {n for n, _ in model.named_parameters() if arch.model_type == "vit_mae"
                    and n.rsplit(".", 1)[-1] in ("cls_token", "mask_token")}
