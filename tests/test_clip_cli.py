@@ -2,40 +2,20 @@
 file captions, batches whose images point at their distinct captions, the end token where both pooling rules find it, an
 exact resume, zero-shot `classify`, `embed` of texts and images, `export` read by transformers'
 CLIPModel and CLIPProcessor (fp32, 1e-5 relative to scale), and bad input in one line."""
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from attnlab.cli import main
 from attnlab.tasks import get_task, open_run
+from _multimodal import TINY, cli as _cli, digit_files, photos as _photos, train
 from _tolerance import FP32, assert_close_scaled
 
-_TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32", "--no-progress", "--eval-every", "0"]
-
-
-def _cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _photos(root, per_class=6, classes=("blue", "red", "green")):
-    rng = np.random.default_rng(0)
-    for c, label in enumerate(classes):
-        (root / label).mkdir(parents=True)
-        for i in range(per_class):
-            x = rng.integers(0, 90, (12, 12, 3))
-            x[..., c] += 160
-            Image.fromarray(x.astype(np.uint8)).save(root / label / f"{i:02d}.png")
-    return root
+_TINY = TINY + ["--layers", "1"]
 
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("clip") / "run"
-    assert main(["train", "clip", "--out", str(run), "--steps", "4", *_TINY]) == 0
-    return run
+    return train("clip", tmp_path_factory.mktemp("clip") / "run", 4, *_TINY)
 
 
 def test_the_digits_train_with_one_image_per_caption_and_the_end_token_last(digits_run, capsys):
@@ -66,12 +46,7 @@ def test_the_digits_train_with_one_image_per_caption_and_the_end_token_last(digi
 
 
 def test_zero_shot_classify_and_embed_texts_and_images(digits_run, tmp_path, capsys):
-    from attnlab.data.digits import digits_split
-    x, y = digits_split()["test"]
-    files = []
-    for i in range(3):
-        files.append(tmp_path / f"{i}.png")
-        Image.fromarray(x[i, 0].numpy()).save(files[-1])
+    files, _ = digit_files(tmp_path, 3)
     code, out, err = _cli(capsys, "classify", digits_run, *files)
     assert code == 0, err
     rows = [line.split("\t") for line in out.splitlines()]

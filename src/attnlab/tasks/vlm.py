@@ -30,10 +30,11 @@ from ..data.images import AUGMENTATIONS, augment
 from ..models.objective import IGNORE_INDEX
 from ..processors import ImageProcessor
 from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, WordTokenizer
-from .base import Option, Setup, describe_training, positive, register_task
-from .contrastive import ImagesWithText, data_source
-from .image import _arrays, _bytes
+from .base import Option, Setup, positive, register_task
+from .contrastive import ImagesWithText
+from .image import _arrays, _bytes, data_source
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .settings import Settings
 
 __all__ = ["VisionLanguageTraining", "LoadedVisionLanguage", "QUESTIONS", "IMAGE_TOKEN"]
 
@@ -167,7 +168,7 @@ class VisionLanguageTraining(ImagesWithText):
     data_paths = ("directory",)
     data_help = "an image folder: one sub-folder of images per class"
 
-    def _data(self, s: dict, processor: ImageProcessor) -> dict:
+    def _data(self, s: Settings, processor: ImageProcessor) -> dict:
         if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS, digits_split
             sets = {k: (_bytes(_arrays(x.expand(-1, 3, -1, -1)), processor), y) for k, (x, y) in digits_split().items()}
@@ -179,8 +180,8 @@ class VisionLanguageTraining(ImagesWithText):
                 for k, f in (("train", train), ("valid", valid), ("test", test)) if f is not None}
         return dict(sets, labels=labels, root=str(train.root))
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
-        self.check(s)
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
+        self.check_once(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         questions = QUESTIONS[data_source(s)]
         if saved is not None:
@@ -190,37 +191,32 @@ class VisionLanguageTraining(ImagesWithText):
             data = self._data(s, processor)
         else:
             resample = "box" if data_source(s) == "digits" else "bilinear"
-            processor = ImageProcessor(size=s["image_size"], resample=resample)
+            processor = ImageProcessor(size=s.image_size, resample=resample)
             data = self._data(s, processor)
             words = sorted({w for text in list(questions) + data["labels"] for w in text.split()} - set(SPECIAL_TOKENS))
             tokenizer = WordTokenizer(list(SPECIAL_TOKENS) + words + [IMAGE_TOKEN])   # the image token last
             from ..models.registry import family
-            fam = family(s["model"])
-            longest = (s["image_size"] // s["patch_size"]) ** 2 + 1 + max(len(q.split()) for q in questions) \
+            fam = family(s.model)
+            longest = (s.image_size // s.patch_size) ** 2 + 1 + max(len(q.split()) for q in questions) \
                 + MAX_ANSWER + 2
-            config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=3,
-                                      vocab_size=tokenizer.vocab_size, context=longest, d_model=s["d_model"],
-                                      num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
+            config = fam.build_config(image_size=s.image_size, patch_size=s.patch_size, in_channels=3,
+                                      vocab_size=tokenizer.vocab_size, context=longest, d_model=s.d_model,
+                                      num_heads=s.heads, num_layers=s.layers, d_ff=s.d_ff,
                                       **self.family_sizes(s))
-            torch.manual_seed(s["seed"])
+            torch.manual_seed(s.seed)
             model = fam.for_kind(KIND).build(config)
         task = VisionLanguageTask(model, processor, tokenizer, data["labels"], questions, data["train"], data["valid"],
-                                  batch_size=s["batch_size"], augmentation=s["augment"])
-        t = self._schedule(s, len(data["train"][1]))
-        s["lr"] = t["lr"]
-        n = sum(p.numel() for p in model.parameters()) / 1e6
-        lines = [f"data: {data['root']}: {len(data['train'][1]):,} training images, {len(data['valid'][1]):,} "
-                 f"validation; questions such as {questions[0]!r}, answers: {', '.join(data['labels'][:12])}",
-                 f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters", describe_training(s, t)]
-        return Setup(task, lines, {"test": data.get("test")})
+                                  batch_size=s.batch_size, augmentation=s.augment)
+        return self._setup(s, task, len(data["train"][1]),
+                           f"{data['root']}: {len(data['train'][1]):,} training images, {len(data['valid'][1]):,} "
+                           f"validation; questions such as {questions[0]!r}, answers: {', '.join(data['labels'][:12])}",
+                           extra={"test": data.get("test")})
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
-        from .run import open_run
-        test = setup.extra["test"]
-        if test is None or not len(test[1]):
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
+        held_out = self._held_out(run_dir, setup)
+        if held_out is None:
             return
-        vlm = self.load(open_run(run_dir))
-        x, y = test
+        vlm, (x, y) = held_out
         for question in vlm.questions:
             got = answer(vlm.model, vlm.tokenizer, vlm.processor.finish(x), question)
             right = sum(a == setup.task.labels[t] for a, t in zip(got, y.tolist()))
