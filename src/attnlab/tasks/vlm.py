@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +29,14 @@ from torch import Tensor, nn
 from ..data.images import AUGMENTATIONS, augment
 from ..models.objective import IGNORE_INDEX
 from ..processors import ImageProcessor
-from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, WordTokenizer
+from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, WordTokenizer
 from .base import Option, Setup, positive, register_task
 from .contrastive import ImagesWithText
 from .image import _arrays, _bytes, data_source
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
 from .settings import Settings
 
-__all__ = ["VisionLanguageTraining", "LoadedVisionLanguage", "QUESTIONS", "IMAGE_TOKEN"]
+__all__ = ["VisionLanguageTraining", "LoadedVisionLanguage", "QUESTIONS", "IMAGE_TOKEN", "answer", "answer_tokens"]
 
 KIND = "vision-language"
 IMAGE_TOKEN = "<image>"
@@ -106,28 +106,42 @@ class VisionLanguageTask:
                   {"labels": self.labels, "questions": self.questions})
 
 
+def answer_tokens(model: nn.Module, prompt: Sequence[int], pixels: Tensor, max_new_tokens: int,
+                  temperature: float = 0.0, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+    """The answer's tokens, one column (N,) at a time, to ``prompt`` (ids, the image tokens first)
+    about each image of ``pixels`` (N, C, H, W): the prompt read once into the model's KV cache, then
+    one token per step; greedy at ``temperature`` 0, else sampled (``generator``). A row that gave
+    <eos> gives <eos> from then on; it stops when every row has, or after ``max_new_tokens``."""
+    from ..generate.sampling import sample
+    device = pixels.device
+    ids = torch.tensor(list(prompt), device=device).expand(len(pixels), -1)
+    cache = model.new_cache()
+    logits = model(ids, pixels, cache=cache)[:, -1].float()
+    done = torch.zeros(len(pixels), dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        nxt = logits.argmax(-1) if temperature == 0 else sample(logits, temperature, generator=generator)
+        nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
+        yield nxt
+        done |= nxt == EOS_ID
+        if bool(done.all()) or step + 1 == max_new_tokens:
+            return
+        logits = model(nxt[:, None], cache=cache)[:, -1].float()
+
+
+def _text(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens[:tokens.index(EOS_ID)] if EOS_ID in tokens else tokens)
+
+
 @torch.no_grad()
 def answer(model: nn.Module, tokenizer, pixels: Tensor, question: str, batch_size: int = 100) -> list[str]:
     """The greedy answer to ``question`` about each image (pixel values (N, C, H, W)): tokens up to
-    <eos>, at most :data:`MAX_ANSWER`, decoded. Every prompt has one length, so no padding is needed."""
+    <eos>, at most :data:`MAX_ANSWER` words, decoded. Every prompt has one length, so no padding is needed."""
     device = next(model.parameters()).device
-    prompt = torch.tensor(_prompt(tokenizer, question, model.config.image_tokens))
+    prompt = _prompt(tokenizer, question, model.config.image_tokens)
     out = []
     for start in range(0, len(pixels), batch_size):
-        x = pixels[start:start + batch_size].to(device)
-        ids = prompt.to(device).expand(len(x), -1)
-        done = torch.zeros(len(x), dtype=torch.bool, device=device)
-        new = []
-        for _ in range(MAX_ANSWER + 1):
-            nxt = model(ids, x).float()[:, -1].argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
-            new.append(nxt)
-            done |= nxt == EOS_ID
-            if bool(done.all()):
-                break
-            ids = torch.cat([ids, nxt[:, None]], 1)
-        tokens = torch.stack(new, 1).tolist()
-        out += [tokenizer.decode(t[:t.index(EOS_ID)] if EOS_ID in t else t) for t in tokens]
+        columns = list(answer_tokens(model, prompt, pixels[start:start + batch_size].to(device), MAX_ANSWER + 1))
+        out += [_text(tokenizer, row) for row in torch.stack(columns, 1).tolist()]
     return out
 
 
@@ -142,6 +156,37 @@ class LoadedVisionLanguage:
     def answer(self, images: Sequence, question: str | None = None) -> list[str]:
         """Answers for image files, PIL images or uint8 arrays."""
         return answer(self.model, self.tokenizer, self.processor(images), question or self.questions[0])
+
+    def unknown_words(self, question: str) -> list[str]:
+        """The words of ``question`` that the run's vocabulary lacks (each read as <unk>)."""
+        return [w for w, i in zip(question.split(), self.tokenizer.encode(question)) if i == UNK_ID]
+
+    @torch.no_grad()
+    def ask(self, image, question: str | None = None, *, max_new_tokens: int = MAX_ANSWER + 1,
+            temperature: float = 0.0, seed: int = 0, on_text: Callable[[str], None] | None = None) -> str:
+        """The answer to ``question`` (default: the run's first question) about one image (a file,
+        a PIL image or a uint8 array), up to <eos> or ``max_new_tokens`` tokens (fewer where the
+        context ends); ``on_text`` gets its text as each token is decoded. Greedy at ``temperature``
+        0, as the task's validation and report answer; ValueError if the prompt fills the context."""
+        from ..generate.text import TextStreamer
+        from ..models.registry import input_limits
+        question = self.questions[0] if question is None else question
+        prompt = _prompt(self.tokenizer, question, self.model.config.image_tokens)
+        context = int(input_limits(self.model)["context"])
+        budget = min(max_new_tokens, context - len(prompt))
+        if budget < 1:
+            words = context - 1 - self.model.config.image_tokens
+            raise ValueError(f"the question has {len(prompt) - self.model.config.image_tokens} words; this model's "
+                             f"context ({context} tokens, {self.model.config.image_tokens} of them the image's) holds "
+                             f"at most {words} with a one-word answer")
+        pixels = self.processor([image]).to(next(self.model.parameters()).device)
+        streamer = TextStreamer(self.tokenizer, [], on_text)
+        generator = torch.Generator(pixels.device).manual_seed(seed)
+        for column in answer_tokens(self.model, prompt, pixels, budget, temperature, generator):
+            if int(column[0]) == EOS_ID:
+                break
+            streamer(column)
+        return streamer.end()
 
 
 class VisionLanguageTraining(ImagesWithText):
