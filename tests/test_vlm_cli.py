@@ -90,3 +90,67 @@ def test_bad_input_is_one_line(vlm_run, held_out, tmp_path, capsys):
     assert code == 0 and err == "attnlab ask: note: 'colour' not in the run's vocabulary (read as <unk>)\n"
     code, _, err = cli(capsys, "ask", vlm_run, files[0], "--temperature", "-1")
     assert code == 2 and "--temperature: must be a number >= 0" in err
+
+
+# ----------------------------------------------------------------------------- the text's attention to the image
+def _attention(vlm_run, image):
+    from attnlab.viz.image_text import image_text_attention
+    vlm = get_task("vlm").load(open_run(vlm_run))
+    question = "what digit is this?"
+    ids = vlm.prompt_ids(question) + vlm.tokenizer.encode(vlm.ask(image, question))
+    return vlm, ids, image_text_attention(vlm.model, ids, vlm.processor([image]))
+
+
+def test_the_recorded_text_to_image_map_is_the_language_model_s_attention(vlm_run, held_out, tmp_path, capsys):
+    """Shapes, rows that sum as softmax rows do, causality, and the weights equal to transformers'
+    LlavaForConditionalGeneration (eager attention, output_attentions) on the exported run, fp32,
+    1e-5 of scale."""
+    transformers = pytest.importorskip("transformers")
+    from _tolerance import FP32, assert_close_scaled
+    files, _, _ = held_out
+    vlm, ids, a = _attention(vlm_run, files[0])
+    config = vlm.model.config
+    P, T = config.image_tokens, len(ids)
+    n_text = T - P
+    L, H = config.text.num_layers, config.text.num_heads
+    assert a.weights.shape == (L, H, T, T) and a.image_map.shape == (L, H, n_text, P)
+    assert a.image_positions.tolist() == list(range(P)) and a.text_positions.tolist() == list(range(P, T))
+    assert (a.rows, a.cols, a.prefix) == (4, 4, 0) and a.patch_map().shape == (n_text, 4, 4)
+    rows = a.weights.sum(-1)
+    torch.testing.assert_close(rows, torch.ones_like(rows), atol=1e-5, rtol=0)    # softmax rows
+    text_part = a.weights[:, :, a.text_positions][..., a.text_positions].sum(-1)
+    torch.testing.assert_close(a.image_share + text_part, torch.ones_like(text_part), atol=1e-5, rtol=0)
+    assert (a.weights.triu(1) == 0).all()                                         # causal: nothing from later tokens
+    assert (a.image_share > 0).all() and (a.image_share < 1).all()
+    # the same weights from transformers, reading the run exported as a Hugging Face directory
+    assert cli(capsys, "export", vlm_run, tmp_path / "hf")[0] == 0
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([ids]), pixel_values=vlm.processor([files[0]]), output_attentions=True)
+    want = torch.stack([w[0] for w in out.attentions])                             # (L, H, T, T)
+    assert_close_scaled(a.weights, want, FP32, "the language model's attention weights")
+
+
+def test_viz_draws_the_text_to_image_attention_over_the_image(vlm_run, held_out, tmp_path, capsys):
+    from PIL import Image
+    files, _, answers = held_out
+    code, out, err = cli(capsys, "viz", vlm_run, "what digit is this?", "--image", files[0], "--out", tmp_path / "a.png")
+    assert code == 0, err
+    assert out.splitlines() == [f"what digit is this? -> {answers['what digit is this?'][0]}", f"wrote {tmp_path / 'a.png'}"]
+    with Image.open(tmp_path / "a.png") as im:
+        assert im.size[0] > 500 and im.size[1] > 200
+    code, out, err = cli(capsys, "viz", vlm_run, "--image", files[0], "--layer", "2", "--out", tmp_path / "b.png")
+    assert code == 0 and (tmp_path / "b.png").stat().st_size > 0, err
+    code, out, err = cli(capsys, "viz", vlm_run, "--image", files[0], "--html", tmp_path / "page.html")
+    assert code == 0, err
+    page = (tmp_path / "page.html").read_text()
+    assert "text to image attention" in page and "language model self-attention" in page
+    from attnlab.viz.image_text import image_text_views
+    vlm, ids, a = _attention(vlm_run, files[0])
+    picture = vlm.processor.resized(files[0]).permute(1, 2, 0).numpy()
+    views = image_text_views(a, picture, [str(i) for i in ids])
+    assert views[0].weights.shape == a.image_map.shape and views[0].image.rows * views[0].image.cols == len(views[0].cols)
+    code, _, err = cli(capsys, "viz", vlm_run, "what digit is this?")
+    assert code == 2 and "give the image to ask about with --image FILE" in err
+    code, _, err = cli(capsys, "viz", vlm_run, "--image", files[0], "--layer", "9", "--out", tmp_path / "c.png")
+    assert code == 2 and "--layer must be in 1..2, got 9" in err

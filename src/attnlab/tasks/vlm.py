@@ -157,6 +157,10 @@ class LoadedVisionLanguage:
         """Answers for image files, PIL images or uint8 arrays."""
         return answer(self.model, self.tokenizer, self.processor(images), question or self.questions[0])
 
+    def prompt_ids(self, question: str) -> list[int]:
+        """The ids the model reads for ``question``: the image's tokens, then the question's."""
+        return _prompt(self.tokenizer, question, self.model.config.image_tokens)
+
     def unknown_words(self, question: str) -> list[str]:
         """The words of ``question`` that the run's vocabulary lacks (each read as <unk>)."""
         return [w for w, i in zip(question.split(), self.tokenizer.encode(question)) if i == UNK_ID]
@@ -170,8 +174,7 @@ class LoadedVisionLanguage:
         0, as the task's validation and report answer; ValueError if the prompt fills the context."""
         from ..generate.text import TextStreamer
         from ..models.registry import input_limits
-        question = self.questions[0] if question is None else question
-        prompt = _prompt(self.tokenizer, question, self.model.config.image_tokens)
+        prompt = self.prompt_ids(self.questions[0] if question is None else question)
         context = int(input_limits(self.model)["context"])
         budget = min(max_new_tokens, context - len(prompt))
         if budget < 1:
