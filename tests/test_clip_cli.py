@@ -122,3 +122,39 @@ def test_an_exported_folder_run_is_transformers_clip_with_its_processor(tmp_path
     with torch.no_grad():
         want = hf(**inputs).logits_per_image.softmax(-1)
     assert_close_scaled(clf.zero_shot(labels).probabilities(images), want, FP32, "zero-shot probabilities")
+
+
+def test_embed_images_of_a_hugging_face_clip_directory_as_get_image_features(tmp_path, capsys):
+    """A transformers CLIPModel saved with its CLIPImageProcessor: `attnlab embed DIR --images` gives
+    transformers' get_image_features of the processor's pixels (fp32, 1e-5 of scale), unit length by
+    default; texts from such a directory are refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    import attnlab
+    from attnlab.models.registry import family
+    config = family("clip").preset("tiny")
+    torch.manual_seed(0)
+    hf = transformers.CLIPModel(transformers.CLIPConfig(**attnlab.models.clip.clip_config_to_hf(config))).eval()
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": config.image_size},
+                                                crop_size={"height": config.image_size, "width": config.image_size})
+    hf.save_pretrained(tmp_path / "hf")
+    processor.save_pretrained(tmp_path / "hf")
+    data = _photos(tmp_path / "photos")
+    files = [data / "red" / "00.png", data / "green" / "03.png", data / "blue" / "05.png"]
+    with torch.no_grad():
+        pixels = processor(images=[Image.open(f) for f in files], return_tensors="pt")["pixel_values"]
+        want = hf.get_image_features(pixel_values=pixels)
+    want = getattr(want, "pooler_output", want)
+    code, out, err = _cli(capsys, "embed", tmp_path / "hf", "--no-normalize", "--out", tmp_path / "v.npy",
+                          "--images", *files)
+    assert code == 0, err
+    import numpy as np
+    assert_close_scaled(torch.from_numpy(np.load(tmp_path / "v.npy")), want, FP32, "image features")
+    code, out, err = _cli(capsys, "embed", tmp_path / "hf", "--images", *files)
+    assert code == 0, err
+    got = torch.tensor([[float(v) for v in line.split()] for line in out.splitlines()])
+    torch.testing.assert_close(got, torch.nn.functional.normalize(want, dim=-1), atol=2e-6, rtol=0)   # printed to 6 places
+    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "a photo", "--images", files[0])
+    assert code == 2 and err.count("\n") == 1 and "embeds images (--images); texts take an attnlab run" in err
+    (tmp_path / "hf" / "preprocessor_config.json").unlink()
+    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "--images", files[0])
+    assert code == 2 and err.count("\n") == 1 and "no preprocessor_config.json" in err

@@ -51,7 +51,8 @@ from .image import _arrays, _bytes, data_source
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
 from .settings import Settings
 
-__all__ = ["ImagesWithText", "ContrastiveTraining", "ContrastiveTask", "LoadedContrastive", "caption_tokenizer", "END_TOKEN"]
+__all__ = ["ImagesWithText", "ContrastiveTraining", "ContrastiveTask", "LoadedContrastive",
+           "load_pretrained_contrastive", "caption_tokenizer", "END_TOKEN"]
 
 KIND = "contrastive"
 END_TOKEN = "<|endoftext|>"
@@ -208,6 +209,20 @@ class LoadedContrastive:
         texts = self.text_vectors([self.template.format(label) for label in self.labels])
         scale = float(self.model.logit_scale.exp())
         return torch.softmax(scale * self.image_vectors(images, batch_size=batch_size) @ texts.t(), -1)
+
+
+def load_pretrained_contrastive(path: str | Path, device: str | None = None) -> LoadedContrastive:
+    """A Hugging Face directory of a contrastive image-text model (``CLIPModel.save_pretrained`` with
+    its image processor's preprocessor_config.json) for embedding images: its processor resizes and
+    normalises as transformers' does. Its tokenizer is not read (``tokenizer`` is None)."""
+    from ..hub import from_pretrained
+    from ..processors import IMAGE_CONFIG, load_processor
+    from .run import resolve_device
+    if not Path(path, IMAGE_CONFIG).is_file():
+        raise RunError(f"{path}: no {IMAGE_CONFIG}; save the model's image processor beside it "
+                       "(CLIPProcessor.save_pretrained)")
+    model = from_pretrained(path).to(resolve_device(device)).eval()
+    return LoadedContrastive(model, load_processor(path, "image"), None, [], "{}", Path(path))
 
 
 class ImagesWithText(TaskDefinition):
