@@ -12,7 +12,7 @@ fingerprint and compares it with the manifest, so a figure whose numbers attnlab
 produces fails the suite; PNG bytes are not compared across machines (fonts differ), only
 against the manifest that was written with them.
 
-Four figures are measured from trained runs, and their manifest entries name the run and the
+Six figures are measured from trained runs, and their manifest entries name the run and the
 numbers the pages quote instead of a fingerprint (the test cannot retrain them): the alignment
 from a translation run (``--run DIR``, else ``runs/translate`` when the main job has run
 (scripts/main.sh), else a short seeded run trained here: 150 steps, about a minute on an idle
@@ -21,7 +21,8 @@ of the explorer's image view (headless Chromium, /usr/bin/chromium through Selen
 digits ViT (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
 --patch-size 2 --ema 0`` trained here, about three minutes on one idle core). scripts/figures_vision.py
 holds the vision page's figures, scripts/figures_lessons.py those of the sections that had none,
-scripts/figure_common.py what the modules share.
+scripts/figures_multimodal.py the multimodal page's two (from a clip and a vlm run: ``--clip-run``,
+``--vlm-run``, else trained here), scripts/figure_common.py what the modules share.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from figures_lessons import (DECODER_BLOCKS, ENCODER_BLOCKS, architecture_figure
 from figures_llms import data_rope_types, draw_rope_types  # noqa: E402,F401
 from figures_compression import (data_prune_error, data_quant_error, draw_prune_error,  # noqa: E402,F401
                                  draw_quant_error)
+from figures_multimodal import CLIP_COMMAND, VLM_COMMAND, clip_space, vlm_attention  # noqa: E402,F401
 from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
                             draw_mae_masking, draw_patches, explorer_image_view, position_similarity,
                             position_similarity_data)
@@ -536,9 +538,9 @@ FIGURES_BY_PAGE = {
     "quant_error": "compression.md", "prune_error": "compression.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md",
-            "explorer_image_view": "vision.md"}
+            "explorer_image_view": "vision.md", "clip_space": "multimodal.md", "vlm_attention": "multimodal.md"}
 _MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run",
-                 "explorer_image_view": "vision_run"}
+                 "explorer_image_view": "vision_run", "clip_space": "clip_run", "vlm_attention": "vlm_run"}
 
 
 def fingerprint(data: dict) -> list[float]:
@@ -552,14 +554,16 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(names: list[str], run: Path | None = None, vision_run: Path | None = None) -> dict:
+def build(names: list[str], run: Path | None = None, vision_run: Path | None = None, clip_run: Path | None = None,
+          vlm_run: Path | None = None) -> dict:
     FIGURES.mkdir(parents=True, exist_ok=True)
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
     module = sys.modules[__name__]
     for name in names:
         path = FIGURES / f"{name}.png"
         if name in MEASURED:
-            given = {"run": run, "vision_run": vision_run}[_MEASURED_RUN[name]]
+            given = {"run": run, "vision_run": vision_run, "clip_run": clip_run,
+                     "vlm_run": vlm_run}[_MEASURED_RUN[name]]
             entry = {"page": MEASURED[name], **getattr(module, name)(path, given)}
         else:
             data = getattr(module, f"data_{name}")()
@@ -581,12 +585,16 @@ def main(argv=None) -> int:
     p.add_argument("--vision-run", type=Path, default=None,
                    help="digits ViT run for the position-similarity and class-attention figures (default: one "
                         f"trained here, attnlab {' '.join(VISION_COMMAND)})")
+    p.add_argument("--clip-run", type=Path, default=None, help="digits clip run for the multimodal page's "
+                   f"embedding-space figure (default: one trained here, attnlab {' '.join(CLIP_COMMAND)})")
+    p.add_argument("--vlm-run", type=Path, default=None, help="digits vlm run for its text-to-image attention "
+                   f"figure (default: one trained here, attnlab {' '.join(VLM_COMMAND)})")
     args = p.parse_args(argv)
     unknown = sorted(set(args.names) - set(every))
     if unknown:
         p.error(f"unknown figure {', '.join(unknown)}; choose from {', '.join(every)}")
     torch.set_num_threads(1)
-    build(args.names or every, args.run, args.vision_run)
+    build(args.names or every, args.run, args.vision_run, args.clip_run, args.vlm_run)
     return 0
 
 

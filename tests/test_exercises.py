@@ -14,7 +14,8 @@ DOCS = ROOT / "docs"
 # the lesson pages: each opens with the intuition and ends with exercises
 LESSONS = ["attention.md", "masks.md", "multi-head-attention.md", "feed-forward.md", "positions.md", "norms.md",
            "encoder-decoder.md", "causal-lm.md", "bert.md", "t5.md", "classification.md", "trainer.md", "vision.md",
-           "state-space.md", "long-context.md", "explorer.md", "summary.md", "llms.md", "compression.md"]
+           "state-space.md", "long-context.md", "explorer.md", "summary.md", "llms.md", "compression.md",
+           "multimodal.md"]
 EXERCISE = re.compile(r"^### Exercise (\d+)[^\n]*\n(.*?)(?=^### |^## |^\[\^|\Z)", re.MULTILINE | re.DOTALL)
 SOLUTION = re.compile(r'<details markdown="1">\s*<summary>Solution</summary>(.*?)</details>', re.DOTALL)
 PYTHON = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
