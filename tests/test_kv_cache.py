@@ -353,6 +353,24 @@ def test_rewinding_past_what_is_kept_is_refused_in_one_line():
     assert sink.can_rewind
 
 
+def test_keys_of_another_shape_or_dtype_are_refused_naming_the_cache():
+    """Every cache kind refuses keys whose batch, heads or dtype differ from those it keeps."""
+    layer = torch.nn.Module()
+    layer.position, layer.window = None, None
+    k = torch.randn(1, 2, 4, 2)
+    sliding = SlidingKVCache(8)
+    sliding.attend(layer, k, k, k, torch.arange(4), torch.arange(4), None, None)
+    with pytest.raises(ValueError, match=r"^SlidingKVCache: new keys \(1, 3, 1, 2\) torch.float32 do not match the "
+                       r"cache \(1, 2, 4, 2\) torch.float32$"):
+        k3 = torch.randn(1, 3, 1, 2)
+        sliding.attend(layer, k3, k3, k3, torch.tensor([4]), torch.arange(5), None, None)
+    q = QuantizedKVCache(8, residual=2, group=4)
+    q.update(k, k)
+    with pytest.raises(ValueError, match=r"^QuantizedKVCache: new keys \(1, 2, 1, 2\) torch.float64 do not match"):
+        q.update(k[:, :, :1].double(), k[:, :, :1].double())
+    assert q.length == 4 and sliding.length == 4
+
+
 def test_bad_kinds_and_recurrent_states_are_refused(tmp_path_factory):
     with pytest.raises(ValueError, match="unknown kind 'int3'"):
         KVCacheKind("int3")
