@@ -139,17 +139,24 @@ def _hf_class(arch: Architecture):
     return cls
 
 
+def in_transformers(model: torch.nn.Module, hf_cls, tmp_path, what: str = ""):
+    """``model`` saved with attnlab's save_pretrained and loaded by transformers' ``hf_cls``, in eval
+    mode; AssertionError naming ``what`` if transformers reports a missing, unexpected or mismatched key."""
+    model_dir = attnlab.save_pretrained(model, tmp_path)
+    hf, info = hf_cls.from_pretrained(model_dir, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{what or type(model).__name__}: transformers reports {problems}"
+    return hf.eval()
+
+
 def check_to_transformers(arch: Architecture, tmp_path) -> None:
     """attnlab -> save_pretrained -> transformers' class of that architecture: no missing or
     unexpected key, same outputs."""
     model = tiny(arch, randomize=True)
-    model_dir = attnlab.save_pretrained(model, tmp_path)
-    hf, info = _hf_class(arch).from_pretrained(model_dir, output_loading_info=True)
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, f"{arch}: transformers reports {problems}"
+    hf = in_transformers(model, _hf_class(arch), tmp_path, str(arch))
     x = inputs(arch, model)
     with torch.no_grad():
-        got_hf = hf_outputs(arch, hf.eval()(**example(arch, model.config)))
+        got_hf = hf_outputs(arch, hf(**example(arch, model.config)))
         for got, want in zip(got_hf, outputs(model(*x)), strict=True):
             close(got, want, f"{arch} in transformers")
 

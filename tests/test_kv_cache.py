@@ -409,12 +409,8 @@ def test_chunked_prefill_equals_one_shot(tmp_path_factory):
 def test_what_the_lesson_reads_off_its_figure():
     """docs/long-context.md: the full cache grows linearly, int8 and int4 by fewer bytes, the
     sliding and sink caches stop at 63 slots."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("figures", Path(__file__).resolve().parents[1] / "scripts" /
-                                                  "figures.py")
-    figures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(figures)
+    from _scripts import load_script
+    figures = load_script("scripts/figures.py")
     d = figures.data_kv_memory()
     per_slot = 2 * 2 * 2 * 8 * 4                      # K and V, 2 layers, 2 kv heads of 8, fp32
     assert (d["full"] == d["length"] * per_slot).all()
