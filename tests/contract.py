@@ -16,7 +16,7 @@ from safetensors.torch import load_model, save_model
 
 import attnlab
 from attnlab.generate import greedy_decode
-from attnlab.models.registry import KINDS, Architecture, Kind
+from attnlab.models.registry import KINDS, Architecture, Kind, family
 from attnlab.nn import optimize_for_inference
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -147,6 +147,17 @@ def in_transformers(model: torch.nn.Module, hf_cls, tmp_path, what: str = ""):
     problems = {k: v for k, v in info.items() if v}
     assert not problems, f"{what or type(model).__name__}: transformers reports {problems}"
     return hf.eval()
+
+
+def tiny_in_transformers(model_type: str, model_cls, hf_cls, tmp_path, seed: int = 1, randomize=randomize_):
+    """(the family's "tiny" config, attnlab's ``model_cls`` built from it with weights set by
+    ``randomize(model, seed)``, that model loaded by transformers' ``hf_cls`` through
+    :func:`in_transformers`), the models in eval mode."""
+    config = family(model_type).preset("tiny")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize(model, seed)
+    return config, model, in_transformers(model, hf_cls, tmp_path, model_type)
 
 
 def check_to_transformers(arch: Architecture, tmp_path) -> None:

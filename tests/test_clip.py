@@ -10,17 +10,14 @@ import attnlab
 from attnlab.models.clip import CLIPConfig, CLIPModel, contrastive_loss
 from attnlab.models.registry import family
 from _tolerance import FP32, assert_close_scaled
-from contract import in_transformers
+from contract import randomize_, tiny_in_transformers
 
 transformers = pytest.importorskip("transformers")
 
 
 def _randomize(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    randomize_(model, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0
-            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
         model.logit_scale.fill_(1.5)
 
 
@@ -64,11 +61,7 @@ def test_from_transformers_with_padded_captions(tmp_path, eos):
 
 
 def test_to_transformers_with_padded_captions(tmp_path):
-    config = family("clip").preset("tiny")
-    torch.manual_seed(1)
-    ours = CLIPModel(config).eval()
-    _randomize(ours, 1)
-    hf = in_transformers(ours, transformers.CLIPModel, tmp_path)
+    config, ours, hf = tiny_in_transformers("clip", CLIPModel, transformers.CLIPModel, tmp_path, 1, _randomize)
     ids, mask = _captions(config, config.eos_token_id)
     pixels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
