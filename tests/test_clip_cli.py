@@ -2,40 +2,20 @@
 file captions, batches whose images point at their distinct captions, the end token where both pooling rules find it, an
 exact resume, zero-shot `classify`, `embed` of texts and images, `export` read by transformers'
 CLIPModel and CLIPProcessor (fp32, 1e-5 relative to scale), and bad input in one line."""
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from attnlab.cli import main
 from attnlab.tasks import get_task, open_run
+from _multimodal import TINY, cli as _cli, digit_files, photos as _photos, train
 from _tolerance import FP32, assert_close_scaled
 
-_TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32", "--no-progress", "--eval-every", "0"]
-
-
-def _cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _photos(root, per_class=6, classes=("blue", "red", "green")):
-    rng = np.random.default_rng(0)
-    for c, label in enumerate(classes):
-        (root / label).mkdir(parents=True)
-        for i in range(per_class):
-            x = rng.integers(0, 90, (12, 12, 3))
-            x[..., c] += 160
-            Image.fromarray(x.astype(np.uint8)).save(root / label / f"{i:02d}.png")
-    return root
+_TINY = TINY + ["--layers", "1"]
 
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("clip") / "run"
-    assert main(["train", "clip", "--out", str(run), "--steps", "4", *_TINY]) == 0
-    return run
+    return train("clip", tmp_path_factory.mktemp("clip") / "run", 4, *_TINY)
 
 
 def test_the_digits_train_with_one_image_per_caption_and_the_end_token_last(digits_run, capsys):
@@ -66,12 +46,7 @@ def test_the_digits_train_with_one_image_per_caption_and_the_end_token_last(digi
 
 
 def test_zero_shot_classify_and_embed_texts_and_images(digits_run, tmp_path, capsys):
-    from attnlab.data.digits import digits_split
-    x, y = digits_split()["test"]
-    files = []
-    for i in range(3):
-        files.append(tmp_path / f"{i}.png")
-        Image.fromarray(x[i, 0].numpy()).save(files[-1])
+    files, _ = digit_files(tmp_path, 3)
     code, out, err = _cli(capsys, "classify", digits_run, *files)
     assert code == 0, err
     rows = [line.split("\t") for line in out.splitlines()]
@@ -147,3 +122,39 @@ def test_an_exported_folder_run_is_transformers_clip_with_its_processor(tmp_path
     with torch.no_grad():
         want = hf(**inputs).logits_per_image.softmax(-1)
     assert_close_scaled(clf.zero_shot(labels).probabilities(images), want, FP32, "zero-shot probabilities")
+
+
+def test_embed_images_of_a_hugging_face_clip_directory_as_get_image_features(tmp_path, capsys):
+    """A transformers CLIPModel saved with its CLIPImageProcessor: `attnlab embed DIR --images` gives
+    transformers' get_image_features of the processor's pixels (fp32, 1e-5 of scale), unit length by
+    default; texts from such a directory are refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    import attnlab
+    from attnlab.models.registry import family
+    config = family("clip").preset("tiny")
+    torch.manual_seed(0)
+    hf = transformers.CLIPModel(transformers.CLIPConfig(**attnlab.models.clip.clip_config_to_hf(config))).eval()
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": config.image_size},
+                                                crop_size={"height": config.image_size, "width": config.image_size})
+    hf.save_pretrained(tmp_path / "hf")
+    processor.save_pretrained(tmp_path / "hf")
+    data = _photos(tmp_path / "photos")
+    files = [data / "red" / "00.png", data / "green" / "03.png", data / "blue" / "05.png"]
+    with torch.no_grad():
+        pixels = processor(images=[Image.open(f) for f in files], return_tensors="pt")["pixel_values"]
+        want = hf.get_image_features(pixel_values=pixels)
+    want = getattr(want, "pooler_output", want)
+    code, out, err = _cli(capsys, "embed", tmp_path / "hf", "--no-normalize", "--out", tmp_path / "v.npy",
+                          "--images", *files)
+    assert code == 0, err
+    import numpy as np
+    assert_close_scaled(torch.from_numpy(np.load(tmp_path / "v.npy")), want, FP32, "image features")
+    code, out, err = _cli(capsys, "embed", tmp_path / "hf", "--images", *files)
+    assert code == 0, err
+    got = torch.tensor([[float(v) for v in line.split()] for line in out.splitlines()])
+    torch.testing.assert_close(got, torch.nn.functional.normalize(want, dim=-1), atol=2e-6, rtol=0)   # printed to 6 places
+    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "a photo", "--images", files[0])
+    assert code == 2 and err.count("\n") == 1 and "embeds images (--images); texts take an attnlab run" in err
+    (tmp_path / "hf" / "preprocessor_config.json").unlink()
+    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "--images", files[0])
+    assert code == 2 and err.count("\n") == 1 and "no preprocessor_config.json" in err

@@ -77,16 +77,36 @@ def test_the_mae_task_reads_its_settings_as_typed_fields():
 
 
 # ----------------------------------------------------------------------------- the tasks' reads, checked statically
+# A task's settings travel as a parameter annotated ``Settings`` or named ``s`` (the tasks' name for them);
+# both are scanned, so a helper that takes ``s: dict`` and reads ``s["d_model"]`` is caught as well.
+_SETTINGS_NAMES = {"s"}
+_TYPED = {"Settings", "EvalSettings"}          # a task's settings; attnlab eval's (evaluate_file)
+# what the task definitions' methods take the settings as (TaskDefinition's protocol), by argument position
+_TASK_METHODS = {"check": 1, "check_once": 1, "prepare": 1, "train_config": 1, "report": 3, "model_family": 1,
+                 "model_in_use": 1, "apply_family_defaults": 1, "family_sizes": 1}
+
+
+def _annotation(arg) -> str | None:
+    import ast
+    return ast.unparse(arg.annotation) if arg.annotation is not None else None
+
+
+def _settings_params(fn, annotation: str = "Settings") -> set[str]:
+    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    return {a.arg for a in args if _annotation(a) == annotation
+            or (a.arg in _SETTINGS_NAMES and _annotation(a) not in _TYPED - {annotation})}
+
+
 def _settings_reads(source: str, filename: str = "<test>", annotation: str = "Settings") -> list[tuple[str, int, str, str]]:
-    """(function, line, how, name) of every field, string key or .get() read on a parameter annotated
-    ``annotation`` in ``source``; ``how`` is "field", "key" or "get"."""
+    """(function, line, how, name) of every field or string-key read on a settings parameter (one
+    annotated ``annotation``, or named ``s`` and not typed as other settings) in ``source``; ``how``
+    is "field" or "key"."""
     import ast
     found = []
     for fn in ast.walk(ast.parse(source, filename)):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
-        names = {a.arg for a in args if isinstance(a.annotation, ast.Name) and a.annotation.id == annotation}
+        names = _settings_params(fn, annotation)
         names |= {node.targets[0].id for node in ast.walk(fn) if isinstance(node, ast.Assign) and names       # s = settings
                   and isinstance(node.value, ast.Name) and node.value.id in names and isinstance(node.targets[0], ast.Name)}
         for node in ast.walk(fn) if names else ():
@@ -96,6 +116,22 @@ def _settings_reads(source: str, filename: str = "<test>", annotation: str = "Se
                     and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
                 found.append((fn.name, node.lineno, "key", node.slice.value))
     return found
+
+
+def _untyped(source: str, filename: str = "<test>") -> list[str]:
+    """Every function of ``source`` that takes the settings untyped: a parameter named ``s`` not
+    annotated ``Settings``, or a task method (:data:`_TASK_METHODS`) whose settings argument is not."""
+    import ast
+    found = []
+    for fn in ast.walk(ast.parse(source, filename)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        at = _TASK_METHODS.get(fn.name)
+        for i, a in enumerate(args):
+            if (a.arg in _SETTINGS_NAMES or i == at and args[0].arg == "self") and _annotation(a) not in _TYPED:
+                found.append((fn.lineno, f"line {fn.lineno}: {fn.name}({a.arg}: {_annotation(a)})"))
+    return [text for _, text in sorted(found)]
 
 
 def _task_modules():
@@ -123,8 +159,11 @@ def _misread(module_source: str, options: set, annotation: str = "Settings") -> 
 
 
 def test_the_tasks_read_their_settings_as_fields_and_only_their_options():
-    """Every read of a Settings parameter in attnlab/tasks/ is a field (``s.d_model``, no string key)
-    named by an option of the module's task: a misspelt field fails here, not in a run."""
+    """Every function of attnlab/tasks/ and the train command that takes the settings takes them
+    typed (``s: Settings``; a task's check, prepare, train_config and report whatever the parameter's
+    name), and every read of them is a field (``s.d_model``, no string key) named by an option of
+    the module's task: a dict-taking task or a misspelt field fails here, not in a run."""
+    import inspect
     from pathlib import Path
     import attnlab.cli.train as train_command
     from attnlab.tasks.base import TRAINING_OPTIONS
@@ -133,17 +172,34 @@ def test_the_tasks_read_their_settings_as_fields_and_only_their_options():
     modules = list(_task_modules()) + [(train_command, {o.name for o in TRAINING_OPTIONS})]
     for module, options in modules:
         source = Path(module.__file__).read_text()
+        assert not _untyped(source), (module.__name__, _untyped(source))
         assert not _misread(source, options), (module.__name__, _misread(source, options))
         scanned += len(_settings_reads(source))
     assert scanned > 300                       # the scan sees the tasks' reads (about 370 of them)
+    # and at run time, every registered task's methods, wherever they are defined
+    for name, task in registered_tasks().items():
+        for method, at in _TASK_METHODS.items():
+            params = list(inspect.signature(getattr(task, method)).parameters.values())
+            assert params[at - 1].annotation in ("Settings", Settings), (name, method, params[at - 1])
 
 
-def test_the_scan_catches_a_misspelt_field_and_a_string_key():
+def test_the_scan_catches_a_misspelt_field_a_string_key_and_a_dict_taking_task():
     source = ("def prepare(self, s: Settings, resume_from):\n"
               "    width = s.d_modle\n"
               "    return s['heads'], s.get('layers'), s.to_dict()\n")
     assert _misread(source, {"d_model", "heads", "layers"}) == [
         "line 2: prepare() reads field 'd_modle'", "line 3: prepare() reads key 'heads'"]
+    assert _untyped(source) == []
+    # a task that takes a dict: its methods, its helpers and their string keys are all caught
+    source = ("class Old(TaskDefinition):\n"
+              "    def prepare(self, settings: dict, resume_from):\n"
+              "        return self._data(settings)\n"
+              "    def report(self, run_dir, setup, options):\n"
+              "        pass\n"
+              "def _data(s: dict):\n"
+              "    return s['data'], f\"{s['seed']}\"\n")
+    assert _untyped(source) == ["line 2: prepare(settings: dict)", "line 4: report(options: None)", "line 6: _data(s: dict)"]
+    assert _misread(source, {"data", "seed"}) == ["line 7: _data() reads key 'data'", "line 7: _data() reads key 'seed'"]
     # at run time too: the settings refuse an attribute that is not an option
     s = get_task("lm").settings()
     with pytest.raises(AttributeError, match="'d_modle' is not an option of 'attnlab train lm'"):

@@ -3,18 +3,9 @@ and its end token, the image placeholder expanded to the model's image tokens, g
 equal to the teacher-forced argmax, the report on the held-out digits, an exact resume."""
 import torch
 
-from attnlab.cli import main
 from attnlab.models.objective import IGNORE_INDEX
 from attnlab.tasks import get_task, open_run
-
-_TINY = ["--d-model", "16", "--heads", "2", "--layers", "2", "--d-ff", "32", "--batch-size", "16", "--no-progress",
-         "--eval-every", "0", "--schedule", "constant", "--warmup", "0"]
-
-
-def _cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from _multimodal import VLM_TINY as _TINY, cli as _cli
 
 
 def test_vlm_trains_answers_and_resumes_bit_identically(tmp_path, capsys):

@@ -6,6 +6,7 @@
     attnlab chat MODEL ...      cli/chat.py       (a chat model's conversation, streamed)
     attnlab classify RUN ...    cli/classify.py
     attnlab embed DIR ...       cli/embed.py
+    attnlab ask RUN IMAGE ...   cli/ask.py        (a vision-language run answers about an image)
     attnlab eval RUN ...        cli/eval.py       (dispatches on the run's recorded task)
     attnlab viz RUN ...         cli/viz.py
     attnlab export RUN OUT      cli/export.py     (a run as a Hugging Face directory)
@@ -56,7 +57,7 @@ from .. import __version__
 
 __all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere", "keep_freed_memory"]
 
-COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "eval", "viz", "export", "serve",
+COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "ask", "eval", "viz", "export", "serve",
             "quantize", "prune")
 
 

@@ -1,6 +1,8 @@
 """``attnlab embed DIR "text" ...``: sentence vectors from an encoder (mean over the real tokens);
 ``attnlab embed RUN "text" ... --images a.png ...``: texts and images in one space, from a run of a
-model of images and texts (``attnlab train clip``), the texts' rows first, then the images'.
+model of images and texts (``attnlab train clip``), the texts' rows first, then the images';
+``attnlab embed CLIP_DIR --images a.png ...``: images through a Hugging Face directory of such a
+model (``CLIPModel.save_pretrained`` with its processor), as transformers' ``get_image_features``.
 
 Vectors are normalised to unit length by default, as sentence-transformers checkpoints
 (all-MiniLM-L6-v2) normalise theirs, so that a dot product is the cosine similarity;
@@ -17,7 +19,8 @@ HELP = ("sentence embeddings from an encoder (a Hugging Face directory such as a
         "texts and images from an image-text run")
 EXAMPLE = ('attnlab embed all-MiniLM-L6-v2/ "a cat sits on the mat" "a dog runs"\n'
            "  attnlab embed runs/classify --out vectors.npy < sentences.txt\n"
-           '  attnlab embed runs/clip "a photo of a 3" --images three.png seven.png')
+           '  attnlab embed runs/clip "a photo of a 3" --images three.png seven.png\n'
+           "  attnlab embed clip-vit-base-patch32/ --images cat.png dog.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "attnlab run whose model has token vectors (a base encoder, a classifier)")
     p.add_argument("texts", nargs="*", help="texts to embed (default: one per line from stdin)")
     p.add_argument("--images", nargs="+", default=[], metavar="IMAGE", help="image files to embed after the texts "
-                   "(a run of a model of images and texts)")
+                   "(a run of a model of images and texts, or a Hugging Face directory of one with its processor)")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                    help="unit-length vectors, so that a dot product is the cosine (default: on)")
     p.add_argument("--out", metavar="FILE.npy", help="write the (N, E) float32 array here instead of printing it")
@@ -72,10 +75,14 @@ def _texts_and_images(args: argparse.Namespace, info, texts: list[str]):
     import torch
     from . import UserError
     from ..tasks import get_task
-    if info.kind != "run":
-        raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab embed' reads an image-text model from an "
-                        "attnlab run, which holds its tokenizer and image processor")
-    model = get_task(info.run.task).load(info.run, args.device)
+    if info.kind == "run":
+        model = get_task(info.run.task).load(info.run, args.device)
+    else:
+        from ..tasks.contrastive import load_pretrained_contrastive
+        if texts:
+            raise UserError(f"{args.checkpoint}: {info.describe()}; from a Hugging Face image-text directory "
+                            "'attnlab embed' embeds images (--images); texts take an attnlab run (attnlab train clip)")
+        model = load_pretrained_contrastive(args.checkpoint, args.device)
     parts = ([model.text_vectors(texts, args.normalize, args.batch_size)] if texts else []) + (
         [model.image_vectors(args.images, args.normalize, args.batch_size)] if args.images else [])
     return torch.cat(parts)

@@ -14,7 +14,12 @@ are drawn from views alone:
 - an image classifier, with ``--image img.png``: where its class token looks, over the image
   (attnlab.viz.image; one PNG, beside the run's checkpoints; a Swin: its pooled rollout and each
   stage's attention received per patch); with ``--html``/``--serve`` the
-  page's image view of every layer, head and query patch (attnlab.viz.image_views; ViT, DeiT, Swin).
+  page's image view of every layer, head and query patch (attnlab.viz.image_views; ViT, DeiT, Swin);
+- a vision-language run, with ``--image img.png`` and the question as the text (default: the run's
+  first): its answer, then how the question's and answer's tokens attend to the image's tokens
+  (attnlab.viz.image_text: one PNG, the text x patches heatmap and each token's map over the image;
+  with ``--html``/``--serve`` the page's text-to-image view drawn over the picture, and the whole
+  self-attention).
 
 Output: PNGs (one per view and layer, its heads in a grid; ``--layer``/``--head``: one) in
 ``--out DIR`` (default: a ``viz/`` folder inside the run or model directory), each path printed;
@@ -31,15 +36,17 @@ EXAMPLE = ('attnlab viz runs/lm "the cat sat on the mat"\n'
            '  attnlab viz runs/translate "the dog sees forty-seven cats" --layer 2 --head 1\n'
            '  attnlab viz all-MiniLM-L6-v2/ "a cat sits on the mat" --html cat.html\n'
            '  attnlab viz runs/classify "what a film" --serve\n'
-           '  attnlab viz runs/image --image cat.png --layer 4          # writes runs/image/attention-cat.png')
+           '  attnlab viz runs/image --image cat.png --layer 4          # writes runs/image/attention-cat.png\n'
+           '  attnlab viz runs/vlm "what digit is this?" --image three.png   # text-to-image attention')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run directory or checkpoint (lm, mlm, classify, translate, image) or a "
                    "Hugging Face model directory (config.json, weights, tokenizer.json)")
     p.add_argument("text", nargs="?", help="the text to look at (a translation's source sentence)")
-    p.add_argument("--image", default=None, help="an image file (an image run): draws the attention rollout and the "
-                                                 "class token's attention per head over it")
+    p.add_argument("--image", default=None, help="an image file: an image run draws the attention rollout and the "
+                   "class token's attention per head over it; a vlm run answers the text (a question) and draws "
+                   "how the text attends to the image")
     p.add_argument("--target", metavar="TEXT", help="translation: the target sentence the decoder reads "
                    "(default: the model's own greedy translation)")
     p.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: viz/ inside the run "
@@ -134,6 +141,37 @@ def _image(args: argparse.Namespace, info) -> int:
     return 0
 
 
+def _image_text(args: argparse.Namespace, info) -> int:
+    """A vision-language run: its answer to the question about the image, and the text-to-image attention."""
+    from . import UserError
+    from ..tasks import get_task
+    from ..viz import TokenLabels
+    from ..viz.image_text import draw_image_text_attention, image_text_attention, image_text_views
+    if args.head is not None or args.grid or args.target is not None:
+        raise UserError("--image with a vision-language run draws the text's attention to the image: it takes a "
+                        "question as the text and --layer, not --head, --grid or --target")
+    if info.kind != "run":
+        raise UserError(f"{args.checkpoint}: {info.describe()}; 'attnlab viz --image' takes a vlm run, which records "
+                        "its vocabulary and image processor")
+    vlm = get_task(info.run.task).load(info.run, "cpu")
+    question = args.text if args.text is not None else vlm.questions[0]
+    shown = vlm.processor.resized(args.image)                  # (C, H, W) uint8: what the model reads
+    reply = vlm.ask(args.image, question)
+    ids = vlm.prompt_ids(question) + vlm.tokenizer.encode(reply)
+    attention = image_text_attention(vlm.model, ids, vlm.processor.finish(shown)[None])
+    labels, picture = TokenLabels(vlm.tokenizer, ids)(), shown.permute(1, 2, 0).numpy()
+    print(f"{question} -> {reply}")
+    if args.html is not None or args.serve:
+        if args.layer is not None:
+            raise UserError("--layer picks the PNG's layer; the page (--html, --serve) has every layer")
+        return _page(args, info, image_text_views(attention, picture, labels), f"{question} -> {reply}")
+    out = Path(args.out) if args.out else Path(info.run.path).parent / f"attention-{Path(args.image).stem}.png"
+    path = draw_image_text_attention(attention, picture, labels, out,
+                                     layer=None if args.layer is None else args.layer - 1)
+    print(f"wrote {path}")
+    return 0
+
+
 def _out_dir(args, info) -> Path:
     if args.out is not None and not args.out.endswith(".png"):
         return Path(args.out)
@@ -143,11 +181,17 @@ def _out_dir(args, info) -> Path:
 
 LOADERS = {"seq2seq": _translation_views}
 TEXT_KINDS = ("causal-lm", "masked-lm", "base", "classifier", "pretraining", "replaced-token")
+IMAGE_KINDS = ("image-classifier", "vision-language")
 
 
 def run(args: argparse.Namespace) -> int:
     from . import UserError, open_model_path
-    info, kind = open_model_path(args.checkpoint, "viz", TEXT_KINDS + tuple(LOADERS) + ("image-classifier",))
+    info, kind = open_model_path(args.checkpoint, "viz", TEXT_KINDS + tuple(LOADERS) + IMAGE_KINDS)
+    if args.image is not None and kind == "vision-language":
+        return _image_text(args, info)
+    if kind == "vision-language":
+        raise UserError(f"{args.checkpoint}: {info.describe()}; give the image to ask about with --image FILE "
+                        "(and the question as the text)")
     if args.image is not None:
         if kind != "image-classifier":
             raise UserError(f"--image {args.image}: {args.checkpoint} is {info.describe()}, not an image "

@@ -217,7 +217,7 @@ def _prompts(config, limits, B, T, seed) -> dict:
 
 
 if "vision-language" not in KINDS:
-    register_kind("vision-language", modality="image-text", example=_prompts,
+    register_kind("vision-language", modality="image-text", command="attnlab ask", example=_prompts,
                   shapes=lambda c, x: (x["input_ids"].size(0), x["input_ids"].size(1), c.text.vocab_size),
                   does="forward(input_ids (B, T) with each image's tokens, pixel_values (B_i, C, H, W)) -> next-token "
                        "logits (B, T, V): a language model that reads images as tokens")

@@ -47,20 +47,18 @@ from ..data.images import AUGMENTATIONS, ImageFolder, augment, image_splits, rea
 from ..processors import ImageProcessor
 from ..tokenizer import BPETokenizer, HFTokenizer
 from .base import Option, Setup, TaskDefinition, describe_training, positive, register_task, training_schedule
-from .image import _arrays, _bytes
+from .image import _arrays, _bytes, data_source
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .settings import Settings
 
-__all__ = ["ImagesWithText", "ContrastiveTraining", "ContrastiveTask", "LoadedContrastive", "caption_tokenizer", "END_TOKEN"]
+__all__ = ["ImagesWithText", "ContrastiveTraining", "ContrastiveTask", "LoadedContrastive",
+           "load_pretrained_contrastive", "caption_tokenizer", "END_TOKEN"]
 
 KIND = "contrastive"
 END_TOKEN = "<|endoftext|>"
 _M, _D = "model", "data and evaluation"
 _SIZES = {"digits": dict(image_size=8, patch_size=2, augment="affine", steps=1500, lr=2e-3),
           "folder": dict(image_size=32, patch_size=4, augment="crop-flip", steps=None, lr=1e-3)}
-
-
-def data_source(s) -> str:
-    return "digits" if s["data"] is None else "folder"
 
 
 def caption_tokenizer(captions: Sequence[str], vocab_size: int) -> HFTokenizer:
@@ -116,7 +114,7 @@ class ContrastiveTask:
 
     def __init__(self, model: nn.Module, processor: ImageProcessor, tokenizer, captions: list[str],
                  train: tuple[Tensor, Tensor], valid: tuple[Tensor, Tensor], *, batch_size: int, augmentation: str,
-                 task_options: dict):
+                 task_options: Settings):
         self.model, self.processor, self.tokenizer, self.batch_size = model, processor, tokenizer, batch_size
         self.captions, self.augmentation, self.task_options = captions, augmentation, task_options
         self.context = model.config.context
@@ -213,36 +211,69 @@ class LoadedContrastive:
         return torch.softmax(scale * self.image_vectors(images, batch_size=batch_size) @ texts.t(), -1)
 
 
+def load_pretrained_contrastive(path: str | Path, device: str | None = None) -> LoadedContrastive:
+    """A Hugging Face directory of a contrastive image-text model (``CLIPModel.save_pretrained`` with
+    its image processor's preprocessor_config.json) for embedding images: its processor resizes and
+    normalises as transformers' does. Its tokenizer is not read (``tokenizer`` is None)."""
+    from ..hub import from_pretrained
+    from ..processors import IMAGE_CONFIG, load_processor
+    from .run import resolve_device
+    if not Path(path, IMAGE_CONFIG).is_file():
+        raise RunError(f"{path}: no {IMAGE_CONFIG}; save the model's image processor beside it "
+                       "(CLIPProcessor.save_pretrained)")
+    model = from_pretrained(path).to(resolve_device(device)).eval()
+    return LoadedContrastive(model, load_processor(path, "image"), None, [], "{}", Path(path))
+
+
 class ImagesWithText(TaskDefinition):
     """What the tasks on images and texts share: the family of the task's kind, the sizes and the
     schedule of the digits or of a folder (:data:`_SIZES`), the best checkpoint by accuracy."""
 
-    def check(self, s: dict) -> None:
+    def check(self, s: Settings) -> None:
         from ..models.registry import default_family, families
         known = [f.model_type for f in families(kind=self.kind)]
-        s["model"] = s["model"] or default_family(self.kind)
-        if s["model"] not in known:
-            raise ValueError(f"--model: {s['model']!r} is not a registered family of kind {self.kind} "
+        s.model = s.model or default_family(self.kind)
+        if s.model not in known:
+            raise ValueError(f"--model: {s.model!r} is not a registered family of kind {self.kind} "
                              f"({', '.join(known) or 'none registered'})")
         super().check(s)
-        if s["data"] is None and s["valid"] is not None:
+        if s.data is None and s.valid is not None:
             raise ValueError("--valid: give the training images too (--data DIR); the digits have their own split")
         for name in ("image_size", "patch_size", "augment"):
             if s[name] is None:
                 s[name] = _SIZES[data_source(s)][name]
-        if s["image_size"] % s["patch_size"]:
-            raise ValueError(f"--image-size {s['image_size']} is not a multiple of --patch-size {s['patch_size']}")
+        if s.image_size % s.patch_size:
+            raise ValueError(f"--image-size {s.image_size} is not a multiple of --patch-size {s.patch_size}")
 
-    def _schedule(self, s: dict, n_images: int) -> dict:
+    def _schedule(self, s: Settings, n_images: int) -> dict:
         kind = data_source(s)
-        steps = _SIZES[kind]["steps"] or max(100, min(5000, 10 * -(-n_images // s["batch_size"])))
+        steps = _SIZES[kind]["steps"] or max(100, min(5000, 10 * -(-n_images // s.batch_size)))
         return training_schedule(s, dict(steps=steps, lr=_SIZES[kind]["lr"]),
                                  lambda steps, budget: 50 if budget else max(1, steps // 10),
                                  lambda steps, budget: max(steps // 5, 20), 4)
 
-    def train_config(self, s: dict, setup: Setup) -> dict:
-        return dict(self._schedule(s, len(setup.task.train_y)), betas=(0.9, 0.98), best_metric="accuracy",
-                    best_mode="max")
+    def train_config(self, s: Settings, setup: Setup) -> dict:
+        return dict(setup.schedule, betas=(0.9, 0.98), best_metric="accuracy", best_mode="max")
+
+    def _setup(self, s: Settings, task, n_train: int, data: str, model: str = "", extra: dict | None = None) -> Setup:
+        """The Setup of a task on images and texts: its schedule computed once for ``n_train`` images
+        (the lr it chose written into ``s``), and the lines printed before training: ``data``, the
+        model with its size (``model``: what follows), the schedule."""
+        t = self._schedule(s, n_train)
+        s.lr = t["lr"]
+        n = sum(p.numel() for p in task.model.parameters()) / 1e6
+        lines = [f"data: {data}", f"model: {type(task.model).__name__} ({s.model}), {n:.2f}M parameters{model}",
+                 describe_training(s, t)]
+        return Setup(task, lines, dict(extra or {}), schedule=t)
+
+    def _held_out(self, run_dir: Path, setup: Setup):
+        """(the trained run loaded for inference, the held-out test (images, indices)), or None when
+        the data has no test split: what a report scores."""
+        from .run import open_run
+        test = setup.extra.get("test")
+        if test is None or not len(test[1]):
+            return None
+        return self.load(open_run(run_dir)), test
 
 
 class ContrastiveTraining(ImagesWithText):
@@ -280,29 +311,29 @@ class ContrastiveTraining(ImagesWithText):
     data_paths = ("directory",)
     data_help = "an image folder: one sub-folder of images per class (or any images, with --captions)"
 
-    def check(self, s: dict) -> None:
-        if s["data"] is None and s["captions"] is not None:
+    def check(self, s: Settings) -> None:
+        if s.data is None and s.captions is not None:
             raise ValueError("--captions: give the images too (--data DIR)")
         super().check(s)
 
     # ------------------------------------------------------------------ data
-    def _examples(self, s: dict) -> dict:
+    def _examples(self, s: Settings) -> dict:
         """{"train"/"valid"/"test": (images: paths or arrays, captions), "labels": class names, "root"}."""
-        template = s["template"]
+        template = s.template
         if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS, digits_split
             split = digits_split()
             sets = {k: (_arrays(x.expand(-1, 3, -1, -1)), [template.format(DIGIT_LABELS[i]) for i in y.tolist()])
                     for k, (x, y) in split.items()}
             return dict(sets, labels=list(DIGIT_LABELS), root="the embedded 8x8 handwritten digits")
-        if s["captions"] is not None:
-            paths, captions = _read_captions(s["captions"], s["data"])
+        if s.captions is not None:
+            paths, captions = _read_captions(s.captions, s.data)
             order = list(range(len(paths)))
-            random.Random(s["seed"]).shuffle(order)
+            random.Random(s.seed).shuffle(order)
             held = set(order[:max(1, len(paths) // 10)])
             pick = lambda keep: ([p for i, p in enumerate(paths) if (i in held) != keep],    # noqa: E731
                                  [c for i, c in enumerate(captions) if (i in held) != keep])
-            return dict(train=pick(True), valid=pick(False), labels=[], root=s["captions"])
+            return dict(train=pick(True), valid=pick(False), labels=[], root=s.captions)
         from .image import IMAGE
         train, valid, test = IMAGE._folders(s)
         caption = lambda f: (f.paths, [template.format(y) for y in f.labels])           # noqa: E731
@@ -311,8 +342,8 @@ class ContrastiveTraining(ImagesWithText):
             out["test"] = caption(test)
         return out
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
-        self.check(s)
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
+        self.check_once(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         examples = self._examples(s)
         if saved is not None:            # the run's own tokenizer, processor and model (pitfall: a rebuilt vocabulary)
@@ -321,45 +352,39 @@ class ContrastiveTraining(ImagesWithText):
             model = build_model(saved.model_type, saved.config, saved.architecture)
         else:
             resample = "box" if data_source(s) == "digits" else "bilinear"
-            processor = ImageProcessor(size=s["image_size"], resample=resample)
-            tokenizer = caption_tokenizer(examples["train"][1], s["vocab_size"])
+            processor = ImageProcessor(size=s.image_size, resample=resample)
+            tokenizer = caption_tokenizer(examples["train"][1], s.vocab_size)
             model = None
         captions = sorted(set(c for k in ("train", "valid", "test") if k in examples for c in examples[k][1]))
         index = {c: i for i, c in enumerate(captions)}
         sets = {k: (_bytes(examples[k][0], processor), torch.tensor([index[c] for c in examples[k][1]]))
                 for k in ("train", "valid", "test") if k in examples}
         longest = max(len(tokenizer.encode(c)) for c in captions)
-        if longest > s["context"]:
-            raise ValueError(f"--context {s['context']}: the longest caption has {longest} tokens; give at least that")
+        if longest > s.context:
+            raise ValueError(f"--context {s.context}: the longest caption has {longest} tokens; give at least that")
         if model is None:
             from ..models.registry import family
-            fam = family(s["model"])
-            config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=3,
-                                      vocab_size=tokenizer.vocab_size, context=s["context"], d_model=s["d_model"],
-                                      num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
+            fam = family(s.model)
+            config = fam.build_config(image_size=s.image_size, patch_size=s.patch_size, in_channels=3,
+                                      vocab_size=tokenizer.vocab_size, context=s.context, d_model=s.d_model,
+                                      num_heads=s.heads, num_layers=s.layers, d_ff=s.d_ff,
                                       **self.family_sizes(s, tokenizer))
-            torch.manual_seed(s["seed"])
+            torch.manual_seed(s.seed)
             model = fam.for_kind(KIND).build(config)
-        options = {"labels": examples["labels"], "template": s["template"]}
+        options = {"labels": examples["labels"], "template": s.template}
         task = ContrastiveTask(model, processor, tokenizer, captions, sets["train"], sets["valid"],
-                               batch_size=s["batch_size"], augmentation=s["augment"], task_options=options)
-        t = self._schedule(s, len(sets["train"][1]))
-        s["lr"] = t["lr"]
-        n = sum(p.numel() for p in model.parameters()) / 1e6
-        lines = [f"data: {examples['root']}: {len(sets['train'][1]):,} training images, {len(sets['valid'][1]):,} "
-                 f"validation, {len(captions):,} distinct captions (e.g. {captions[0]!r})",
-                 f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters; images "
-                 f"{s['image_size']}x{s['image_size']} in patches of {s['patch_size']}, captions of at most "
-                 f"{s['context']} tokens (vocabulary {tokenizer.vocab_size})", describe_training(s, t)]
-        return Setup(task, lines, {"test": sets.get("test")})
+                               batch_size=s.batch_size, augmentation=s.augment, task_options=options)
+        return self._setup(s, task, len(sets["train"][1]),
+                           f"{examples['root']}: {len(sets['train'][1]):,} training images, {len(sets['valid'][1]):,} "
+                           f"validation, {len(captions):,} distinct captions (e.g. {captions[0]!r})",
+                           f"; images {s.image_size}x{s.image_size} in patches of {s.patch_size}, captions of at "
+                           f"most {s.context} tokens (vocabulary {tokenizer.vocab_size})", {"test": sets.get("test")})
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
-        from .run import open_run
-        test = setup.extra["test"]
-        if test is None or not len(test[1]):
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
+        held_out = self._held_out(run_dir, setup)
+        if held_out is None:
             return
-        clf = self.load(open_run(run_dir))
-        task = setup.task
+        (clf, test), task = held_out, setup.task
         if not clf.labels:
             return
         pred = clf.probabilities(_arrays(test[0])).argmax(-1)

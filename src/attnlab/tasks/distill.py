@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ..train.losses import distillation_loss
 from .base import Option, positive
 from .run import RunError, load_tokenizers, resume_point
+from .settings import Settings
 from .sft import fine_tuning
 
 __all__ = ["DISTILL_OPTIONS", "Teacher", "check_distillation", "weights_sha256"]
@@ -57,7 +58,7 @@ DISTILL_OPTIONS = [
 ]
 
 
-def check_distillation(s: dict) -> None:
+def check_distillation(s: Settings) -> None:
     """ValueError if --kd-temperature or --kd-alpha is given without --teacher."""
     for name in ("kd_temperature", "kd_alpha"):
         if getattr(s, name) is not None and s.teacher is None:
@@ -89,7 +90,7 @@ class Teacher:
         self.model.eval().requires_grad_(False)
 
     @classmethod
-    def load(cls, s: dict, resume_from: Path | None, load_lm: Callable) -> "Teacher":
+    def load(cls, s: Settings, resume_from: Path | None, load_lm: Callable) -> "Teacher":
         """The teacher ``--teacher`` names, loaded by ``load_lm`` (attnlab.tasks.lm's) in fp32 on the
         CPU; on ``--resume``, RunError unless its weights are those the run was distilled from."""
         if fine_tuning(s):
@@ -104,12 +105,12 @@ class Teacher:
         if saved is not None:
             student = load_tokenizers(saved)["text"].vocab_size
             if student != identity["vocab_size"]:
-                raise RunError(f"--teacher {s['teacher']}: its vocabulary has {identity['vocab_size']} tokens, the "
+                raise RunError(f"--teacher {s.teacher}: its vocabulary has {identity['vocab_size']} tokens, the "
                                f"student's in {resume_from} {student}; a student distils only from a teacher of its "
                                "own tokenizer")
             was = saved.task_options.get("teacher") or {}
             if was.get("sha256") != identity["sha256"]:
-                raise RunError(f"--resume: the teacher {s['teacher']} is not the one {resume_from} was distilled from "
+                raise RunError(f"--resume: the teacher {s.teacher} is not the one {resume_from} was distilled from "
                                f"(weights SHA-256 {identity['sha256'][:12]}, the run's {str(was.get('sha256'))[:12]}"
                                f" from {was.get('path')}); restore that teacher, or start a new run with another --out")
         for name, default in (("kd_temperature", DEFAULT_TEMPERATURE), ("kd_alpha", DEFAULT_ALPHA)):
@@ -117,16 +118,16 @@ class Teacher:
                 setattr(s, name, default)
         return cls(lm, identity, s.kd_temperature, s.kd_alpha)
 
-    def student_tokenizer(self, s: dict):
+    def student_tokenizer(self, s: Settings):
         """The teacher's tokenizer, which the student takes; ValueError if ``--tokenizer`` or
         ``--vocab-size`` ask for another."""
         tok, V = self.tokenizer, self.tokenizer.vocab_size
         if s.vocab_size is not None and s.vocab_size != V:
-            raise ValueError(f"--vocab-size {s['vocab_size']}: the teacher {self.path} has a vocabulary of {V} "
-                             f"tokens, the student would have {s['vocab_size']}; a distilled student takes its "
+            raise ValueError(f"--vocab-size {s.vocab_size}: the teacher {self.path} has a vocabulary of {V} "
+                             f"tokens, the student would have {s.vocab_size}; a distilled student takes its "
                              "teacher's tokenizer: leave --vocab-size out")
         if s.tokenizer is not None and s.tokenizer != tok.kind:
-            raise ValueError(f"--tokenizer {s['tokenizer']}: the teacher {self.path} has a {tok.kind} tokenizer of "
+            raise ValueError(f"--tokenizer {s.tokenizer}: the teacher {self.path} has a {tok.kind} tokenizer of "
                              f"{V} tokens; a distilled student takes its teacher's tokenizer: leave --tokenizer out")
         return tok
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +29,14 @@ from torch import Tensor, nn
 from ..data.images import AUGMENTATIONS, augment
 from ..models.objective import IGNORE_INDEX
 from ..processors import ImageProcessor
-from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, WordTokenizer
-from .base import Option, Setup, describe_training, positive, register_task
-from .contrastive import ImagesWithText, data_source
-from .image import _arrays, _bytes
+from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, WordTokenizer
+from .base import Option, Setup, positive, register_task
+from .contrastive import ImagesWithText
+from .image import _arrays, _bytes, data_source
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .settings import Settings
 
-__all__ = ["VisionLanguageTraining", "LoadedVisionLanguage", "QUESTIONS", "IMAGE_TOKEN"]
+__all__ = ["VisionLanguageTraining", "LoadedVisionLanguage", "QUESTIONS", "IMAGE_TOKEN", "answer", "answer_tokens"]
 
 KIND = "vision-language"
 IMAGE_TOKEN = "<image>"
@@ -105,28 +106,42 @@ class VisionLanguageTask:
                   {"labels": self.labels, "questions": self.questions})
 
 
+def answer_tokens(model: nn.Module, prompt: Sequence[int], pixels: Tensor, max_new_tokens: int,
+                  temperature: float = 0.0, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+    """The answer's tokens, one column (N,) at a time, to ``prompt`` (ids, the image tokens first)
+    about each image of ``pixels`` (N, C, H, W): the prompt read once into the model's KV cache, then
+    one token per step; greedy at ``temperature`` 0, else sampled (``generator``). A row that gave
+    <eos> gives <eos> from then on; it stops when every row has, or after ``max_new_tokens``."""
+    from ..generate.sampling import sample
+    device = pixels.device
+    ids = torch.tensor(list(prompt), device=device).expand(len(pixels), -1)
+    cache = model.new_cache()
+    logits = model(ids, pixels, cache=cache)[:, -1].float()
+    done = torch.zeros(len(pixels), dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        nxt = logits.argmax(-1) if temperature == 0 else sample(logits, temperature, generator=generator)
+        nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
+        yield nxt
+        done |= nxt == EOS_ID
+        if bool(done.all()) or step + 1 == max_new_tokens:
+            return
+        logits = model(nxt[:, None], cache=cache)[:, -1].float()
+
+
+def _text(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens[:tokens.index(EOS_ID)] if EOS_ID in tokens else tokens)
+
+
 @torch.no_grad()
 def answer(model: nn.Module, tokenizer, pixels: Tensor, question: str, batch_size: int = 100) -> list[str]:
     """The greedy answer to ``question`` about each image (pixel values (N, C, H, W)): tokens up to
-    <eos>, at most :data:`MAX_ANSWER`, decoded. Every prompt has one length, so no padding is needed."""
+    <eos>, at most :data:`MAX_ANSWER` words, decoded. Every prompt has one length, so no padding is needed."""
     device = next(model.parameters()).device
-    prompt = torch.tensor(_prompt(tokenizer, question, model.config.image_tokens))
+    prompt = _prompt(tokenizer, question, model.config.image_tokens)
     out = []
     for start in range(0, len(pixels), batch_size):
-        x = pixels[start:start + batch_size].to(device)
-        ids = prompt.to(device).expand(len(x), -1)
-        done = torch.zeros(len(x), dtype=torch.bool, device=device)
-        new = []
-        for _ in range(MAX_ANSWER + 1):
-            nxt = model(ids, x).float()[:, -1].argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
-            new.append(nxt)
-            done |= nxt == EOS_ID
-            if bool(done.all()):
-                break
-            ids = torch.cat([ids, nxt[:, None]], 1)
-        tokens = torch.stack(new, 1).tolist()
-        out += [tokenizer.decode(t[:t.index(EOS_ID)] if EOS_ID in t else t) for t in tokens]
+        columns = list(answer_tokens(model, prompt, pixels[start:start + batch_size].to(device), MAX_ANSWER + 1))
+        out += [_text(tokenizer, row) for row in torch.stack(columns, 1).tolist()]
     return out
 
 
@@ -141,6 +156,40 @@ class LoadedVisionLanguage:
     def answer(self, images: Sequence, question: str | None = None) -> list[str]:
         """Answers for image files, PIL images or uint8 arrays."""
         return answer(self.model, self.tokenizer, self.processor(images), question or self.questions[0])
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The ids the model reads for ``question``: the image's tokens, then the question's."""
+        return _prompt(self.tokenizer, question, self.model.config.image_tokens)
+
+    def unknown_words(self, question: str) -> list[str]:
+        """The words of ``question`` that the run's vocabulary lacks (each read as <unk>)."""
+        return [w for w, i in zip(question.split(), self.tokenizer.encode(question)) if i == UNK_ID]
+
+    @torch.no_grad()
+    def ask(self, image, question: str | None = None, *, max_new_tokens: int = MAX_ANSWER + 1,
+            temperature: float = 0.0, seed: int = 0, on_text: Callable[[str], None] | None = None) -> str:
+        """The answer to ``question`` (default: the run's first question) about one image (a file,
+        a PIL image or a uint8 array), up to <eos> or ``max_new_tokens`` tokens (fewer where the
+        context ends); ``on_text`` gets its text as each token is decoded. Greedy at ``temperature``
+        0, as the task's validation and report answer; ValueError if the prompt fills the context."""
+        from ..generate.text import TextStreamer
+        from ..models.registry import input_limits
+        prompt = self.prompt_ids(self.questions[0] if question is None else question)
+        context = int(input_limits(self.model)["context"])
+        budget = min(max_new_tokens, context - len(prompt))
+        if budget < 1:
+            words = context - 1 - self.model.config.image_tokens
+            raise ValueError(f"the question has {len(prompt) - self.model.config.image_tokens} words; this model's "
+                             f"context ({context} tokens, {self.model.config.image_tokens} of them the image's) holds "
+                             f"at most {words} with a one-word answer")
+        pixels = self.processor([image]).to(next(self.model.parameters()).device)
+        streamer = TextStreamer(self.tokenizer, [], on_text)
+        generator = torch.Generator(pixels.device).manual_seed(seed)
+        for column in answer_tokens(self.model, prompt, pixels, budget, temperature, generator):
+            if int(column[0]) == EOS_ID:
+                break
+            streamer(column)
+        return streamer.end()
 
 
 class VisionLanguageTraining(ImagesWithText):
@@ -167,7 +216,7 @@ class VisionLanguageTraining(ImagesWithText):
     data_paths = ("directory",)
     data_help = "an image folder: one sub-folder of images per class"
 
-    def _data(self, s: dict, processor: ImageProcessor) -> dict:
+    def _data(self, s: Settings, processor: ImageProcessor) -> dict:
         if data_source(s) == "digits":
             from ..data.digits import DIGIT_LABELS, digits_split
             sets = {k: (_bytes(_arrays(x.expand(-1, 3, -1, -1)), processor), y) for k, (x, y) in digits_split().items()}
@@ -179,8 +228,8 @@ class VisionLanguageTraining(ImagesWithText):
                 for k, f in (("train", train), ("valid", valid), ("test", test)) if f is not None}
         return dict(sets, labels=labels, root=str(train.root))
 
-    def prepare(self, s: dict, resume_from: Path | None) -> Setup:
-        self.check(s)
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
+        self.check_once(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
         questions = QUESTIONS[data_source(s)]
         if saved is not None:
@@ -190,37 +239,32 @@ class VisionLanguageTraining(ImagesWithText):
             data = self._data(s, processor)
         else:
             resample = "box" if data_source(s) == "digits" else "bilinear"
-            processor = ImageProcessor(size=s["image_size"], resample=resample)
+            processor = ImageProcessor(size=s.image_size, resample=resample)
             data = self._data(s, processor)
             words = sorted({w for text in list(questions) + data["labels"] for w in text.split()} - set(SPECIAL_TOKENS))
             tokenizer = WordTokenizer(list(SPECIAL_TOKENS) + words + [IMAGE_TOKEN])   # the image token last
             from ..models.registry import family
-            fam = family(s["model"])
-            longest = (s["image_size"] // s["patch_size"]) ** 2 + 1 + max(len(q.split()) for q in questions) \
+            fam = family(s.model)
+            longest = (s.image_size // s.patch_size) ** 2 + 1 + max(len(q.split()) for q in questions) \
                 + MAX_ANSWER + 2
-            config = fam.build_config(image_size=s["image_size"], patch_size=s["patch_size"], in_channels=3,
-                                      vocab_size=tokenizer.vocab_size, context=longest, d_model=s["d_model"],
-                                      num_heads=s["heads"], num_layers=s["layers"], d_ff=s["d_ff"],
+            config = fam.build_config(image_size=s.image_size, patch_size=s.patch_size, in_channels=3,
+                                      vocab_size=tokenizer.vocab_size, context=longest, d_model=s.d_model,
+                                      num_heads=s.heads, num_layers=s.layers, d_ff=s.d_ff,
                                       **self.family_sizes(s))
-            torch.manual_seed(s["seed"])
+            torch.manual_seed(s.seed)
             model = fam.for_kind(KIND).build(config)
         task = VisionLanguageTask(model, processor, tokenizer, data["labels"], questions, data["train"], data["valid"],
-                                  batch_size=s["batch_size"], augmentation=s["augment"])
-        t = self._schedule(s, len(data["train"][1]))
-        s["lr"] = t["lr"]
-        n = sum(p.numel() for p in model.parameters()) / 1e6
-        lines = [f"data: {data['root']}: {len(data['train'][1]):,} training images, {len(data['valid'][1]):,} "
-                 f"validation; questions such as {questions[0]!r}, answers: {', '.join(data['labels'][:12])}",
-                 f"model: {type(model).__name__} ({s['model']}), {n:.2f}M parameters", describe_training(s, t)]
-        return Setup(task, lines, {"test": data.get("test")})
+                                  batch_size=s.batch_size, augmentation=s.augment)
+        return self._setup(s, task, len(data["train"][1]),
+                           f"{data['root']}: {len(data['train'][1]):,} training images, {len(data['valid'][1]):,} "
+                           f"validation; questions such as {questions[0]!r}, answers: {', '.join(data['labels'][:12])}",
+                           extra={"test": data.get("test")})
 
-    def report(self, run_dir: Path, setup: Setup, s: dict) -> None:
-        from .run import open_run
-        test = setup.extra["test"]
-        if test is None or not len(test[1]):
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
+        held_out = self._held_out(run_dir, setup)
+        if held_out is None:
             return
-        vlm = self.load(open_run(run_dir))
-        x, y = test
+        vlm, (x, y) = held_out
         for question in vlm.questions:
             got = answer(vlm.model, vlm.tokenizer, vlm.processor.finish(x), question)
             right = sum(a == setup.task.labels[t] for a, t in zip(got, y.tolist()))
