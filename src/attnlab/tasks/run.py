@@ -39,6 +39,7 @@ __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "model_context", "write_
            "RunError"]
 
 RUN_FILE, FORMAT = "run.json", 3
+PROCESSOR_MODALITIES = ("text", "image", "audio")     # attnlab.processors.PROCESSOR_FILES' keys
 _READABLE = (2, 3)
 _FORMAT_1_FILES = ("lm.json", "translation.json")
 
@@ -155,7 +156,7 @@ def read_run(ckpt: str | Path) -> RunInfo:
         raise RunError(f"{ckpt / RUN_FILE}: missing {', '.join(missing)}")
     processors = m[roles] if m["format"] == 3 else {r: {"modality": "text", "file": f} for r, f in m[roles].items()}
     if not isinstance(processors, dict) or not all(
-            isinstance(p, dict) and p.get("modality") in ("text", "image") and isinstance(p.get("file"), str)
+            isinstance(p, dict) and p.get("modality") in PROCESSOR_MODALITIES and isinstance(p.get("file"), str)
             for p in processors.values()):
         raise RunError(f"{ckpt / RUN_FILE}: '{roles}' must map each input role to its modality and file")
     return RunInfo(ckpt, m["task"], m["model_type"], m["architecture"], m["config"], processors,
