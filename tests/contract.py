@@ -199,9 +199,10 @@ def check_generation(arch: Architecture) -> None:
         with torch.no_grad():
             forced = model(cached[:, :-1]).argmax(-1)[:, prompt.size(1) - 1:]
         assert torch.equal(forced, cached[:, prompt.size(1):]), f"{arch}: greedy tokens != teacher-forced argmax"
-    elif arch.kind == "seq2seq":
+    elif arch.kind in ("seq2seq", "speech-to-text"):     # the source: token ids, or an encoder's features
         bos, eos = 1, 2
-        src = _ids(model.config.src_vocab_size, (3, 7), seed=3)
+        src = _ids(model.config.src_vocab_size, (3, 7), seed=3) if arch.kind == "seq2seq" else \
+            example(arch, model.config, seed=3)[kind_of(arch).main_input][:3]
         out = greedy_decode(model, src, max_len=10, bos_id=bos, eos_id=eos)
         tgt = torch.cat([torch.full((3, 1), bos), out[:, :-1]], 1)
         with torch.no_grad():
@@ -214,7 +215,7 @@ def check_generation(arch: Architecture) -> None:
 
 
 def generates(arch: Architecture) -> bool:
-    return arch.kind in ("causal-lm", "seq2seq")
+    return arch.kind in ("causal-lm", "seq2seq", "speech-to-text")
 
 
 def run_contract(arch: Architecture, tmp_path) -> None:
