@@ -49,7 +49,8 @@ from figures_lessons import (DECODER_BLOCKS, ENCODER_BLOCKS, architecture_figure
                              draw_ffn_width, draw_parameter_budget, draw_position_offset, draw_shapes,
                              draw_torch_parity, shapes_figure)
 from figures_llms import data_rope_types, draw_rope_types  # noqa: E402,F401
-from figures_compression import (data_prune_error, data_quant_error, draw_prune_error,  # noqa: E402,F401
+from figures_compression import (data_distill_temperature, data_prune_error, data_quant_error,  # noqa: E402,F401
+                                 draw_distill_temperature, draw_prune_error,
                                  draw_quant_error)
 from figures_multimodal import CLIP_COMMAND, VLM_COMMAND, clip_space, vlm_attention  # noqa: E402,F401
 from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
@@ -535,7 +536,7 @@ FIGURES_BY_PAGE = {
     "position_offset": "positions.md", "accumulation": "trainer.md", "parameter_budget": "summary.md",
     "shapes": "index.md", "block_stream": "classification.md", "torch_parity": "masks.md",
     "architecture": "encoder-decoder.md", "rope_types": "llms.md", "kv_memory": "long-context.md",
-    "quant_error": "compression.md", "prune_error": "compression.md",
+    "quant_error": "compression.md", "prune_error": "compression.md", "distill_temperature": "compression.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md",
             "explorer_image_view": "vision.md", "clip_space": "multimodal.md", "vlm_attention": "multimodal.md"}

@@ -62,3 +62,47 @@ def draw_quant_error(data, path):
 def draw_prune_error(data, path):
     _lines(data, "sparsity", [("magnitude", "magnitude (|W|, per layer)"), ("wanda", "Wanda (|W| x ||X_j||, per row)")],
            ("sparsity (fraction of weights removed)", "relative output error of the layer"), path)
+
+
+TEMPERATURES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def data_distill_temperature() -> dict:
+    """Distillation's soft term (attnlab.train.losses.distillation_loss, alpha = 1) for one position
+    of seeded logits over 12 tokens: the teacher's softened distribution at T = 1, 2, 4 (left), and
+    the norm of the soft term's gradient on the student's logits against T, with the T^2 factor and
+    without it (right)."""
+    from attnlab.train.losses import distillation_loss
+    g = torch.Generator().manual_seed(0)
+    teacher, student = torch.randn(1, 12, generator=g) * 3.0, torch.randn(1, 12, generator=g) * 3.0
+    target = teacher.argmax(-1)
+    out = {"rank": np.arange(12, dtype=np.float64), "temperature": np.array(TEMPERATURES)}
+    order = teacher[0].argsort(descending=True)
+    for t in (1.0, 2.0, 4.0):
+        out[f"p_T{t:g}"] = torch.softmax(teacher[0, order] / t, -1).double().numpy()
+    with_t2, without = [], []
+    for t in TEMPERATURES:
+        s = student.clone().requires_grad_(True)
+        loss = distillation_loss(s, teacher, target, temperature=t, alpha=1.0)
+        (grad,) = torch.autograd.grad(loss, s)
+        with_t2.append(float(grad.norm()))
+        without.append(float(grad.norm()) / t ** 2)           # the same term without its T^2 factor
+    out["grad_with_t2"], out["grad_without_t2"] = np.array(with_t2), np.array(without)
+    return out
+
+
+def draw_distill_temperature(data, path):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    for (t, style) in zip((1, 2, 4), ("o-", "s-", "^-")):
+        left.plot(data["rank"], data[f"p_T{t}"], style, ms=4, label=f"T = {t}")
+    left.set_xlabel("teacher's tokens, most likely first")
+    left.set_ylabel("softmax(t / T)")
+    left.legend(fontsize=8)
+    right.plot(data["temperature"], data["grad_with_t2"], "o-", ms=4, label="T² · KL (attnlab's loss)")
+    right.plot(data["temperature"], data["grad_without_t2"], "s-", ms=4, label="KL alone")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("temperature T")
+    right.set_ylabel("‖gradient on student logits‖")
+    right.legend(fontsize=8)
+    save_figure(fig, path)

@@ -11,18 +11,20 @@ VENV=${VENV:-.venv}
 LOCK=${LOCK:-requirements/lock.txt}
 # Debian's Chromium and its driver, for the explorer's and the site's browser tests, and Debian's KaTeX,
 # which the docs build copies into the site so formulas are typeset offline: system packages, so no
-# Python package downloads a browser of its own and no page loads a script from a CDN
+# Python package downloads a browser of its own and no page loads a script from a CDN; and Debian's
+# espeak-ng, the speech synthesizer that speaks the embedded spoken corpus (attnlab.data.speech)
 apt_install() {    # the package lists of a fresh machine may be missing: update once, then retry
-    "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver libjs-katex >/dev/null ||
-        { "$@" apt-get update -q >/dev/null && "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver libjs-katex >/dev/null; }
+    "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver libjs-katex espeak-ng >/dev/null ||
+        { "$@" apt-get update -q >/dev/null && "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver libjs-katex espeak-ng >/dev/null; }
 }
-if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f /usr/share/javascript/katex/katex.min.js ]; then
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f /usr/share/javascript/katex/katex.min.js ] ||
+    [ ! -x /usr/bin/espeak-ng ]; then
     if [ "$(id -u)" = 0 ]; then
         apt_install
     elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
         apt_install sudo -n
     else
-        echo "setup.sh: Chromium or KaTeX is missing (/usr/bin/chromium, /usr/share/javascript/katex) and apt-get needs root: run 'sudo apt-get install -y chromium chromium-driver libjs-katex'" >&2
+        echo "setup.sh: Chromium, KaTeX or espeak-ng is missing (/usr/bin/chromium, /usr/share/javascript/katex, /usr/bin/espeak-ng) and apt-get needs root: run 'sudo apt-get install -y chromium chromium-driver libjs-katex espeak-ng'" >&2
         exit 1
     fi
 fi

@@ -16,7 +16,7 @@ from safetensors.torch import load_model, save_model
 
 import attnlab
 from attnlab.generate import greedy_decode
-from attnlab.models.registry import KINDS, Architecture, Kind
+from attnlab.models.registry import KINDS, Architecture, Kind, family
 from attnlab.nn import optimize_for_inference
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -139,17 +139,35 @@ def _hf_class(arch: Architecture):
     return cls
 
 
+def in_transformers(model: torch.nn.Module, hf_cls, tmp_path, what: str = ""):
+    """``model`` saved with attnlab's save_pretrained and loaded by transformers' ``hf_cls``, in eval
+    mode; AssertionError naming ``what`` if transformers reports a missing, unexpected or mismatched key."""
+    model_dir = attnlab.save_pretrained(model, tmp_path)
+    hf, info = hf_cls.from_pretrained(model_dir, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{what or type(model).__name__}: transformers reports {problems}"
+    return hf.eval()
+
+
+def tiny_in_transformers(model_type: str, model_cls, hf_cls, tmp_path, seed: int = 1, randomize=randomize_):
+    """(the family's "tiny" config, attnlab's ``model_cls`` built from it with weights set by
+    ``randomize(model, seed)``, that model loaded by transformers' ``hf_cls`` through
+    :func:`in_transformers`), the models in eval mode."""
+    config = family(model_type).preset("tiny")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize(model, seed)
+    return config, model, in_transformers(model, hf_cls, tmp_path, model_type)
+
+
 def check_to_transformers(arch: Architecture, tmp_path) -> None:
     """attnlab -> save_pretrained -> transformers' class of that architecture: no missing or
     unexpected key, same outputs."""
     model = tiny(arch, randomize=True)
-    model_dir = attnlab.save_pretrained(model, tmp_path)
-    hf, info = _hf_class(arch).from_pretrained(model_dir, output_loading_info=True)
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, f"{arch}: transformers reports {problems}"
+    hf = in_transformers(model, _hf_class(arch), tmp_path, str(arch))
     x = inputs(arch, model)
     with torch.no_grad():
-        got_hf = hf_outputs(arch, hf.eval()(**example(arch, model.config)))
+        got_hf = hf_outputs(arch, hf(**example(arch, model.config)))
         for got, want in zip(got_hf, outputs(model(*x)), strict=True):
             close(got, want, f"{arch} in transformers")
 
@@ -181,9 +199,10 @@ def check_generation(arch: Architecture) -> None:
         with torch.no_grad():
             forced = model(cached[:, :-1]).argmax(-1)[:, prompt.size(1) - 1:]
         assert torch.equal(forced, cached[:, prompt.size(1):]), f"{arch}: greedy tokens != teacher-forced argmax"
-    elif arch.kind == "seq2seq":
+    elif arch.kind in ("seq2seq", "speech-to-text"):     # the source: token ids, or an encoder's features
         bos, eos = 1, 2
-        src = _ids(model.config.src_vocab_size, (3, 7), seed=3)
+        src = _ids(model.config.src_vocab_size, (3, 7), seed=3) if arch.kind == "seq2seq" else \
+            example(arch, model.config, seed=3)[kind_of(arch).main_input][:3]
         out = greedy_decode(model, src, max_len=10, bos_id=bos, eos_id=eos)
         tgt = torch.cat([torch.full((3, 1), bos), out[:, :-1]], 1)
         with torch.no_grad():
@@ -196,7 +215,7 @@ def check_generation(arch: Architecture) -> None:
 
 
 def generates(arch: Architecture) -> bool:
-    return arch.kind in ("causal-lm", "seq2seq")
+    return arch.kind in ("causal-lm", "seq2seq", "speech-to-text")
 
 
 def run_contract(arch: Architecture, tmp_path) -> None:

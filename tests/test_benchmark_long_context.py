@@ -1,21 +1,18 @@
 """benchmarks/long_context.py keeps running: its measuring functions on tiny presets (seconds);
 the whole script on SmolLM2 with ``--quick`` is opt-in (``-m slow``, about a minute)."""
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("long_context", ROOT / "benchmarks" / "long_context.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/long_context.py")
 
 
 def test_quality_rows_and_constant_recurrent_state():

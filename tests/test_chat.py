@@ -88,6 +88,21 @@ def test_templates_equal_transformers(smol, hf_tokenizer, which, generation_prom
     assert "<&>" in with_tools, "tojson keeps HTML characters"
 
 
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_the_sft_chat_template_equals_transformers(smol, hf_tokenizer, generation_prompt):
+    """data.chats.ChatTemplate (what `train sft` and `serve` render with) writes the strings
+    transformers' apply_chat_template writes, for the tokenizer's own template and for a given one."""
+    from attnlab.data.chats import ChatTemplate
+    own = ChatTemplate.for_model(None, smol)
+    assert own.source == smol.chat_template
+    given = ChatTemplate(FEATURES, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    for conv in CONVERSATIONS:
+        for template, ours in ((smol.chat_template, own), (FEATURES, given)):
+            want = hf_tokenizer.apply_chat_template(conv, chat_template=template, tokenize=False,
+                                                    add_generation_prompt=generation_prompt)
+            assert ours.render(conv, add_generation_prompt=generation_prompt) == want, conv
+
+
 def _specials(tok) -> dict:
     return {f"{role}_token": t for role, t in tok.special.items() if t is not None}
 

@@ -10,16 +10,14 @@ import attnlab
 from attnlab.models.clip import CLIPConfig, CLIPModel, contrastive_loss
 from attnlab.models.registry import family
 from _tolerance import FP32, assert_close_scaled
+from contract import randomize_, tiny_in_transformers
 
 transformers = pytest.importorskip("transformers")
 
 
 def _randomize(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    randomize_(model, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0
-            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
         model.logit_scale.fill_(1.5)
 
 
@@ -63,17 +61,11 @@ def test_from_transformers_with_padded_captions(tmp_path, eos):
 
 
 def test_to_transformers_with_padded_captions(tmp_path):
-    config = family("clip").preset("tiny")
-    torch.manual_seed(1)
-    ours = CLIPModel(config).eval()
-    _randomize(ours, 1)
-    ours.save_pretrained(tmp_path)
-    hf, info = transformers.CLIPModel.from_pretrained(tmp_path, output_loading_info=True)
-    assert not any(info.values()), info
+    config, ours, hf = tiny_in_transformers("clip", CLIPModel, transformers.CLIPModel, tmp_path, 1, _randomize)
     ids, mask = _captions(config, config.eos_token_id)
     pixels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        want = hf.eval()(input_ids=ids, pixel_values=pixels, attention_mask=mask)
+        want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask)
         got = ours(ids, pixels, mask)
     assert_close_scaled(got[0], want.logits_per_image, FP32, "logits_per_image")
     assert_close_scaled(got[2], want.text_embeds, FP32, "text_embeds")

@@ -74,7 +74,8 @@ def test_presets_have_the_published_sizes(model_type, preset, parameters):
 
 SIZES = dict(vocab_size=50, context=24, d_model=48, num_heads=4, num_layers=2)
 MODALITY_SIZES = {"text": dict(vocab_size=50, context=24), "image": dict(image_size=16, patch_size=4, in_channels=3),
-                  "image-text": dict(image_size=16, patch_size=4, in_channels=3, vocab_size=50, context=24)}
+                  "image-text": dict(image_size=16, patch_size=4, in_channels=3, vocab_size=50, context=24),
+                  "audio": dict(num_mel_bins=16, frames=40, vocab_size=50, context=24)}
 
 
 @pytest.mark.parametrize("fam", families(), ids=lambda f: f.model_type)

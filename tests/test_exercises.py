@@ -77,7 +77,8 @@ EXERCISE_PAGES = {"attention": "attention.md", "masks": "masks.md", "multi-head"
                   "feed-forward": "feed-forward.md", "positions": "positions.md", "norms": "norms.md",
                   "encoder-decoder": "encoder-decoder.md", "causal-lm": "causal-lm.md", "bert": "bert.md", "t5": "t5.md", "classification": "classification.md",
                   "trainer": "trainer.md", "vision": "vision.md", "state-space": "state-space.md",
-                  "explorer": "explorer.md", "summary": "summary.md"}
+                  "explorer": "explorer.md", "summary": "summary.md", "llms": "llms.md",
+                  "long-context": "long-context.md", "compression": "compression.md"}
 
 
 def test_coverage_table_is_complete_and_true():

@@ -196,7 +196,7 @@ def test_recorded_weights_equal_transformers_output_attentions(arch, tmp_path):
         for i, (call, w) in enumerate(zip(calls, out.attentions)):
             assert_close_scaled(call.weights, w, FP32, f"{arch} call {i} ({call.module})")
         return
-    if arch.kind == "seq2seq":                 # encoder self, decoder self, cross: one stack each
+    if arch.kind in ("seq2seq", "speech-to-text"):     # encoder self, decoder self, cross: one stack each
         order = list(dict.fromkeys((c.part, c.role) for c in record))
         wanted = (out.encoder_attentions, out.decoder_attentions, out.cross_attentions)
         assert [role for _, role in order] == ["self", "self", "cross"], order

@@ -3,23 +3,20 @@ now, matches the fingerprints docs/figures/manifest.json was written with; every
 the manifest names and is embedded in the page that teaches it; and what the pages read off the
 figures holds for the numbers."""
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "figures"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("attnlab_figures", ROOT / "scripts" / "figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/figures.py", "attnlab_figures")
 
 
 figures = _script()

@@ -353,6 +353,24 @@ def test_rewinding_past_what_is_kept_is_refused_in_one_line():
     assert sink.can_rewind
 
 
+def test_keys_of_another_shape_or_dtype_are_refused_naming_the_cache():
+    """Every cache kind refuses keys whose batch, heads or dtype differ from those it keeps."""
+    layer = torch.nn.Module()
+    layer.position, layer.window = None, None
+    k = torch.randn(1, 2, 4, 2)
+    sliding = SlidingKVCache(8)
+    sliding.attend(layer, k, k, k, torch.arange(4), torch.arange(4), None, None)
+    with pytest.raises(ValueError, match=r"^SlidingKVCache: new keys \(1, 3, 1, 2\) torch.float32 do not match the "
+                       r"cache \(1, 2, 4, 2\) torch.float32$"):
+        k3 = torch.randn(1, 3, 1, 2)
+        sliding.attend(layer, k3, k3, k3, torch.tensor([4]), torch.arange(5), None, None)
+    q = QuantizedKVCache(8, residual=2, group=4)
+    q.update(k, k)
+    with pytest.raises(ValueError, match=r"^QuantizedKVCache: new keys \(1, 2, 1, 2\) torch.float64 do not match"):
+        q.update(k[:, :, :1].double(), k[:, :, :1].double())
+    assert q.length == 4 and sliding.length == 4
+
+
 def test_bad_kinds_and_recurrent_states_are_refused(tmp_path_factory):
     with pytest.raises(ValueError, match="unknown kind 'int3'"):
         KVCacheKind("int3")
@@ -391,12 +409,8 @@ def test_chunked_prefill_equals_one_shot(tmp_path_factory):
 def test_what_the_lesson_reads_off_its_figure():
     """docs/long-context.md: the full cache grows linearly, int8 and int4 by fewer bytes, the
     sliding and sink caches stop at 63 slots."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("figures", Path(__file__).resolve().parents[1] / "scripts" /
-                                                  "figures.py")
-    figures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(figures)
+    from _scripts import load_script
+    figures = load_script("scripts/figures.py")
     d = figures.data_kv_memory()
     per_slot = 2 * 2 * 2 * 8 * 4                      # K and V, 2 layers, 2 kv heads of 8, fp32
     assert (d["full"] == d["length"] * per_slot).all()

@@ -149,7 +149,7 @@ import re  # noqa: E402
 import tokenize  # noqa: E402
 
 FAMILY_WORDS = {"vit", "deit", "swin", "mae", "vit_mae", "mamba", "mamba2", "mamba3", "rwkv", "rwkv7", "bert", "t5",
-                "gpt2", "llama", "mixtral", "clip", "llava"}
+                "gpt2", "llama", "mixtral", "clip", "llava", "whisper"}
 SHARED_ROOMS = ("tasks", "viz", "generate", "train", "cli")
 
 

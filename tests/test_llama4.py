@@ -15,6 +15,7 @@ import attnlab  # noqa: E402
 from attnlab.models.llama4 import Llama4, Llama4Config  # noqa: E402
 from attnlab.nn import SparseMoE  # noqa: E402
 from _tolerance import FP32, assert_close_scaled  # noqa: E402  (tests/ is on sys.path under pytest)
+from contract import randomize_ as _randomize  # noqa: E402
 
 V, CTX = 96, 64
 SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4,
@@ -28,14 +29,6 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_f
 VARIANTS = {"tuned": dict(floor_scale=2, attn_scale=0.5, rope_parameters=LLAMA3), "long-floor": dict(floor_scale=CTX, use_qk_norm=False,
                                                                             rope_parameters={"rope_type": "default",
                                                                                              "rope_theta": 100.0})}
-
-
-def _randomize(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            mean = 1.0 if p.dim() == 1 and name.endswith("weight") else 0.0
-            p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import attnlab
 from attnlab.models.llava import LlavaForConditionalGeneration, expand_image_tokens, llava_config_to_hf
 from attnlab.models.registry import family
 from _tolerance import FP32, assert_close_scaled
-from contract import randomize_ as _randomize
+from contract import randomize_ as _randomize, tiny_in_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,16 +48,11 @@ def test_from_transformers(tmp_path, layer, strategy):
 
 
 def test_to_transformers(tmp_path):
-    config = family("llava").preset("tiny")
-    torch.manual_seed(1)
-    ours = LlavaForConditionalGeneration(config).eval()
-    _randomize(ours, 1)
-    ours.save_pretrained(tmp_path)
-    hf, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
-    assert not any(info.values()), info
+    config, ours, hf = tiny_in_transformers("llava", LlavaForConditionalGeneration,
+                                            transformers.LlavaForConditionalGeneration, tmp_path)
     ids, pixels, mask = _batch(config)
     with torch.no_grad():
-        want = hf.eval()(input_ids=ids, pixel_values=pixels, attention_mask=mask).logits
+        want = hf(input_ids=ids, pixel_values=pixels, attention_mask=mask).logits
         got = ours(ids, pixels, mask)
     real = mask.bool()
     assert_close_scaled(got[real], want[real], FP32, "logits of the real tokens")

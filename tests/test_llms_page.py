@@ -1,16 +1,14 @@
 """docs/llms.md (section 6.3): its table of what each family changes is scripts/llm_table.py's output,
 read off models built from the registry's presets, and it names every decoder family of the table."""
-import importlib.util
 from pathlib import Path
+
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _table_script():
-    spec = importlib.util.spec_from_file_location("attnlab_llm_table", ROOT / "scripts" / "llm_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/llm_table.py", "attnlab_llm_table")
 
 
 def test_the_page_holds_the_table_the_registry_gives():

@@ -39,8 +39,8 @@ def test_registration_is_checked():
         register_family("reg-limits", _Config)
     with pytest.raises(ValueError, match="'gpt2' is already registered"):
         register_family("gpt2", _Config, limits=limits)
-    with pytest.raises(ValueError, match="unknown modality 'audio'"):
-        register_family("reg-audio", _Config, build_config=_sizes, limits=limits, modality="audio")
+    with pytest.raises(ValueError, match="unknown modality 'smell'"):
+        register_family("reg-smell", _Config, build_config=_sizes, limits=limits, modality="smell")
     fam = register_family("reg-native", _Config, build_config=_sizes, limits=limits)
     assert fam.options == {"colour": "red"} and not fam.hf
     with pytest.raises(ValueError, match="has no architecture registered"):

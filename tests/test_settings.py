@@ -80,6 +80,7 @@ def test_the_mae_task_reads_its_settings_as_typed_fields():
 # A task's settings travel as a parameter annotated ``Settings`` or named ``s`` (the tasks' name for them);
 # both are scanned, so a helper that takes ``s: dict`` and reads ``s["d_model"]`` is caught as well.
 _SETTINGS_NAMES = {"s"}
+_TYPED = {"Settings", "EvalSettings"}          # a task's settings; attnlab eval's (evaluate_file)
 # what the task definitions' methods take the settings as (TaskDefinition's protocol), by argument position
 _TASK_METHODS = {"check": 1, "check_once": 1, "prepare": 1, "train_config": 1, "report": 3, "model_family": 1,
                  "model_in_use": 1, "apply_family_defaults": 1, "family_sizes": 1}
@@ -90,20 +91,22 @@ def _annotation(arg) -> str | None:
     return ast.unparse(arg.annotation) if arg.annotation is not None else None
 
 
-def _settings_params(fn) -> set[str]:
+def _settings_params(fn, annotation: str = "Settings") -> set[str]:
     args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
-    return {a.arg for a in args if _annotation(a) == "Settings" or a.arg in _SETTINGS_NAMES}
+    return {a.arg for a in args if _annotation(a) == annotation
+            or (a.arg in _SETTINGS_NAMES and _annotation(a) not in _TYPED - {annotation})}
 
 
-def _settings_reads(source: str, filename: str = "<test>") -> list[tuple[str, int, str, str]]:
+def _settings_reads(source: str, filename: str = "<test>", annotation: str = "Settings") -> list[tuple[str, int, str, str]]:
     """(function, line, how, name) of every field or string-key read on a settings parameter (one
-    annotated ``Settings`` or named ``s``) in ``source``; ``how`` is "field" or "key"."""
+    annotated ``annotation``, or named ``s`` and not typed as other settings) in ``source``; ``how``
+    is "field" or "key"."""
     import ast
     found = []
     for fn in ast.walk(ast.parse(source, filename)):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        names = _settings_params(fn)
+        names = _settings_params(fn, annotation)
         names |= {node.targets[0].id for node in ast.walk(fn) if isinstance(node, ast.Assign) and names       # s = settings
                   and isinstance(node.value, ast.Name) and node.value.id in names and isinstance(node.targets[0], ast.Name)}
         for node in ast.walk(fn) if names else ():
@@ -126,7 +129,7 @@ def _untyped(source: str, filename: str = "<test>") -> list[str]:
         args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
         at = _TASK_METHODS.get(fn.name)
         for i, a in enumerate(args):
-            if (a.arg in _SETTINGS_NAMES or i == at and args[0].arg == "self") and _annotation(a) != "Settings":
+            if (a.arg in _SETTINGS_NAMES or i == at and args[0].arg == "self") and _annotation(a) not in _TYPED:
                 found.append((fn.lineno, f"line {fn.lineno}: {fn.name}({a.arg}: {_annotation(a)})"))
     return [text for _, text in sorted(found)]
 
@@ -149,8 +152,9 @@ def _task_modules():
 _MAPPING = {n for n in dir(Settings) if not n.startswith("_")}     # get, update, to_dict, merge, checked, ...
 
 
-def _misread(module_source: str, options: set) -> list[str]:
-    return [f"line {line}: {fn}() reads {how} {name!r}" for fn, line, how, name in _settings_reads(module_source)
+def _misread(module_source: str, options: set, annotation: str = "Settings") -> list[str]:
+    return [f"line {line}: {fn}() reads {how} {name!r}"
+            for fn, line, how, name in _settings_reads(module_source, annotation=annotation)
             if how == "key" or (name not in options and name not in _MAPPING)]
 
 
@@ -223,3 +227,42 @@ def test_an_old_run_s_saved_settings_come_back_typed_and_checked_once(tmp_path):
     (out / "config.yaml").write_text(yaml.safe_dump({"task": "translate", "settings": {"d_model": -1}}))
     with pytest.raises(ValueError, match="^" + re.escape(f"{out / 'config.yaml'}: --d-model: must be positive, got -1")):
         resolve_settings(task, args)
+
+
+# ----------------------------------------------------------------------------- attnlab eval's settings
+def test_eval_options_are_typed_settings_with_a_wrong_key_an_error_naming_it():
+    from attnlab.tasks.settings import EvalSettings
+    for name, task in registered_tasks().items():
+        if task.eval_options is None:
+            continue
+        s = task.eval_settings()
+        assert isinstance(s, EvalSettings) and dataclasses.is_dataclass(s)
+        assert s.to_dict() == {o.name: o.default for o in task.eval_options}
+        with pytest.raises(ValueError, match=rf"^'limt' is not an option of 'attnlab eval' for a {name} run$"):
+            task.eval_settings(limt=3)
+    s = get_task("translate").eval_settings(beam=4, limit=10)
+    assert (s.beam, s.limit, s.skip_malformed) == (4, 10, False)
+    with pytest.raises(AttributeError, match="'beem' is not an option of 'attnlab eval' for a translate run"):
+        s.beem
+    with pytest.raises(ValueError, match=r"^--limit: must be positive, got 0$"):
+        get_task("lm").eval_settings(limit=0)
+    with pytest.raises(ValueError, match=r"^--quantize: 'int4' is not one of none, int8$"):
+        get_task("lm").eval_settings(quantize="int4")
+
+
+def test_evaluate_file_reads_only_its_eval_options_as_fields():
+    """Every task's ``evaluate_file`` reads its ``EvalSettings`` as fields named by its own eval
+    options: a misspelt one (or a string key) fails here."""
+    import inspect
+    from pathlib import Path
+    scanned = 0
+    for task in registered_tasks().values():
+        if task.eval_options is None or "evaluate_file" not in type(task).__dict__:
+            continue
+        source = Path(inspect.getfile(type(task))).read_text()
+        options = {o.name for o in task.eval_options}
+        assert not _misread(source, options, "EvalSettings"), (task.name, _misread(source, options, "EvalSettings"))
+        scanned += len(_settings_reads(source, annotation="EvalSettings"))
+    assert scanned >= 15
+    assert _misread("def evaluate_file(self, s: EvalSettings):\n    return s.limt, s['beam']\n", {"limit", "beam"},
+                    "EvalSettings") == ["line 2: evaluate_file() reads field 'limt'", "line 2: evaluate_file() reads key 'beam'"]

@@ -164,8 +164,6 @@ def test_lesson_pages_carry_no_machine_dependent_timings():
 # a CPU model, or a time in ms / us, in the library's docstrings and comments
 _STALE_IN_CODE = re.compile(r"\b(Xeon|EPYC|Ryzen|Zen \d|Core i[3579])\b|\b\d[\d,.]*\s?(ms|us|µs)\b"
                             r"|\b\d[\d,.]*\s?GB/s\b|\d\s?k?\s?tokens/s\b")
-# modules other work of this turn is rewriting; their figures move when that work lands
-_STALE_IN_CODE_PENDING = {"quantize.py", "serve/engine.py"}
 
 
 def test_the_library_s_docstrings_and_comments_carry_no_machine_dependent_timings():
@@ -173,7 +171,6 @@ def test_the_library_s_docstrings_and_comments_carry_no_machine_dependent_timing
     point to benchmarks/results/code.md, where the figures and the CPU they were measured on are."""
     src = ROOT / "src" / "attnlab"
     found = [f"{f.relative_to(src)}:{n}: {line.strip()[:80]}" for f in sorted(src.rglob("*.py"))
-             if f.relative_to(src).as_posix() not in _STALE_IN_CODE_PENDING
              for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if _STALE_IN_CODE.search(line)]
     assert not found, "machine-dependent figures in the code (move them to benchmarks/results/code.md):\n" + \
         "\n".join(found)

@@ -7,15 +7,18 @@ data exactly as training did:
 
 - text: a tokenizer (:mod:`attnlab.tokenizer`: ``encode(text) -> ids``), saved as ``tokenizer.json``;
 - images: an :class:`ImageProcessor` (resize, centre crop, rescale, normalise by mean and std),
-  saved as ``preprocessor_config.json`` in the layout transformers' image processors read and write.
+  saved as ``preprocessor_config.json`` in the layout transformers' image processors read and write;
+- audio: a :class:`LogMelFeatureExtractor` (a waveform padded to a fixed chunk -> log-mel frames),
+  saved as ``preprocessor_config.json`` in the layout of transformers' WhisperFeatureExtractor.
 
-Both say their ``modality``; :func:`save_processor` writes either into a directory and
-:func:`load_processor` reads it back. Reading an image is where a user's file can be wrong, so
-:func:`open_image` names the file and the problem in one line.
+Each says its ``modality``; :func:`save_processor` writes any of them into a directory and
+:func:`load_processor` reads it back. Reading an image or a sound is where a user's file can be
+wrong, so :func:`open_image` and :func:`read_wav` name the file and the problem in one line.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -25,11 +28,14 @@ import torch
 from torch import Tensor
 
 __all__ = ["Processor", "ImageProcessor", "ImageError", "open_image", "load_processor", "save_processor",
-           "IMAGE_CONFIG", "RESAMPLE", "IMAGE_SUFFIXES"]
+           "IMAGE_CONFIG", "RESAMPLE", "IMAGE_SUFFIXES", "PROCESSOR_FILES", "LogMelFeatureExtractor", "AudioError",
+           "read_wav", "write_wav", "mel_filter_bank"]
 
 IMAGE_CONFIG = "preprocessor_config.json"
 # PIL's resampling filters by the names people use and the integer codes preprocessor_config.json holds
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
+# the file each modality's processor is saved as (transformers keeps image and audio settings in one name)
+PROCESSOR_FILES = {"text": "tokenizer.json", "image": IMAGE_CONFIG, "audio": IMAGE_CONFIG}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
@@ -223,37 +229,236 @@ class ImageProcessor:
     @classmethod
     def load(cls, path: str | Path) -> "ImageProcessor":
         """From a preprocessor_config.json file or a directory holding one."""
-        path = Path(path)
-        file = path / IMAGE_CONFIG if path.is_dir() else path
+        return cls.from_dict(*_read_config(path, "image processor"))
+
+
+# ----------------------------------------------------------------------------- audio
+class AudioError(ValueError):
+    """A sound file that cannot be used; the message names the file and the problem."""
+
+
+def read_wav(path: str | Path) -> tuple[Tensor, int]:
+    """A 16-bit PCM WAV file -> (samples (N,) float32 in [-1, 1), sampling rate). Several
+    channels are averaged to one. AudioError naming the file for a file that is missing, not a
+    WAV, not 16-bit PCM, or shorter than its header says."""
+    import wave
+    path = Path(path)
+    try:
+        with wave.open(str(path), "rb") as w:
+            channels, width, rate, frames = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+            if width != 2:
+                raise AudioError(f"{path}: {8 * width}-bit samples; attnlab reads 16-bit PCM WAV files")
+            data = w.readframes(frames)
+    except FileNotFoundError:
+        raise AudioError(f"{path}: no such sound file") from None
+    except IsADirectoryError:
+        raise AudioError(f"{path}: a directory, not a sound file") from None
+    except (wave.Error, EOFError) as e:       # not RIFF/WAVE, an unknown format (float, A-law, ...), damaged
+        raise AudioError(f"{path}: not a 16-bit PCM WAV file ({e})") from None
+    if len(data) != frames * channels * width:
+        raise AudioError(f"{path}: truncated WAV file ({len(data)} bytes of samples, the header says "
+                         f"{frames * channels * width})")
+    x = torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0)
+    return x.view(-1, channels).mean(1) if channels > 1 else x, rate
+
+
+def write_wav(path: str | Path, samples: Tensor | np.ndarray, sampling_rate: int) -> None:
+    """Write mono samples in [-1, 1] as a 16-bit PCM WAV file (values outside are clipped)."""
+    import wave
+    x = np.clip(np.asarray(samples, dtype=np.float64), -1.0, 32767 / 32768)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(int(sampling_rate))
+        w.writeframes(np.round(x * 32768).astype("<i2").tobytes())
+
+
+def _hz_to_mel(f: Tensor) -> Tensor:
+    """Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above (27 mels per
+    factor 6.4), so that 1 kHz is 15 mels."""
+    return torch.where(f < 1000.0, 3.0 * f / 200.0, 15.0 + torch.log(f / 1000.0) * (27.0 / math.log(6.4)))
+
+
+def _mel_to_hz(m: Tensor) -> Tensor:
+    return torch.where(m < 15.0, 200.0 * m / 3.0, 1000.0 * torch.exp((m - 15.0) * (math.log(6.4) / 27.0)))
+
+
+def mel_filter_bank(n_fft: int, n_mels: int, sampling_rate: int, f_min: float = 0.0, f_max: float = 8000.0) -> Tensor:
+    """Triangular filters (n_fft // 2 + 1, n_mels), float64, that turn a power spectrum's
+    frequency bins into mel bands. The n_mels + 2 edges are equally spaced on Slaney's mel scale
+    from f_min to f_max; filter m rises linearly from edge m to edge m + 1 and falls to edge
+    m + 2 (in Hz), and is scaled by 2 / (width in Hz) so that every band has the same area."""
+    edges = _mel_to_hz(torch.linspace(float(_hz_to_mel(torch.tensor(float(f_min), dtype=torch.float64))),
+                                      float(_hz_to_mel(torch.tensor(float(f_max), dtype=torch.float64))),
+                                      n_mels + 2, dtype=torch.float64))
+    bins = torch.linspace(0, sampling_rate // 2, n_fft // 2 + 1, dtype=torch.float64)[:, None]    # (F, 1)
+    lower, centre, upper = edges[:-2], edges[1:-1], edges[2:]                                    # (M,) each
+    rising = (bins - lower) / (centre - lower)
+    falling = (upper - bins) / (upper - centre)
+    return torch.clamp(torch.minimum(rising, falling), min=0.0) * (2.0 / (upper - lower))
+
+
+@dataclass
+class LogMelFeatureExtractor:
+    """Waveforms -> log-mel input_features (B, feature_size, frames), as transformers'
+    WhisperFeatureExtractor computes them:
+
+    1. each waveform (float32 samples at ``sampling_rate``) is cut or padded with
+       ``padding_value`` to ``chunk_length`` seconds (``n_samples``); with ``do_normalize`` it is
+       then shifted and scaled to zero mean and unit variance over its real samples (the padding
+       set back to ``padding_value``);
+    2. a short-time Fourier transform: Hann windows of ``n_fft`` samples every ``hop_length``
+       (centred, the signal reflected at both ends), the last frame dropped, so ``n_samples /
+       hop_length`` frames; the power |X|^2 of each bin;
+    3. the mel filter bank (:func:`mel_filter_bank`, 0 to 8 kHz) maps bins to ``feature_size`` bands;
+    4. log10 of the band power, floored at 1e-10; dynamic range limited to 8 (80 dB) below the
+       loudest value of each example; then (x + 4) / 4, which brings speech to about [-1, 1].
+
+    Field names and values are preprocessor_config.json's (:meth:`save`, :meth:`load`).
+    """
+    feature_size: int = 80
+    sampling_rate: int = 16000
+    hop_length: int = 160
+    chunk_length: int = 30
+    n_fft: int = 400
+    padding_value: float = 0.0
+    dither: float = 0.0
+    return_attention_mask: bool = False
+    padding_side: str = "right"
+    feature_extractor_type: str = "WhisperFeatureExtractor"
+    modality = "audio"
+
+    def __post_init__(self):
+        for name in ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"LogMelFeatureExtractor: {name} must be a positive integer, got {v!r}")
+        if self.dither != 0.0:       # random noise per call: nothing a saved run could reproduce
+            raise ValueError(f"LogMelFeatureExtractor: dither must be 0.0, got {self.dither}")
+        if self.padding_side != "right":
+            raise ValueError(f"LogMelFeatureExtractor: padding_side must be 'right', got {self.padding_side!r}")
+        self.padding_value = float(self.padding_value)
+
+    @property
+    def n_samples(self) -> int:
+        """Samples in one chunk: every waveform is cut or padded to this length."""
+        return self.chunk_length * self.sampling_rate
+
+    @property
+    def nb_max_frames(self) -> int:
+        """Frames of features per chunk."""
+        return self.n_samples // self.hop_length
+
+    def mel_filters(self) -> Tensor:
+        return mel_filter_bank(self.n_fft, self.feature_size, self.sampling_rate)
+
+    def _chunk(self, wave: Tensor, do_normalize: bool) -> Tensor:
+        x = wave.to(torch.float32).reshape(-1)[:self.n_samples]
+        n = x.numel()
+        if do_normalize:
+            # in numpy's float32 (pairwise sums, a true division), as transformers computes it: after
+            # the shift, silence is a constant whose tiny power the log magnifies, so the rounding
+            # shows in the frames where a sound stops (torch divides by a scalar's reciprocal)
+            v = x.numpy()
+            x = torch.from_numpy((v - v.mean()) / np.sqrt(v.var() + np.float32(1e-7)))
+        out = torch.full((self.n_samples,), self.padding_value, dtype=torch.float32)
+        out[:n] = x
+        return out
+
+    def __call__(self, waveforms: Sequence, sampling_rate: int | None = None, do_normalize: bool = False) -> Tensor:
+        """input_features (B, feature_size, nb_max_frames) float32 for a sequence of mono
+        waveforms (1-D tensors, arrays or lists of samples); ``sampling_rate``, if given, must be
+        the extractor's (nothing is resampled)."""
+        if sampling_rate is not None and sampling_rate != self.sampling_rate:
+            raise ValueError(f"LogMelFeatureExtractor: audio at {sampling_rate} Hz, the extractor takes "
+                             f"{self.sampling_rate} Hz (resample it first)")
+        waves = [torch.as_tensor(np.asarray(w, dtype=np.float32)) for w in waveforms]
+        if not waves or any(w.dim() != 1 or w.numel() == 0 for w in waves):
+            raise ValueError("LogMelFeatureExtractor: expected a non-empty sequence of non-empty mono (1-D) waveforms")
+        x = torch.stack([self._chunk(w, do_normalize) for w in waves])                       # (B, N)
+        window = torch.hann_window(self.n_fft)
+        spec = torch.stft(x, self.n_fft, self.hop_length, window=window, center=True, pad_mode="reflect",
+                          return_complex=True)[..., :-1]                                      # (B, F, frames)
+        power = spec.abs() ** 2
+        mel = self.mel_filters().to(torch.float32).T @ power                                  # (B, M, frames)
+        log = torch.clamp(mel, min=1e-10).log10()
+        log = torch.maximum(log, log.amax(dim=(1, 2), keepdim=True) - 8.0)
+        return (log + 4.0) / 4.0
+
+    def features(self, path: str | Path) -> Tensor:
+        """input_features (feature_size, nb_max_frames) of one WAV file (:func:`read_wav`);
+        AudioError naming the file when its rate is not the extractor's."""
+        wave, rate = read_wav(path)
+        if rate != self.sampling_rate:
+            raise AudioError(f"{path}: sampled at {rate} Hz; the model takes {self.sampling_rate} Hz audio "
+                             f"(resample it, e.g. sox in.wav -r {self.sampling_rate} out.wav)")
+        if wave.numel() == 0:
+            raise AudioError(f"{path}: holds no samples")
+        return self([wave])[0]
+
+    # ------------------------------------------------------------------ preprocessor_config.json
+    def to_dict(self) -> dict:
+        return {**asdict(self), "n_samples": self.n_samples, "nb_max_frames": self.nb_max_frames}
+
+    def save(self, directory: str | Path, name: str | None = None) -> str:
+        name = name or IMAGE_CONFIG
+        Path(directory, name).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return name
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = IMAGE_CONFIG) -> "LogMelFeatureExtractor":
+        """From preprocessor_config.json's fields (the derived n_samples and nb_max_frames are
+        recomputed); wrong values are a ValueError naming the file."""
+        known = {f for f in cls.__dataclass_fields__}
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{file}: no image processor configuration") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{file}: not readable JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__}")
-        return cls.from_dict(data, str(file))
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LogMelFeatureExtractor":
+        """From a preprocessor_config.json file or a directory holding one."""
+        return cls.from_dict(*_read_config(path, "feature extractor"))
+
+
+def _read_config(path: str | Path, what: str) -> tuple[dict, str]:
+    path = Path(path)
+    file = path / IMAGE_CONFIG if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file}: no {what} configuration") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data, str(file)
 
 
 def load_processor(path: str | Path, modality: str | None = None):
     """The processor of ``modality`` saved at ``path`` (a file, or a directory holding the usual
     file): a tokenizer for "text" (:func:`attnlab.tokenizer.load_tokenizer`), an
-    :class:`ImageProcessor` for "image"; None: an image processor where a directory holds
-    preprocessor_config.json, its tokenizer otherwise."""
+    :class:`ImageProcessor` for "image", a :class:`LogMelFeatureExtractor` for "audio"; None: what
+    a directory's preprocessor_config.json holds (a feature extractor's names a
+    ``feature_extractor_type``), its tokenizer where it has none."""
     if modality is None:
-        modality = "image" if Path(path, IMAGE_CONFIG).is_file() else "text"
+        config = Path(path, IMAGE_CONFIG)
+        modality = "text"
+        if config.is_file():
+            modality = "audio" if "feature_extractor_type" in _read_config(config, "processor")[0] else "image"
     if modality == "text":
         from .tokenizer import load_tokenizer
         return load_tokenizer(path)
     if modality == "image":
         return ImageProcessor.load(path)
-    raise ValueError(f"load_processor: no processor for modality {modality!r} (text, image)")
+    if modality == "audio":
+        return LogMelFeatureExtractor.load(path)
+    raise ValueError(f"load_processor: no processor for modality {modality!r} (text, image, audio)")
 
 
 def save_processor(processor, directory: str | Path, name: str | None = None) -> str:
     """Write ``processor`` into ``directory`` under its usual file name (or ``name``); return the name."""
-    if isinstance(processor, ImageProcessor):
+    if isinstance(processor, (ImageProcessor, LogMelFeatureExtractor)):
         return processor.save(directory, name)
     name = name or "tokenizer.json"
     processor.save(Path(directory) / name)

@@ -28,23 +28,23 @@ int8, the fp32 embeddings (38.6M + 0.8M, 157 MB) stay. ``include_head=False`` gi
 tied head then has no int8 twin) but decodes slower; an untied model saves more. ``model_bytes``
 measures it.
 
-Kernels (``kernel=``), measured on this project's 2-core AVX2 CPU (torch 2.13, one thread) on a
-GPT-2-small-shaped Linear (768 -> 3072, one token), where fp32 ``F.linear`` takes 0.78-0.90 ms:
+Kernels (``kernel=``); what each costs against fp32 ``F.linear`` on a GPT-2-small-shaped Linear
+and in a whole decoding step was measured on a 2-core AVX2 CPU, and the figures, with the CPU and
+the torch build, are in benchmarks/results/code.md (``attnlab.quantize``):
 
 - ``"int8pack"``: ``torch.ops.aten._weight_int8pack_mm(x, w_int8, scales)``, torch's own CPU
   weight-only kernel, x @ (w_int8 * scales).T reading the int8 weight directly. Vectorised for
-  bf16 activations (0.30-0.58 ms, 1.5-2.9x faster than fp32), not for fp32 ones (2.5-3.4 ms, 3x
-  *slower*) nor fp16 (3.6 ms), so the input is rounded to bf16 (relative error ~2e-3, small next
-  to the int8 weights' own ~1e-2) and the output cast back. Only for in_features % 32 == 0: this
-  build gives wrong numbers or crashes for other widths (K = 100: 20 % error, K = 37: a
-  segmentation fault), so other layers take the dequantising path. For a few rows it beats fp32;
-  from about 16 rows on an fp32 GEMM is as fast or faster. On AVX2 it is compute-bound (it reads
-  its 124 MB per GPT-2 token at ~5 GB/s, fp32 reads 4x the bytes at ~11 GB/s): a whole decoding
-  step of GPT-2 small takes 26.6 ms instead of 42.4 ms (1.6x), not 4x.
+  bf16 activations (faster than fp32 for one row), not for fp32 or fp16 ones (several times
+  *slower*), so the input is rounded to bf16 (relative error ~2e-3, small next to the int8
+  weights' own ~1e-2) and the output cast back. Only for in_features % 32 == 0: this build gives
+  wrong numbers or crashes for other widths (K = 100: 20 % error, K = 37: a segmentation fault),
+  so other layers take the dequantising path. For a few rows it beats fp32; from about 16 rows on
+  an fp32 GEMM is as fast or faster. On AVX2 it is compute-bound, reading its int8 weight more
+  slowly than fp32 reads four times the bytes, so a whole decoding step gains well under the 4x
+  that the bytes suggest.
 - ``"fbgemm"``: ``torch.ops.quantized.linear_dynamic`` (what ``torch.ao.quantization.
-  quantize_dynamic`` runs): the fastest (0.13-0.41 ms; GPT-2 small decodes 2.9-3.7x faster than
-  transformers fp32) but it quantises the *activations* too, per tensor, to 7 bits
-  (``reduce_range``, needed on AVX2, where 8 bits overflow its int16 accumulation): it is W8A8,
+  quantize_dynamic`` runs): the fastest of the three on that CPU, but it quantises the
+  *activations* too, per tensor, to 7 bits (``reduce_range``, needed on AVX2, where 8 bits overflow its int16 accumulation): it is W8A8,
   not weight-only. One large activation anywhere in the call's rows sets the step for all of
   them: with one entry of 100 in one of 16 rows (GPT-2 has such "massive activations") the other
   rows' outputs are 24 % off (68 % with 300), against 0.8 % for the weight-only kernels, which do
@@ -56,7 +56,7 @@ GPT-2-small-shaped Linear (768 -> 3072, one token), where fp32 ``F.linear`` take
   is fp32), slower for one.
 - ``"auto"`` (default): ``int8pack`` for calls of at most :data:`INT8PACK_MAX_ROWS` rows (decoding)
   on CPU when in_features % 32 == 0, ``dequant`` otherwise (prefill, other devices, other
-  widths): weight-only, 4x less weight memory, and the fastest weight-only option on this CPU.
+  widths): weight-only, 4x less weight memory, and the fastest weight-only option on that CPU.
 
 Every kernel takes the dequantising path when the input requires a gradient (so gradients reach
 the input; the int8 weights themselves are frozen buffers). Quantising twice is idempotent: an

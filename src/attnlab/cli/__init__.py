@@ -13,6 +13,7 @@
     attnlab serve MODEL         cli/serve.py      (an OpenAI-compatible HTTP server)
     attnlab quantize MODEL OUT  cli/quantize.py   (4-/8-bit weights, RTN, GPTQ or HQQ, as GGUF)
     attnlab prune MODEL OUT     cli/prune.py      (magnitude or Wanda, unstructured or N:M)
+    attnlab transcribe RUN WAV  cli/transcribe.py (a speech run's words for WAV files)
 
 A command module defines ``HELP``, ``EXAMPLE``, ``add_arguments(parser)`` and ``run(args)``; the
 work itself lives in the library (tasks/, generate/, viz/), imported when the command runs, so
@@ -57,8 +58,8 @@ from .. import __version__
 
 __all__ = ["main", "build_parser", "UserError", "COMMANDS", "texts_anywhere", "keep_freed_memory"]
 
-COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "ask", "eval", "viz", "export", "serve",
-            "quantize", "prune")
+COMMANDS = ("train", "translate", "generate", "chat", "classify", "embed", "ask", "transcribe", "eval", "viz",
+            "export", "serve", "quantize", "prune")
 
 
 class UserError(Exception):

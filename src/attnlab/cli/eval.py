@@ -68,15 +68,13 @@ def run(args: argparse.Namespace) -> int:
                      if o.name not in mine and getattr(args, o.name) is not None})
     if others:
         raise UserError(f"{', '.join(others)}: not an option for {info.describe()}")
-    settings = {o.name: getattr(args, o.name) if getattr(args, o.name) is not None else o.default
-                for o in task.eval_options}
-    for o in task.eval_options:
-        o.validate(settings[o.name])
+    given = {o.name: getattr(args, o.name) for o in task.eval_options if getattr(args, o.name) is not None}
+    settings = task.eval_settings(**given)          # typed, each value validated once (ValueError naming it)
+    extra = {} if args.dtype is None else {"dtype": args.dtype}          # None: the task's own default
     kv = kv_options.options(args)
     if kv["kv_cache"] is not None or kv["prefill_chunk"] is not None:
         if task.kind != "causal-lm":
             raise UserError(f"--kv-cache, --prefill-chunk: for a language model, not for {info.describe()}")
-        settings["kv"] = kv
-    dtype = {} if args.dtype is None else {"dtype": args.dtype}          # None: the task's own default
-    task.evaluate_file(args.checkpoint, info, args.data, settings, args.device, **dtype)
+        extra["kv"] = kv
+    task.evaluate_file(args.checkpoint, info, args.data, settings, args.device, **extra)
     return 0

@@ -24,7 +24,15 @@ def _check_id(name: str, value) -> None:
 
 def _prepare(model, src: Tensor, src_padding_mask: Tensor | None, max_len: MaxLen, who: str,
              **ids: int) -> tuple[Tensor, Tensor | None, list[int]]:
-    """Validate the inputs; return src as long, the source mask and one max_len per source."""
+    """Validate the inputs; return src as long, the source mask and one max_len per source. A
+    floating-point src is an encoder's features (batch first, e.g. log-mel frames (B, M, F)),
+    passed to ``model.encode`` as they are, without a padding mask."""
+    if isinstance(src, Tensor) and src.is_floating_point() and src.dim() >= 2:
+        if src_padding_mask is not None:
+            raise ValueError(f"{who}: a padding mask goes with token ids, not with features")
+        if src.size(0) == 0:
+            raise ValueError(f"{who}: src must have at least one row")
+        return src, None, _limits(max_len, src.size(0), model, who, **ids)
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype.is_floating_point or src.dtype == torch.bool \
             or src.is_complex():
         raise ValueError(f"{who}: src must be a 2-D integer tensor (batch, seq), got "
@@ -32,8 +40,6 @@ def _prepare(model, src: Tensor, src_padding_mask: Tensor | None, max_len: MaxLe
     B, S = src.shape
     if B == 0 or S == 0:
         raise ValueError(f"{who}: src must have at least one row and one position, got shape {(B, S)}")
-    for name, value in ids.items():
-        _check_id(f"{who}: {name}", value)
     config = getattr(model, "config", None)
     if src_padding_mask is None and getattr(config, "pad_id", None) is not None:
         src_padding_mask = src != config.pad_id
@@ -42,6 +48,13 @@ def _prepare(model, src: Tensor, src_padding_mask: Tensor | None, max_len: MaxLe
         raise ValueError(f"{who}: src_padding_mask must be a bool tensor of shape {(B, S)} (True = real token), got "
                          f"{getattr(src_padding_mask, 'dtype', type(src_padding_mask).__name__)} "
                          f"{tuple(getattr(src_padding_mask, 'shape', ()))}")
+    return src.long(), src_padding_mask, _limits(max_len, B, model, who, **ids)
+
+
+def _limits(max_len: MaxLen, B: int, model, who: str, **ids: int) -> list[int]:
+    """The special ids checked; one max_len per source, within the model's context."""
+    for name, value in ids.items():
+        _check_id(f"{who}: {name}", value)
     limits = max_len.tolist() if isinstance(max_len, Tensor) else max_len
     limits = [limits] * B if isinstance(limits, int) and not isinstance(limits, bool) else list(limits)
     if len(limits) != B or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
@@ -49,7 +62,7 @@ def _prepare(model, src: Tensor, src_padding_mask: Tensor | None, max_len: MaxLe
     longest = context_of(model)
     if longest is not None and max(limits) > longest:
         raise ValueError(f"{who}: max_len {max(limits)} exceeds the model's max_seq_len {longest}")
-    return src.long(), src_padding_mask, limits
+    return limits
 
 
 # ---------------------------------------------------------------------------- greedy and sampling

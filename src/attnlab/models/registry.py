@@ -62,6 +62,10 @@ MODALITIES = {
     "image-text": Modality("image-text", "pixel_values", ("image_size", "patch_size", "in_channels", "vocab_size",
                                                           "context"),
                            ("image_size", "patch_size", "in_channels", "vocab_size", "context"), "image+tokenizer"),
+    # sound in, text out (speech recognition): log-mel frames (num_mel_bins bands, at most
+    # ``frames`` of them per input) read by the encoder, a vocabulary and context for the decoder
+    "audio": Modality("audio", "input_features", ("num_mel_bins", "frames", "vocab_size", "context"),
+                      ("num_mel_bins", "frames", "vocab_size", "context"), "audio+tokenizer"),
 }
 # the model's own sizes, the same for every modality
 MODEL_SIZES = ("d_model", "num_heads", "num_layers", "d_ff", "dropout")
@@ -117,6 +121,11 @@ def _ids(high: int, shape, seed: int):
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _randn(shape, seed: int):
+    import torch
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
 def _tokens(config, limits, B, T, seed):
     return {"input_ids": _ids(limits["vocab_size"], (B, T), seed)}
 
@@ -160,6 +169,13 @@ register_kind("pretraining", modality="text", example=_tokens, objective=masked_
 register_kind("replaced-token", modality="text", example=_tokens, objective=replaced_token,
               does="forward(input_ids (B, T)) -> (B, T) logits that each token was replaced (ELECTRA's discriminator)",
               shapes=lambda c, x: (_batch(x), _length(x)))
+register_kind("speech-to-text", modality="audio", command="attnlab transcribe",
+              does="forward(input_features (B, M, F), decoder_input_ids (B, T)) -> logits (B, T, V); encode / decode / "
+                   "new_cache for decoding",
+              example=lambda c, lim, B, T, seed: {
+                  "input_features": _randn((B, lim["num_mel_bins"], lim["frames"]), seed),
+                  "decoder_input_ids": _ids(lim["vocab_size"], (B, T - 3), seed + 1)},
+              shapes=lambda c, x: (_batch(x), x["decoder_input_ids"].size(1), c.vocab_size))
 register_kind("image-classifier", modality="image", command="attnlab classify", example=_pixels,
               objective=classification,
               does="forward(pixel_values (B, C, H, W)) -> class logits (B, num_labels)",

@@ -4,12 +4,17 @@
         -> [class token; patches] + learned positions (B, 1 + P, E) -> dropout
         -> N x Pre-Norm [x = x + Attn(Norm(x)); x = x + MLP(Norm(x))]        (GELU MLP)
         -> Norm -> hidden (B, 1 + P, E)
-    classifier: logits = hidden[:, 0] W + b (class token), or the mean of the patch rows ("mean" pooling)
+    classifier: logits = hidden[:, 0] W + b (class token), or the mean of the patch rows ("mean" pooling),
+        or their attention-weighted mean ("seq" pooling, CCT's sequence pooling; no class token then)
 
 At 224 px and p = 16: 14 x 14 = 196 patches of 16 * 16 * 3 = 768 values, plus the class token, so
 197 positions. ``VisionTransformer(img_size=224, patch_size=16, num_classes=10)`` is the chapter's
 constructor; every model is also built from a :class:`ViTConfig` (``VisionTransformer.from_config``).
 ``norm`` "dyt" puts DyT (:class:`attnlab.nn.DyT`) in place of every LayerNorm (Zhu et al. 2025).
+``tokenizer`` "conv" puts CCT's convolutional tokeniser (:class:`attnlab.nn.patch.ConvTokenizer`,
+Hassani et al. 2021) in place of the patch embedding: log2(patch_size) layers of 3x3 convolution,
+ReLU and stride-2 max-pooling, which give the grid that patches of ``patch_size`` give; with
+``pooling="seq"`` that makes a Compact Convolutional Transformer.
 
 Another image size: ``forward(pixel_values, interpolate_pos_encoding=True)`` resizes the grid part of
 the position table bicubically (:mod:`attnlab.nn.patch`), as transformers does; without it an image
@@ -19,7 +24,8 @@ Weights: transformers' ViTModel / ViTForImageClassification names (``vit.encoder
 what its save_pretrained writes and the Hub holds); our fused Q/K/V projection is split into their
 query, key and value. transformers' own ViT has neither DyT nor mean pooling: such a config writes
 ``norm`` (with ``dyt_alpha``, DyT's initial alpha) / ``pooling`` into config.json for attnlab to read
-back, and transformers cannot run it.
+back, and transformers cannot run it; nor a convolutional tokeniser or sequence pooling, whose
+weights attnlab saves under names of its own (``embeddings.conv_tokenizer.{i}``, ``sequence_pool``).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.block import EncoderLayer
 from ..nn.mlp import FeedForward
 from ..nn.norm import make_norm
-from ..nn.patch import PatchEmbedding, PatchPositionEmbedding, patch_grid
+from ..nn.patch import ConvTokenizer, PatchEmbedding, PatchPositionEmbedding, SequencePooling, patch_grid
 from .convert import Rule, Split
 from .encoder import ACT_FROM_HF, ACT_TO_HF, Pooler, labels_from_hf, labels_to_hf
 from .pretrained import SavePretrained
@@ -41,7 +47,7 @@ from .registry import KINDS, FamilyOption, register_family, register_kind
 __all__ = ["ViTConfig", "ViTEncoder", "ViTModel", "VisionTransformer", "VIT", "vit_rules", "vit_config_from_hf",
            "vit_config_to_hf", "build_config", "sized_fields"]
 
-NORMS, POOLINGS = ("layernorm", "dyt"), ("cls", "mean")
+NORMS, POOLINGS, TOKENIZERS = ("layernorm", "dyt"), ("cls", "mean", "seq"), ("patch", "conv")
 
 
 @dataclass
@@ -62,12 +68,20 @@ class ViTConfig:
     # DyT's initial alpha (norm "dyt"): the DyT paper's 0.5 for a ViT, or one per depth, num_layers + 1
     # numbers (each layer's two norms, then the final norm), for a residual stream that grows with depth
     dyt_alpha: float | list[float] = 0.5
-    pooling: str = "cls"                  # the classifier reads the class token, or the patches' mean
+    pooling: str = "cls"                  # the classifier reads the class token, the patches' mean or "seq"
+    tokenizer: str = "patch"              # "patch": a linear map of each patch; "conv": CCT's conv tokeniser
     num_labels: int | None = None         # default len(id2label), else 2
     id2label: dict[int, str] | None = None
 
-    prefix_tokens = 1                     # the class token before the patches (DeiT: 2)
-    prefix_names = ("[CLS]",)             # how a viewer labels them (attnlab.viz)
+    @property
+    def prefix_tokens(self) -> int:
+        """The tokens before the patches: the class token, none with sequence pooling (DeiT: 2)."""
+        return 0 if self.pooling == "seq" else 1
+
+    @property
+    def prefix_names(self) -> tuple[str, ...]:
+        """How a viewer labels the prefix tokens (attnlab.viz)."""
+        return ("[CLS]",)[:self.prefix_tokens]
 
     def __post_init__(self):
         who = type(self).__name__
@@ -95,9 +109,13 @@ class ViTConfig:
                              f"layer, then the final norm's), got {self.dyt_alpha!r}")
         if isinstance(self.dyt_alpha, (list, tuple)):
             self.dyt_alpha = [float(a) for a in self.dyt_alpha]
-        for f, allowed in (("activation", tuple(ACT_TO_HF)), ("norm", NORMS), ("pooling", POOLINGS)):
+        for f, allowed in (("activation", tuple(ACT_TO_HF)), ("norm", NORMS), ("pooling", POOLINGS),
+                           ("tokenizer", TOKENIZERS)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"{who}: {f} must be one of {allowed}, got {getattr(self, f)!r}")
+        if self.tokenizer == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
+            raise ValueError(f"{who}: a conv tokenizer halves the side per layer: patch_size must be 2, 4, 8, ..., got "
+                             f"{self.patch_size}")
         if set(self.id2label) != set(range(self.num_labels)):
             raise ValueError(f"{who}: id2label must name classes 0 .. num_labels - 1 ({self.num_labels}), got ids "
                              f"{sorted(self.id2label)}")
@@ -128,8 +146,12 @@ class ViTEncoder(SavePretrained, nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
         self.config = c = config
-        self.patch_embed = PatchEmbedding(c.image_size, c.patch_size, c.in_channels, c.d_model)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.d_model))
+        if c.tokenizer == "conv":
+            self.patch_embed = ConvTokenizer(c.image_size, c.patch_size.bit_length() - 1, c.in_channels, c.d_model)
+        else:
+            self.patch_embed = PatchEmbedding(c.image_size, c.patch_size, c.in_channels, c.d_model)
+        if c.prefix_tokens:
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, c.d_model))
         self.position = PatchPositionEmbedding(self.patch_embed.grid, c.d_model, prefix=c.prefix_tokens)
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
@@ -143,12 +165,16 @@ class ViTEncoder(SavePretrained, nn.Module):
 
     def reset_parameters(self) -> None:
         """Matrices, convolutions and prefix tokens ~ N(0, 0.02) truncated at 2 std (as transformers'
-        ViT), biases 0, norms at their identity; the position table is initialised by its module."""
+        ViT), biases 0, norms at their identity; the position table is initialised by its module. A
+        conv tokeniser's kernels are He-initialised (fan in, for the ReLU after each), as CCT's: at
+        0.02 a stack of them would shrink the image towards zero."""
         with torch.no_grad():
             for name, t in [*self.named_parameters(), *self.named_buffers()]:
                 if name.startswith("position."):
                     continue
-                if t.dim() >= 2:
+                if name.startswith("patch_embed.convs."):
+                    nn.init.kaiming_normal_(t, mode="fan_in", nonlinearity="relu")
+                elif t.dim() >= 2:
                     nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04)
                 elif name.endswith("bias"):
                     t.zero_()
@@ -170,8 +196,9 @@ class ViTEncoder(SavePretrained, nn.Module):
         if not interpolate_pos_encoding and (H, W) != (c.image_size, c.image_size):
             raise ValueError(f"{who}: a {H}x{W} image, the model's is {c.image_size}x{c.image_size}; pass "
                              f"interpolate_pos_encoding=True to resize the position table to it")
-        x = self.patch_embed(pixel_values.to(self.patch_embed.proj.weight.dtype))
-        x = torch.cat([self.prefix(x.size(0)), x], dim=1)
+        x = self.patch_embed(pixel_values.to(next(self.patch_embed.parameters()).dtype))
+        if c.prefix_tokens:
+            x = torch.cat([self.prefix(x.size(0)), x], dim=1)
         x = self.dropout(self.position(x, patch_grid(H, W, c.patch_size)))
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1 and layer.self_attn.attention_record is None
@@ -231,6 +258,8 @@ class VisionTransformer(ViTEncoder):
                            num_layers=depth, num_heads=num_heads, d_ff=d_ff, dropout=dropout, num_labels=num_classes,
                            **options)
         super().__init__(config)
+        if config.pooling == "seq":
+            self.seq_pool = SequencePooling(config.d_model)
         self.head = nn.Linear(config.d_model, config.num_labels)
         self.reset_parameters()
 
@@ -241,7 +270,8 @@ class VisionTransformer(ViTEncoder):
     def forward(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> Tensor:
         cls_pooling = self.config.pooling == "cls"
         hidden = self.encode(pixel_values, interpolate_pos_encoding, first_only=cls_pooling)
-        pooled = hidden[:, 0] if cls_pooling else hidden[:, self.config.prefix_tokens:].mean(1)
+        tokens = hidden[:, self.config.prefix_tokens:]
+        pooled = hidden[:, 0] if cls_pooling else self.seq_pool(tokens) if self.config.pooling == "seq" else tokens.mean(1)
         return self.head(pooled)
 
 
@@ -252,6 +282,7 @@ def vit_rules() -> list[Rule]:
     qkv = tuple(f"{layer}.attention.attention.{n}.{{p}}" for n in ("query", "key", "value"))
     return [
         Rule("patch_embed.proj.{p}", "embeddings.patch_embeddings.projection.{p}"),
+        Rule("patch_embed.convs.{i}.weight", "embeddings.conv_tokenizer.{i}.weight"),      # attnlab's own names
         Rule("cls_token", "embeddings.cls_token"),
         Rule("position.weight", "embeddings.position_embeddings"),
         Rule("layers.{i}.self_attn.qkv_proj.{p}", qkv, Split(0, 3)),
@@ -269,7 +300,7 @@ VIT_HF_NAMES = {
     "dropout": "hidden_dropout_prob", "attention_dropout": "attention_probs_dropout_prob",
     "layer_norm_eps": "layer_norm_eps", "qkv_bias": "qkv_bias"}
 # what only attnlab reads back: transformers' ViT has neither (see the module docstring)
-_OWN_FIELDS = {"norm": "layernorm", "dyt_alpha": 0.5, "pooling": "cls"}
+_OWN_FIELDS = {"norm": "layernorm", "dyt_alpha": 0.5, "pooling": "cls", "tokenizer": "patch"}
 
 
 def vit_config_from_hf(c: dict, cls: type = ViTConfig):
@@ -309,19 +340,22 @@ def sized_fields(*, image_size: int, patch_size: int, in_channels: int, d_model:
 
 def build_config(*, image_size: int, patch_size: int, in_channels: int, d_model: int, num_heads: int, num_layers: int,
                  d_ff: int | None = None, dropout: float = 0.0, num_labels: int = 2, norm: str = "layernorm",
-                 pooling: str = "cls", dyt_alpha: float = 0.5) -> ViTConfig:
+                 pooling: str = "cls", dyt_alpha: float = 0.5, tokenizer: str = "patch") -> ViTConfig:
     """A ViT sized for training (see :func:`sized_fields`)."""
     return ViTConfig(**sized_fields(image_size=image_size, patch_size=patch_size, in_channels=in_channels,
                                     d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff,
                                     dropout=dropout, num_labels=num_labels, norm=norm, pooling=pooling,
-                                    dyt_alpha=dyt_alpha))
+                                    dyt_alpha=dyt_alpha), tokenizer=tokenizer)
 
 
 OPTIONS = (
     FamilyOption("norm", str, "the normalisation: layernorm, or dyt (dynamic tanh, no statistics)", ("image",),
                  choices=NORMS),
-    FamilyOption("pooling", str, "what the classifier reads: the class token (cls) or the patches' mean", ("image",),
-                 choices=POOLINGS),
+    FamilyOption("pooling", str, "what the classifier reads: the class token (cls), the patches' mean, or their "
+                 "attention-weighted mean (seq: CCT's sequence pooling, no class token)", ("image",), choices=POOLINGS),
+    FamilyOption("tokenizer", str, "how an image becomes tokens: patch (a linear map of each patch) or conv (CCT's "
+                 "3x3 convolution, ReLU and max-pool layers, one per halving of --patch-size: 4 takes two)",
+                 ("image",), choices=TOKENIZERS),
 )
 
 PRESETS = {
@@ -355,5 +389,6 @@ VIT = register_family("vit", ViTConfig, base_rules=vit_rules(), config_from_hf=v
                       limits=lambda c: {"image_size": c.image_size, "patch_size": c.patch_size,
                                         "in_channels": c.in_channels}, options=OPTIONS, hf_unsupported=hf_unsupported)
 VIT.register("ViTForImageClassification", VisionTransformer, kind="image-classifier", prefix="vit.",
-             head_rules=[Rule("head.{p}", "classifier.{p}")], factory=VisionTransformer.from_config, default=True)
+             head_rules=[Rule("head.{p}", "classifier.{p}"), Rule("seq_pool.proj.{p}", "sequence_pool.{p}")],
+             factory=VisionTransformer.from_config, default=True)
 VIT.register("ViTModel", ViTModel, kind="image-base", head_rules=[Rule("pooler.{p}", "pooler.dense.{p}")])

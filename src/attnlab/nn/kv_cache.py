@@ -145,6 +145,17 @@ def _cut(t: Tensor | None, kept: Tensor, S: int) -> Tensor | None:
     return t if t is None or t.dim() == 0 or t.size(-1) != S else t.index_select(-1, kept)
 
 
+def _appended(owner: str, k_old: Tensor | None, v_old: Tensor | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """(k_old ++ k, v_old ++ v) along the slots (dim 2), or (k, v) when nothing is kept yet; a
+    ValueError naming ``owner`` when the new keys' batch, heads or dtype differ from the kept ones."""
+    if k_old is None:
+        return k, v
+    if k.shape[:2] != k_old.shape[:2] or k.dtype != k_old.dtype:
+        raise ValueError(f"{owner}: new keys {tuple(k.shape)} {k.dtype} do not match the cache "
+                         f"{tuple(k_old.shape)} {k_old.dtype}")
+    return torch.cat([k_old, k], dim=2), torch.cat([v_old, v], dim=2)
+
+
 class _WindowCache:
     """Keys and values of the slots [start, length) in full precision (and, for the sink cache,
     of the first slots); subclasses say how many recent slots stay after each call. ``selects``
@@ -196,13 +207,7 @@ class _WindowCache:
         return torch.cat([self.sk, self.k], dim=2), torch.cat([self.sv, self.v], dim=2)
 
     def _append(self, k: Tensor, v: Tensor) -> None:
-        if self.k is None:
-            self.k, self.v = k, v
-        else:
-            if k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
-                raise ValueError(f"{type(self).__name__}: new keys {tuple(k.shape)} {k.dtype} do not match the "
-                                 f"cache {tuple(self.k.shape)} {self.k.dtype}")
-            self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = _appended(type(self).__name__, self.k, self.v, k, v)
         self.length += k.size(2)
 
     def _trim(self) -> None:
@@ -395,13 +400,7 @@ class QuantizedKVCache:
         if self.bits == 4 and (k.size(-1) % 2 or v.size(-1) % 2):
             raise ValueError(f"QuantizedKVCache: int4 packs two channels a byte: head dims {k.size(-1)}, "
                              f"{v.size(-1)} must be even")
-        if self.rk is None:
-            self.rk, self.rv = k, v
-        else:
-            if k.shape[:2] != self.rk.shape[:2] or k.dtype != self.rk.dtype:
-                raise ValueError(f"QuantizedKVCache: new keys {tuple(k.shape)} {k.dtype} do not match the cache "
-                                 f"{tuple(self.rk.shape)} {self.rk.dtype}")
-            self.rk, self.rv = torch.cat([self.rk, k], dim=2), torch.cat([self.rv, v], dim=2)
+        self.rk, self.rv = _appended("QuantizedKVCache", self.rk, self.rv, k, v)
         self.length += k.size(2)
         limit = self.length if self._mark is None else min(self.length, self._mark)
         n = (min(self.rk.size(2) - self.residual, limit - self.quantized) // self.group) * self.group

@@ -11,6 +11,13 @@ token) and one per grid cell. A model trained at one size can read another: the 
 the table is resized bicubically to the new grid, the prefix rows kept, as transformers'
 ``interpolate_pos_encoding`` and timm's ``resample_abs_pos_embed`` do.
 
+A convolutional tokeniser (:class:`ConvTokenizer`, CCT's, Hassani et al. 2021, "Escaping the Big
+Data Paradigm with Compact Transformers", section 3.2) stands where the patch embedding stands:
+L layers of [3x3 convolution, ReLU, 3x3 max-pool of stride 2] halve the side L times, so the grid is
+that of patches of 2^L pixels, with overlapping receptive fields instead of cut-out patches; and
+:class:`SequencePooling` (section 3.1) reads a classifier's input as an attention-weighted mean of
+the tokens instead of a class token.
+
 Shape letters: B batch, C channels, H x W pixels, p patch side, P patches, E width.
 """
 from __future__ import annotations
@@ -19,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PatchEmbedding", "PatchPositionEmbedding", "interpolate_grid_table", "patch_grid"]
+__all__ = ["PatchEmbedding", "ConvTokenizer", "SequencePooling", "PatchPositionEmbedding", "interpolate_grid_table",
+           "patch_grid"]
 
 
 def _pair(x) -> tuple[int, int]:
@@ -70,6 +78,64 @@ class PatchEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"img_size={self.img_size}, patch_size={self.patch_size}, grid={self.grid}"
+
+
+class ConvTokenizer(nn.Module):
+    """Images to tokens through ``layers`` x [Conv2d(k x k, stride 1, padding k // 2, no bias) ->
+    ReLU -> MaxPool2d(3, stride 2, padding 1)], C -> E channels in the first layer, E -> E after it
+    (CCT's tokeniser; its wider models keep 64 channels between the layers, here the width is E).
+
+    ``patch_size`` = 2^layers: each pooling halves the side (rounding up), so an image whose side
+    ``patch_size`` divides gives the grid :class:`PatchEmbedding` would, and a model's position
+    table and image-size checks need not know which tokeniser made the tokens.
+
+    forward(x (B, C, H, W)) -> (B, P, E), tokens in row-major order, P = ceil(H / 2^L) * ceil(W / 2^L).
+    """
+
+    def __init__(self, img_size: int | tuple[int, int], layers: int, in_channels: int, embed_dim: int,
+                 kernel_size: int = 3):
+        super().__init__()
+        self.img_size = _pair(img_size)
+        for name, v in (("layers", layers), ("in_channels", in_channels), ("embed_dim", embed_dim),
+                        ("kernel_size", kernel_size)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ConvTokenizer: {name} must be a positive integer, got {v!r}")
+        if kernel_size % 2 == 0:
+            raise ValueError(f"ConvTokenizer: kernel_size must be odd (padding keeps the size), got {kernel_size}")
+        self.patch_size, self.in_channels, self.embed_dim = 2 ** layers, in_channels, embed_dim
+        if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
+            raise ValueError(f"ConvTokenizer: img_size {self.img_size} is not a multiple of 2^layers = {self.patch_size}")
+        self.grid = patch_grid(*self.img_size, self.patch_size)
+        self.num_patches = self.grid[0] * self.grid[1]
+        self.convs = nn.ModuleList(
+            nn.Conv2d(in_channels if i == 0 else embed_dim, embed_dim, kernel_size, padding=kernel_size // 2,
+                      bias=False) for i in range(layers))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.size(1) != self.in_channels:
+            raise ValueError(f"ConvTokenizer: expected pixel values (batch, {self.in_channels}, height, width), got "
+                             f"shape {tuple(x.shape)}")
+        for conv in self.convs:
+            x = F.max_pool2d(F.relu(conv(x)), kernel_size=3, stride=2, padding=1)
+        return x.flatten(2).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"img_size={self.img_size}, layers={len(self.convs)}, grid={self.grid}"
+
+
+class SequencePooling(nn.Module):
+    """An attention-weighted mean of the tokens, one vector per image: ``w = softmax_t(x_t g + b)``,
+    ``pooled = sum_t w_t x_t``, with g (E,) and b learned (``proj``: Linear(E, 1)).
+
+    forward(x (B, T, E)) -> (B, E)."""
+
+    def __init__(self, embed_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(embed_dim, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights = torch.softmax(self.proj(x).float(), dim=1).to(x.dtype)      # (B, T, 1)
+        return (weights * x).sum(1)
 
 
 def interpolate_grid_table(table: Tensor, prefix: int, grid: tuple[int, int], new_grid: tuple[int, int]) -> Tensor:

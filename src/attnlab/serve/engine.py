@@ -235,8 +235,8 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """One step of a padded two-row batch before the first request: the first forward with a
-        padding mask pays a one-time set-up (about 1.5 s on a 2-core CPU), which would otherwise
-        land on the first requests that decode together."""
+        padding mask pays a one-time set-up (seconds on a small CPU; benchmarks/results/code.md),
+        which would otherwise land on the first requests that decode together."""
         def prefilled(n: int) -> CausalState:
             state = CausalState(self.model, torch.zeros(1, n, dtype=torch.long, device=self.device))
             state.append(state.next_logits().argmax(-1)[:, None])

@@ -14,7 +14,8 @@ A task (translate, lm, and the ones the model families add) is one module that d
 - ``report(run_dir, setup, settings)``: what is printed after training (test scores, a sample);
 - ``load(run, device)``: a trained run, ready for inference;
 - ``eval_options`` and ``evaluate_file(path, info, data, settings, device)``: what
-  ``attnlab eval`` measures on a user's file for a model of this task's kind.
+  ``attnlab eval`` measures on a user's file for a model of this task's kind; its settings are
+  typed too (:meth:`TaskDefinition.eval_settings`, an ``EvalSettings`` of the eval options).
 
 Settings are the task's typed settings (:mod:`attnlab.tasks.settings`: one field per option,
 each value validated as it is set, an unknown name refused), resolved by the train command from,
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from .settings import Settings
+from .settings import EvalSettings, Settings
 
 __all__ = ["Option", "TaskDefinition", "Setup", "register_task", "get_task", "registered_tasks", "TRAINING_OPTIONS",
            "positive", "non_negative", "fraction", "beyond_specials", "BUDGET_MEASURE", "BUDGET_STEP_CAP",
@@ -316,6 +317,13 @@ class TaskDefinition:
         ValueError naming it): what ``prepare`` takes from Python."""
         return self.settings_class().from_dict(overrides)
 
+    def eval_settings(self, **values):
+        """The ``attnlab eval`` options (``eval_options``) at their defaults with ``values``, typed
+        and each validated as it is set (an unknown name is a ValueError naming it): what
+        ``evaluate_file`` takes."""
+        from .settings import eval_settings_class
+        return eval_settings_class(self).from_dict(values)
+
     def validate(self, settings: dict) -> None:
         known = {o.name: o for o in self.all_options()}
         for name, value in settings.items():
@@ -355,10 +363,10 @@ class TaskDefinition:
         """The run's model for inference; ``dtype`` as ``--dtype`` (see attnlab.nn.prepare_for_inference)."""
         raise NotImplementedError
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+    def evaluate_file(self, path: str, info, data: str, settings: EvalSettings, device: str | None = None,
                       dtype: str = "auto") -> None:
         """Score the model at ``path`` (``info``: :func:`attnlab.tasks.inspect_path`'s) on ``data``
-        and print the result; ``settings`` holds the ``eval_options``."""
+        and print the result; ``settings``: the ``eval_options`` as typed fields (:meth:`eval_settings`)."""
         raise NotImplementedError
 
 

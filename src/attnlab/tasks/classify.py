@@ -41,7 +41,7 @@ from ..data.sniff import data_directory, describe_file, scored_file
 from ..data.labelled import Examples, read_labelled, sentiment_corpus, sort_labels
 from ..tokenizer import PAD_ID, Tokenizer
 from ..train.metrics import classification_scores, format_scores
-from .settings import Settings
+from .settings import EvalSettings, Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, fraction, positive,
                    register_task, training_schedule)
 from .pretrained import load_base, native_classifier
@@ -418,7 +418,7 @@ class Classify(TaskDefinition):
         return LoadedClassifier(model, tok, list(run.task_options["labels"]), int(run.task_options["max_len"]),
                                 run.path)
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+    def evaluate_file(self, path: str, info, data: str, settings: EvalSettings, device: str | None = None,
                       dtype: str = "fp32") -> None:
         if info.kind != "run":
             raise RunError(f"{path}: {info.describe()}; 'attnlab eval' scores a classify run, which knows its label "
@@ -426,7 +426,7 @@ class Classify(TaskDefinition):
         clf = self.load(info.run, device, dtype)
         data = scored_file(data, DATA_EXTENSIONS)
         try:
-            ex = read_examples(data, settings["text_column"], settings["label_column"], labels=clf.labels)
+            ex = read_examples(data, settings.text_column, settings.label_column, labels=clf.labels)
         except ValueError as e:
             shape = describe_file(data)
             if shape.kind != "pairs" or "does not occur in the training data" not in str(e):
@@ -434,14 +434,14 @@ class Classify(TaskDefinition):
             raise ValueError(f"{data}: {shape.description}, which a translation run reads ('attnlab eval' of a "
                              f"translate run); this classify run scores texts labelled "
                              f"{', '.join(clf.labels)}") from None
-        texts, labels = ex.texts[: settings["limit"]], ex.labels[: settings["limit"]]
+        texts, labels = ex.texts[: settings.limit], ex.labels[: settings.limit]
         pred = clf.probabilities(texts).argmax(-1).tolist()
         scores = classification_scores([clf.labels.index(y) for y in labels], pred, len(clf.labels))
         print(f"{data}: {len(texts)} texts ({ex.layout})")
         print(format_scores(scores, clf.labels))
-        if settings["plot"]:
+        if settings.plot:
             from ..viz.confusion import plot_confusion
-            print(f"confusion matrix: {plot_confusion(scores['confusion'], clf.labels, settings['plot'])}")
+            print(f"confusion matrix: {plot_confusion(scores['confusion'], clf.labels, settings.plot)}")
 
 
 CLASSIFY = register_task(Classify())

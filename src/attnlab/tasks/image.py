@@ -66,7 +66,7 @@ from torch import Tensor, nn
 
 from ..data.images import AUGMENTATIONS, ImageFolder, augment, image_splits, read_image_folder
 from ..processors import ImageProcessor
-from .settings import Settings
+from .settings import EvalSettings, Settings
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
 
@@ -617,17 +617,17 @@ class ImageClassification(TaskDefinition):
                              f"({', '.join(clf.labels)})")
         return self._score(clf, paths, [clf.labels.index(y) for y in labels], plot)
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+    def evaluate_file(self, path: str, info, data: str, settings: EvalSettings, device: str | None = None,
                       dtype: str = "fp32") -> None:
         if info.kind != "run":
             raise RunError(f"{path}: {info.describe()}; 'attnlab eval' scores an image run, which knows its label "
                            "names and image processor")
         clf = self.load(info.run, device, dtype)
-        plot = settings["plot"]
+        plot = settings.plot
         if plot is None:                   # the run directory (a checkpoint's parent), never inside a checkpoint
             given = Path(path)
             plot = (given.parent if given.resolve() == info.run.path.resolve() else given) / "confusion.png"
-        print(f"{data}: {self._score_folder(clf, read_image_folder(data), settings['limit'], plot)}")
+        print(f"{data}: {self._score_folder(clf, read_image_folder(data), settings.limit, plot)}")
         print(f"confusion matrix: {plot}")
 
 

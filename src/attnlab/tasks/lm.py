@@ -40,7 +40,7 @@ from ..data.text import encode_documents, stdlib_corpus, text_file_corpus
 from ..tokenizer import Tokenizer
 from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
 from ..models.registry import default_family
-from .settings import Settings
+from .settings import EvalSettings, Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
 from .distill import DISTILL_OPTIONS, Teacher, check_distillation
@@ -365,8 +365,10 @@ class LanguageModeling(TaskDefinition):
         return LoadedLM(model, tok, [tok.eos_id], tok.eos_id, run.path, "attnlab", chosen)
 
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
-                      dtype: str = "auto") -> None:
+    def evaluate_file(self, path: str, info, data: str, settings: EvalSettings, device: str | None = None,
+                      dtype: str = "auto", kv: dict | None = None) -> None:
+        """Perplexity and bits per byte of a text file; ``kv`` (:func:`attnlab.cli.kv_options.options`,
+        from --kv-cache / --prefill-chunk): the text read once through one cache of that kind."""
         from ..data.sniff import describe_file
         from ..data.text import read_text_file
         shape = describe_file(data)
@@ -379,12 +381,10 @@ class LanguageModeling(TaskDefinition):
         lm.warn_unknown(lm.tokenizer.encode(text), data)
         progress = sys.stderr.isatty()
 
-        kv = settings.get("kv")                 # --kv-cache / --prefill-chunk: the text read through one cache
-
         def score(label: str) -> dict:
             if kv is not None:
-                return _streamed(lm, text, kv, settings["limit"], label)
-            r = text_perplexity(lm, text, stride=settings["stride"], max_tokens=settings["limit"], progress=progress)
+                return _streamed(lm, text, kv, settings.limit, label)
+            r = text_perplexity(lm, text, stride=settings.stride, max_tokens=settings.limit, progress=progress)
             print(f"{label}: loss {r['loss']:.4f} nats/token, perplexity {r['ppl']:.4f}, "
                   f"{r['bits_per_byte']:.4f} bits per byte")
             return r
@@ -393,7 +393,7 @@ class LanguageModeling(TaskDefinition):
         if kv is None:
             print(f"  ({first['tokens']:,} tokens scored in {first['windows']} windows of up to "
                   f"{first['context']} tokens, stride {first['stride']})")
-        if settings["quantize"] == "int8":
+        if settings.quantize == "int8":
             from ..quantize import quantize_int8
             quantize_int8(lm.model)
             second = score("int8 weight-only (attnlab.quantize)")

@@ -38,7 +38,7 @@ from ..data.masking import IGNORE_INDEX, SentencePair, collate_pairs, mask_token
 from ..tokenizer import BERT_SPECIAL_TOKENS, train_wordpiece
 from .. import models as _models  # noqa: F401  (registers every family: the --model default reads them)
 from ..models.registry import default_family
-from .settings import Settings
+from .settings import EvalSettings, Settings
 from .base import (Option, Setup, TaskDefinition, describe_training, family_recipe, fraction, positive, register_task,
                    training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, resume_point, write_run
@@ -344,7 +344,7 @@ class MaskedLanguageModeling(TaskDefinition):
         return LoadedMLM(model, tok, run.task_options.get("objective", "none"), run.task_options["context"])
 
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+    def evaluate_file(self, path: str, info, data: str, settings: EvalSettings, device: str | None = None,
                       dtype: str = "fp32") -> None:
         """Masked-LM loss and accuracy (and the sentence-pair accuracy) over a documents file,
         with masks drawn from ``--seed``: the same figures for the same file and seed."""
@@ -352,8 +352,8 @@ class MaskedLanguageModeling(TaskDefinition):
         loaded = self.load(open_run(path), device)
         docs = [[loaded.tokenizer.encode(line, add_special_tokens=False) for line in d] for d in read_documents(data)]
         task = MaskedLMTask(loaded.model, loaded.tokenizer, [], docs, objective=loaded.objective,
-                            context=loaded.context, batch_size=32, eval_pairs=settings["limit"],
-                            eval_seed=settings["seed"])
+                            context=loaded.context, batch_size=32, eval_pairs=settings.limit,
+                            eval_seed=settings.seed)
         scores = task.evaluate(loaded.model)
         n = sum(len(b["input_ids"]) for b in task._valid_batches)
         print(f"{data}: {path}")

@@ -8,7 +8,8 @@ files (model.safetensors, optimizer.safetensors, trainer_state.json):
                        "processors": {"text": {"modality": "text", "file": "tokenizer.json"}},
                        "task_options": what the task needs to use the model (e.g. its context)}
     processor files   named in "processors", one per input role: a tokenizer (attnlab's JSON, any
-                      kind of attnlab.tokenizer) or an image processor (preprocessor_config.json)
+                      kind of attnlab.tokenizer), an image processor or a feature extractor of sound
+                      (preprocessor_config.json)
 
 Format 2 named only tokenizers (``"tokenizers": {"text": "tokenizer.json"}``); its runs are read
 as runs whose processors are those tokenizers, and resume as they are. The first format
@@ -38,6 +39,7 @@ __all__ = ["RUN_FILE", "FORMAT", "RunInfo", "PathInfo", "model_context", "write_
            "RunError"]
 
 RUN_FILE, FORMAT = "run.json", 3
+PROCESSOR_MODALITIES = ("text", "image", "audio")     # attnlab.processors.PROCESSOR_FILES' keys
 _READABLE = (2, 3)
 _FORMAT_1_FILES = ("lm.json", "translation.json")
 
@@ -105,13 +107,13 @@ def write_run(directory: Path, task: str, model: nn.Module, processors: dict,
               task_options: dict | None = None) -> None:
     """Write run.json and the processors (role -> a tokenizer or an image processor) into a
     checkpoint directory (a Task's ``save_assets``). A processor shared by several roles is written once."""
-    from ..processors import IMAGE_CONFIG, save_processor
+    from ..processors import PROCESSOR_FILES, save_processor
     directory = Path(directory)
     files: dict[str, dict] = {}
     written: dict[int, str] = {}
     for role, proc in processors.items():
         if id(proc) not in written:
-            usual = IMAGE_CONFIG if proc.modality == "image" else "tokenizer.json"
+            usual = PROCESSOR_FILES[proc.modality]
             taken = set(written.values())
             name = usual if usual not in taken else f"{role}_{usual}"
             written[id(proc)] = save_processor(proc, directory, name)
@@ -154,7 +156,7 @@ def read_run(ckpt: str | Path) -> RunInfo:
         raise RunError(f"{ckpt / RUN_FILE}: missing {', '.join(missing)}")
     processors = m[roles] if m["format"] == 3 else {r: {"modality": "text", "file": f} for r, f in m[roles].items()}
     if not isinstance(processors, dict) or not all(
-            isinstance(p, dict) and p.get("modality") in ("text", "image") and isinstance(p.get("file"), str)
+            isinstance(p, dict) and p.get("modality") in PROCESSOR_MODALITIES and isinstance(p.get("file"), str)
             for p in processors.values()):
         raise RunError(f"{ckpt / RUN_FILE}: '{roles}' must map each input role to its modality and file")
     return RunInfo(ckpt, m["task"], m["model_type"], m["architecture"], m["config"], processors,

@@ -8,6 +8,7 @@ error where the settings are defined, not a silent default where they are read.
     image.settings(d_modle=16)                     # ValueError: 'd_modle' is not an option of ...
     s["d_modle"] = 16; s.d_modle                   # KeyError, AttributeError: the same line
     s.to_dict(), type(s).from_dict(saved)          # what config.yaml holds, and back
+    image.eval_settings(limit=100)                 # an EvalSettings: the options of `attnlab eval`
 
 The tasks read fields (``s.d_model``); tests/test_settings.py scans every function of attnlab/tasks
 and the train command that takes a ``Settings`` and fails on a field that is not an option of its
@@ -16,6 +17,11 @@ as it is set (its type, choices and check), so a settings object holds valid val
 ``task.check_once`` adds the checks across options, once: a settings object remembers that it
 passed them until a value changes (:attr:`Settings.checked`). The class is made once per task and
 set of options (a family registered later adds its options to a new class).
+
+``attnlab eval`` takes a task's ``eval_options`` the same way: :func:`eval_settings_class` makes
+an :class:`EvalSettings` dataclass of them, parsed and validated once by the eval command, and the
+tasks' ``evaluate_file`` reads its fields (the same static scan checks them against
+``eval_options``).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from collections.abc import MutableMapping
 from dataclasses import field, fields, make_dataclass
 from typing import Any, ClassVar
 
-__all__ = ["Settings", "settings_class"]
+__all__ = ["Settings", "EvalSettings", "settings_class", "eval_settings_class"]
 
 _UNSET = object()
 
@@ -35,9 +41,10 @@ class Settings(MutableMapping):
     __slots__ = ("_checked",)            # whether the task's checks passed since the last change
     options: ClassVar[dict] = {}          # name -> Option
     task: ClassVar[str] = ""
+    command: ClassVar[str] = ""           # what takes these options, quoted, for the messages
 
     def _unknown(self, key) -> str:
-        return f"'{key}' is not an option of 'attnlab train {self.task}'"
+        return f"'{key}' is not an option of {self.command}"
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.options:
@@ -71,7 +78,7 @@ class Settings(MutableMapping):
         object.__setattr__(self, "_checked", True)
 
     def __delitem__(self, key: str) -> None:
-        raise TypeError(f"settings of 'attnlab train {self.task}' keep every option; set {key!r} to None instead")
+        raise TypeError(f"settings of {self.command} keep every option; set {key!r} to None instead")
 
     def __iter__(self):
         return iter(self.options)
@@ -112,6 +119,12 @@ class Settings(MutableMapping):
         return cls().merge(values, where)
 
 
+class EvalSettings(Settings):
+    """The base of a task's ``attnlab eval`` settings: one field per ``eval_options`` entry."""
+
+    __slots__ = ()
+
+
 def _annotation(option) -> Any:
     return option.type | None
 
@@ -119,18 +132,32 @@ def _annotation(option) -> Any:
 _CLASSES: dict[tuple, type] = {}
 
 
-def settings_class(task) -> type[Settings]:
-    """The settings dataclass of ``task`` (a TaskDefinition) for its options as registered now."""
-    options = {o.name: o for o in task.all_options()}
-    key = (type(task), task.name, tuple((o.name, o.type, o.default) for o in options.values()))
+def _dataclass_of(task, options: list, base: type[Settings], suffix: str, command: str) -> type[Settings]:
+    """The dataclass (made once per task and set of options) with a field per option, over ``base``."""
+    options = {o.name: o for o in options}
+    key = (type(task), task.name, base, tuple((o.name, o.type, o.default) for o in options.values()))
     cls = _CLASSES.get(key)
     if cls is None:
-        name = "".join(part.title() for part in task.name.replace("-", "_").split("_")) + "Settings"
+        name = "".join(part.title() for part in task.name.replace("-", "_").split("_")) + suffix
         cls = make_dataclass(name, [(n, _annotation(o), field(default=o.default)) for n, o in options.items()],
-                             bases=(Settings,), slots=True, eq=False, repr=False,
-                             namespace={"options": options, "task": task.name, "__module__": __name__})
+                             bases=(base,), slots=True, eq=False, repr=False,
+                             namespace={"options": options, "task": task.name, "command": command,
+                                        "__module__": __name__})
         _CLASSES[key] = cls
     return cls
+
+
+def settings_class(task) -> type[Settings]:
+    """The settings dataclass of ``task`` (a TaskDefinition) for its options as registered now."""
+    return _dataclass_of(task, task.all_options(), Settings, "Settings", f"'attnlab train {task.name}'")
+
+
+def eval_settings_class(task) -> type[EvalSettings]:
+    """The dataclass of ``task``'s ``attnlab eval`` options (ValueError if the task has none)."""
+    if task.eval_options is None:
+        raise ValueError(f"'attnlab eval' does not take a {task.name} run")
+    return _dataclass_of(task, task.eval_options, EvalSettings, "EvalSettings",
+                        f"'attnlab eval' for a {task.name} run")
 
 
 def check_fields(cls: type[Settings]) -> None:

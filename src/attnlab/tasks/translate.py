@@ -31,7 +31,7 @@ from ..data.numbers import number_corpus
 from ..data.sniff import data_directory, describe_file, scored_file
 from ..tokenizer import train_tokenizers
 from ..train.losses import label_smoothed_cross_entropy
-from .settings import Settings
+from .settings import EvalSettings, Settings
 from .base import (Option, Setup, TaskDefinition, beyond_specials, describe_training, family_recipe, fraction,
                    non_negative, positive, register_task, training_schedule)
 from .run import RunInfo, build_model, load_model, load_tokenizers, open_run, resume_point, write_run
@@ -349,19 +349,19 @@ class Translate(TaskDefinition):
         return Translator(model, toks["source"], toks["target"], run.path)
 
 
-    def evaluate_file(self, path: str, info, data: str, settings: dict, device: str | None = None,
+    def evaluate_file(self, path: str, info, data: str, settings: EvalSettings, device: str | None = None,
                       dtype: str = "fp32") -> None:
         data = scored_file(data, (".tsv",))
         shape = describe_file(data)
         if shape.kind in ("labelled", "jsonl"):
             raise ValueError(f"{data}: {shape.description}, which a classify run reads ('attnlab eval' of a classify "
                              "run); a translation run scores source<TAB>reference lines")
-        pairs, _ = read_pairs(data, settings["skip_malformed"])
-        pairs = pairs[: settings["limit"]]
+        pairs, _ = read_pairs(data, settings.skip_malformed)
+        pairs = pairs[: settings.limit]
         translator = self.load(info.run, device, dtype)
-        hyps = translator([a for a, _ in pairs], beam_size=settings["beam"])
+        hyps = translator([a for a, _ in pairs], beam_size=settings.beam)
         scores = score_translations(hyps, [b for _, b in pairs])
-        print(f"{data}: {len(pairs)} pairs, beam {settings['beam']}: BLEU {scores['bleu']:.2f}  "
+        print(f"{data}: {len(pairs)} pairs, beam {settings.beam}: BLEU {scores['bleu']:.2f}  "
               f"chrF {scores['chrf']:.2f}  exact match {scores['exact']:.1f}%")
 
 
