@@ -32,6 +32,7 @@ from ..train.losses import label_smoothed_cross_entropy
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, \
     training_schedule
 from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .settings import Settings
 
 __all__ = ["SpeechTraining", "Transcriber", "word_error_rate", "word_errors", "transcribe", "spec_augment"]
 
@@ -219,7 +220,7 @@ class SpeechTraining(TaskDefinition):
         Option("augment", bool, True, "mask random frequency bands and time spans of the training frames", group=_D),
     ]
 
-    def check(self, s) -> None:
+    def check(self, s: Settings) -> None:
         from ..models.registry import default_family, families
         known = [f.model_type for f in families(kind=self.kind)]
         s.model = s.model or default_family(self.kind)
@@ -230,17 +231,17 @@ class SpeechTraining(TaskDefinition):
         if s.data is not None or s.valid is not None:
             raise ValueError("--data/--valid: the speech task trains on the embedded spoken corpus only")
 
-    def _corpus(self, s):
+    def _corpus(self, s: Settings):
         from ..data.speech import spoken_numbers
         return spoken_numbers(s.audio_cache, n_train=s.sentences, n_valid=s.eval_size, n_test=s.test_size,
                               seed=s.seed, max_words=s.max_words)
 
-    def _schedule(self, s, n: int) -> dict:
+    def _schedule(self, s: Settings, n: int) -> dict:
         steps = max(200, min(4000, 15 * -(-n // s.batch_size)))
         return training_schedule(s, dict(steps=steps, lr=2e-3), lambda steps, budget: 100 if budget else
                                  max(1, min(200, steps // 10)), lambda steps, budget: max(steps // 5, 20), 5)
 
-    def prepare(self, s, resume_from: Path | None) -> Setup:
+    def prepare(self, s: Settings, resume_from: Path | None) -> Setup:
         self.check_once(s)
         corpus = self._corpus(s)
         saved = None if resume_from is None else resume_point(resume_from, self.name)
@@ -278,11 +279,11 @@ class SpeechTraining(TaskDefinition):
                  + (" (from the checkpoint)" if saved else ""), describe_training(s, t)]
         return Setup(task, lines, {"test": corpus.test}, schedule=t)
 
-    def train_config(self, s, setup: Setup) -> dict:
+    def train_config(self, s: Settings, setup: Setup) -> dict:
         return dict(setup.schedule, betas=(0.9, 0.98 if s.beta2 is None else s.beta2), best_metric="wer",
                     best_mode="min")
 
-    def report(self, run_dir: Path, setup: Setup, s) -> None:
+    def report(self, run_dir: Path, setup: Setup, s: Settings) -> None:
         from .run import open_run
         transcriber = self.load(open_run(run_dir))
         for name, utterances in (("validation (training voices)", None), ("test (held-out voice)", setup.extra["test"])):
