@@ -124,37 +124,62 @@ def test_an_exported_folder_run_is_transformers_clip_with_its_processor(tmp_path
     assert_close_scaled(clf.zero_shot(labels).probabilities(images), want, FP32, "zero-shot probabilities")
 
 
-def test_embed_images_of_a_hugging_face_clip_directory_as_get_image_features(tmp_path, capsys):
-    """A transformers CLIPModel saved with its CLIPImageProcessor: `attnlab embed DIR --images` gives
-    transformers' get_image_features of the processor's pixels (fp32, 1e-5 of scale), unit length by
-    default; texts from such a directory are refused in one line."""
+def _clip_tokenizer(transformers):
+    """A CLIP tokenizer of letters and digits (each alone and ending a word), no merges."""
+    import string
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in string.ascii_lowercase + string.digits:
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    return transformers.CLIPTokenizerFast(vocab=vocab, merges=[])
+
+
+def test_embed_a_hugging_face_clip_directory_as_get_text_and_image_features(tmp_path, capsys):
+    """A transformers CLIPModel saved with its CLIPProcessor (image processor and tokenizer):
+    `attnlab embed DIR TEXTS --images FILES` gives transformers' get_text_features of the tokenizer's
+    padded ids, then get_image_features of the processor's pixels (fp32, 1e-5 of scale), unit length
+    by default; without a tokenizer.json images only, texts refused in one line."""
     transformers = pytest.importorskip("transformers")
+    import numpy as np
     import attnlab
     from attnlab.models.registry import family
     config = family("clip").preset("tiny")
+    tokenizer = _clip_tokenizer(transformers)
+    hf_config = attnlab.models.clip.clip_config_to_hf(config)
+    hf_config["text_config"].update(vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1)
     torch.manual_seed(0)
-    hf = transformers.CLIPModel(transformers.CLIPConfig(**attnlab.models.clip.clip_config_to_hf(config))).eval()
-    processor = transformers.CLIPImageProcessor(size={"shortest_edge": config.image_size},
-                                                crop_size={"height": config.image_size, "width": config.image_size})
+    hf = transformers.CLIPModel(transformers.CLIPConfig(**hf_config)).eval()
+    size = config.image_size
+    processor = transformers.CLIPProcessor(tokenizer=tokenizer, image_processor=transformers.CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}))
     hf.save_pretrained(tmp_path / "hf")
     processor.save_pretrained(tmp_path / "hf")
     data = _photos(tmp_path / "photos")
     files = [data / "red" / "00.png", data / "green" / "03.png", data / "blue" / "05.png"]
+    texts = ["a photo of a 3", "red", "a green cat 12"]                    # different lengths: padded
     with torch.no_grad():
-        pixels = processor(images=[Image.open(f) for f in files], return_tensors="pt")["pixel_values"]
-        want = hf.get_image_features(pixel_values=pixels)
-    want = getattr(want, "pooler_output", want)
-    code, out, err = _cli(capsys, "embed", tmp_path / "hf", "--no-normalize", "--out", tmp_path / "v.npy",
+        inputs = processor(text=texts, images=[Image.open(f) for f in files], return_tensors="pt", padding=True)
+        text = hf.get_text_features(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        image = hf.get_image_features(pixel_values=inputs["pixel_values"])
+    want = torch.cat([getattr(text, "pooler_output", text), getattr(image, "pooler_output", image)])
+    code, out, err = _cli(capsys, "embed", tmp_path / "hf", *texts, "--no-normalize", "--out", tmp_path / "v.npy",
                           "--images", *files)
     assert code == 0, err
-    import numpy as np
-    assert_close_scaled(torch.from_numpy(np.load(tmp_path / "v.npy")), want, FP32, "image features")
+    got = torch.from_numpy(np.load(tmp_path / "v.npy"))
+    assert_close_scaled(got[:3], want[:3], FP32, "text features")
+    assert_close_scaled(got[3:], want[3:], FP32, "image features")
+    # the image processor as its own preprocessor_config.json (the Hub's CLIP directories), unit-length rows
+    (tmp_path / "hf" / "processor_config.json").unlink()
+    processor.image_processor.save_pretrained(tmp_path / "hf")
     code, out, err = _cli(capsys, "embed", tmp_path / "hf", "--images", *files)
     assert code == 0, err
     got = torch.tensor([[float(v) for v in line.split()] for line in out.splitlines()])
-    torch.testing.assert_close(got, torch.nn.functional.normalize(want, dim=-1), atol=2e-6, rtol=0)   # printed to 6 places
-    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "a photo", "--images", files[0])
-    assert code == 2 and err.count("\n") == 1 and "embeds images (--images); texts take an attnlab run" in err
-    (tmp_path / "hf" / "preprocessor_config.json").unlink()
+    torch.testing.assert_close(got, torch.nn.functional.normalize(want[3:], dim=-1), atol=2e-6, rtol=0)   # 6 places
+    (tmp_path / "hf" / "tokenizer.json").unlink()
     code, _, err = _cli(capsys, "embed", tmp_path / "hf", "--images", files[0])
-    assert code == 2 and err.count("\n") == 1 and "no preprocessor_config.json" in err
+    assert code == 0, err
+    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "a photo", "--images", files[0])
+    assert code == 2 and err.count("\n") == 1 and "no tokenizer.json, so no texts to embed" in err
+    for name in ("preprocessor_config.json", "processor_config.json"):     # transformers 5 writes the second
+        (tmp_path / "hf" / name).unlink(missing_ok=True)
+    code, _, err = _cli(capsys, "embed", tmp_path / "hf", "--images", files[0])
+    assert code == 2 and err.count("\n") == 1 and "no preprocessor_config.json (nor an image processor" in err

@@ -1,8 +1,9 @@
 """``attnlab embed DIR "text" ...``: sentence vectors from an encoder (mean over the real tokens);
 ``attnlab embed RUN "text" ... --images a.png ...``: texts and images in one space, from a run of a
 model of images and texts (``attnlab train clip``), the texts' rows first, then the images';
-``attnlab embed CLIP_DIR --images a.png ...``: images through a Hugging Face directory of such a
-model (``CLIPModel.save_pretrained`` with its processor), as transformers' ``get_image_features``.
+``attnlab embed CLIP_DIR "text" --images a.png ...``: the same from a Hugging Face directory of such a
+model (``CLIPModel.save_pretrained`` with its processor), as transformers' ``get_text_features`` and
+``get_image_features`` compute them.
 
 Vectors are normalised to unit length by default, as sentence-transformers checkpoints
 (all-MiniLM-L6-v2) normalise theirs, so that a dot product is the cosine similarity;
@@ -20,7 +21,7 @@ HELP = ("sentence embeddings from an encoder (a Hugging Face directory such as a
 EXAMPLE = ('attnlab embed all-MiniLM-L6-v2/ "a cat sits on the mat" "a dog runs"\n'
            "  attnlab embed runs/classify --out vectors.npy < sentences.txt\n"
            '  attnlab embed runs/clip "a photo of a 3" --images three.png seven.png\n'
-           "  attnlab embed clip-vit-base-patch32/ --images cat.png dog.png")
+           "  attnlab embed clip-vit-base-patch32/ \"a photo of a cat\" --images cat.png dog.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,10 +80,10 @@ def _texts_and_images(args: argparse.Namespace, info, texts: list[str]):
         model = get_task(info.run.task).load(info.run, args.device)
     else:
         from ..tasks.contrastive import load_pretrained_contrastive
-        if texts:
-            raise UserError(f"{args.checkpoint}: {info.describe()}; from a Hugging Face image-text directory "
-                            "'attnlab embed' embeds images (--images); texts take an attnlab run (attnlab train clip)")
         model = load_pretrained_contrastive(args.checkpoint, args.device)
+        if texts and model.tokenizer is None:
+            raise UserError(f"{args.checkpoint}: no tokenizer.json, so no texts to embed (save the processor with "
+                            "its tokenizer, CLIPProcessor.save_pretrained), or embed images only (--images)")
     parts = ([model.text_vectors(texts, args.normalize, args.batch_size)] if texts else []) + (
         [model.image_vectors(args.images, args.normalize, args.batch_size)] if args.images else [])
     return torch.cat(parts)

@@ -213,16 +213,36 @@ class LoadedContrastive:
 
 def load_pretrained_contrastive(path: str | Path, device: str | None = None) -> LoadedContrastive:
     """A Hugging Face directory of a contrastive image-text model (``CLIPModel.save_pretrained`` with
-    its image processor's preprocessor_config.json) for embedding images: its processor resizes and
-    normalises as transformers' does. Its tokenizer is not read (``tokenizer`` is None)."""
+    its processor's ``save_pretrained``) for embedding images and texts as transformers'
+    ``get_image_features`` / ``get_text_features`` do. The image processor is preprocessor_config.json,
+    or the ``image_processor`` section of processor_config.json (where transformers 5 writes a
+    processor's parts); the tokenizer is tokenizer.json, and without one ``tokenizer`` is None
+    (images only)."""
     from ..hub import from_pretrained
-    from ..processors import IMAGE_CONFIG, load_processor
+    from ..processors import IMAGE_CONFIG, ImageProcessor, load_processor
     from .run import resolve_device
-    if not Path(path, IMAGE_CONFIG).is_file():
-        raise RunError(f"{path}: no {IMAGE_CONFIG}; save the model's image processor beside it "
-                       "(CLIPProcessor.save_pretrained)")
+    combined = Path(path, "processor_config.json")
+    if Path(path, IMAGE_CONFIG).is_file():
+        processor = load_processor(path, "image")
+    elif combined.is_file() and "image_processor" in _json_object(combined):
+        processor = ImageProcessor.from_dict(_json_object(combined)["image_processor"], str(combined))
+    else:
+        raise RunError(f"{path}: no {IMAGE_CONFIG} (nor an image processor in processor_config.json); save the "
+                       "model's processor beside it (CLIPProcessor.save_pretrained)")
     model = from_pretrained(path).to(resolve_device(device)).eval()
-    return LoadedContrastive(model, load_processor(path, "image"), None, [], "{}", Path(path))
+    tokenizer = load_processor(path, "text") if Path(path, "tokenizer.json").is_file() else None
+    return LoadedContrastive(model, processor, tokenizer, [], "{}", Path(path))
+
+
+def _json_object(file: Path) -> dict:
+    import json
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return data
 
 
 class ImagesWithText(TaskDefinition):
