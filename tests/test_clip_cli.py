@@ -130,7 +130,7 @@ def _clip_tokenizer(transformers):
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in string.ascii_lowercase + string.digits:
         vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
-    return transformers.CLIPTokenizerFast(vocab=vocab, merges=[])
+    return transformers.CLIPTokenizer(vocab=vocab, merges=[])
 
 
 def test_embed_a_hugging_face_clip_directory_as_get_text_and_image_features(tmp_path, capsys):
