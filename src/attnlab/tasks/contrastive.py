@@ -220,29 +220,18 @@ def load_pretrained_contrastive(path: str | Path, device: str | None = None) -> 
     (images only)."""
     from ..hub import from_pretrained
     from ..processors import IMAGE_CONFIG, ImageProcessor, load_processor
-    from .run import resolve_device
+    from .run import _read_json, resolve_device
     combined = Path(path, "processor_config.json")
     if Path(path, IMAGE_CONFIG).is_file():
         processor = load_processor(path, "image")
-    elif combined.is_file() and "image_processor" in _json_object(combined):
-        processor = ImageProcessor.from_dict(_json_object(combined)["image_processor"], str(combined))
+    elif combined.is_file() and "image_processor" in _read_json(combined):
+        processor = ImageProcessor.from_dict(_read_json(combined)["image_processor"], str(combined))
     else:
         raise RunError(f"{path}: no {IMAGE_CONFIG} (nor an image processor in processor_config.json); save the "
                        "model's processor beside it (CLIPProcessor.save_pretrained)")
     model = from_pretrained(path).to(resolve_device(device)).eval()
     tokenizer = load_processor(path, "text") if Path(path, "tokenizer.json").is_file() else None
     return LoadedContrastive(model, processor, tokenizer, [], "{}", Path(path))
-
-
-def _json_object(file: Path) -> dict:
-    import json
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return data
 
 
 class ImagesWithText(TaskDefinition):
