@@ -154,3 +154,19 @@ def test_viz_draws_the_text_to_image_attention_over_the_image(vlm_run, held_out,
     assert code == 2 and "give the image to ask about with --image FILE" in err
     code, _, err = cli(capsys, "viz", vlm_run, "--image", files[0], "--layer", "9", "--out", tmp_path / "c.png")
     assert code == 2 and "--layer must be in 1..2, got 9" in err
+
+
+def test_a_prompt_as_long_as_the_tower_s_sequence_is_still_the_language_model_s():
+    """The language model is the stack that ran last: a prompt of 16 image tokens and one word has
+    the vision tower's length (16 patches and the class token) and is still told apart."""
+    from attnlab.models.llava import LlavaForConditionalGeneration
+    from attnlab.models.registry import family
+    from attnlab.viz.image_text import image_text_attention
+    torch.manual_seed(0)
+    vlm = LlavaForConditionalGeneration(family("llava").preset("tiny")).eval()
+    c = vlm.config
+    ids = [c.image_token_id] * c.image_tokens + [5]
+    a = image_text_attention(vlm, ids, torch.randn(1, 3, 16, 16))
+    assert len(ids) == c.image_tokens + 1 == (c.vision.image_size // c.vision.patch_size) ** 2 + 1
+    assert a.weights.shape == (c.text.num_layers, c.text.num_heads, 17, 17) and (a.weights.triu(1) == 0).all()
+    assert c.vision.vision_num_layers != c.text.num_layers                # the tower's stack would have 3 layers

@@ -13,8 +13,9 @@ columns at the image positions.
     draw_image_text_attention(a, picture, labels, "out.png")
 
 The weights come from :func:`attnlab.viz.record.record_attention`, the recording every attention
-layer reports through (whatever kernel ran): the language model is the layer stack whose queries
-are the ids' positions (the vision tower's run over its patches). The image tokens tile the
+layer reports through (whatever kernel ran): the language model is the layer stack that runs last,
+over the ids' positions (the vision tower runs first, over its patches, and the language model
+reads what it gave). The image tokens tile the
 picture as the tower cuts it: ``image_size // patch_size`` a side (the family's stated input
 limits), after one class row where the model keeps it. Nothing here names a family.
 """
@@ -91,11 +92,10 @@ def image_text_attention(model: nn.Module, ids: Sequence[int], pixel_values: Ten
     model.eval()
     with record_attention(model) as record:
         model(x, pixel_values)
-    T = x.size(1)
-    parts = [p for p in record.parts("self") if record.select(part=p, role="self")[0].weights.size(-2) == T]
-    if len(parts) != 1:
-        raise ValueError(f"viz: expected one layer stack over the {T} tokens of the prompt, found {len(parts)}")
-    weights = record.stack("self", part=parts[0])[:, 0].float().cpu()
+    T, last = x.size(1), record.parts("self")[-1]        # the stack that ran last read what the tower gave
+    if record.select(part=last, role="self")[0].weights.size(-2) != T:
+        raise ValueError(f"viz: the last layer stack to run ({last!r}) did not read the {T} tokens of the prompt")
+    weights = record.stack("self", part=last)[:, 0].float().cpu()
     is_image = x[0].cpu() == image_token
     if not is_image.any():
         raise ValueError("viz: the prompt holds no image token")
