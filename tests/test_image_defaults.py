@@ -28,17 +28,17 @@ def _folder(root, size=(28, 28), mode="L", per_class=6, classes=("a", "b")):
 def test_the_defaults_follow_the_data_and_the_budget():
     grey = folder_defaults(FolderSurvey(6000, 10, 28, True), 5, VIT_OPTIONS)
     assert grey == dict(image_size=28, channels=1, patch_size=4, augment="affine", label_smoothing=0.1, dropout=0.0,
-                        ema=0.0, heads=4, layers=4, d_model=64, tokenizer="conv", pooling="seq")
+                        ema=0.0, heads=4, layers=4, d_model=64, tokenizer="patch", pooling="seq")
     assert folder_defaults(FolderSurvey(6000, 10, 28, True), 10, VIT_OPTIONS)["d_model"] == 128
     assert folder_defaults(FolderSurvey(4000, 10, 28, True), 10, VIT_OPTIONS)["d_model"] == 64
     photos = folder_defaults(FolderSurvey(244, 2, 240, False), None, VIT_OPTIONS)
     assert {k: photos[k] for k in ("image_size", "channels", "augment", "dropout", "tokenizer", "pooling")} == dict(
-        image_size=32, channels=3, augment="crop-flip", dropout=0.1, tokenizer="conv", pooling="seq")
-    # a family without a conv tokeniser or pooling choice gets neither, and patches that divide the size
+        image_size=32, channels=3, augment="crop-flip", dropout=0.1, tokenizer="patch", pooling="seq")
+    # a family without a tokeniser or pooling choice gets neither, and patches that divide the size
     other = folder_defaults(FolderSurvey(500, 3, 29, False), 3, {"norm"})
     assert "tokenizer" not in other and "pooling" not in other
     assert (other["image_size"], other["patch_size"]) == (28, 4)
-    assert folder_defaults(FolderSurvey(500, 3, 9, True), 3, VIT_OPTIONS)[("patch_size")] == 2      # 8 px: one conv
+    assert folder_defaults(FolderSurvey(500, 3, 9, True), 3, VIT_OPTIONS)["patch_size"] == 2        # 8 px
 
 
 def test_the_survey_reads_sizes_and_whether_the_images_are_grey(tmp_path):
@@ -62,28 +62,28 @@ def test_a_folder_trains_with_its_defaults_printed_and_saved(tmp_path, capsys):
     assert code == 0, printed.err
     line = next(x for x in printed.err.splitlines() if x.startswith("for 11 images of 2 classes, 28 px"))
     for flag in ("--image-size 28", "--channels 1", "--patch-size 4", "--augment affine", "--label-smoothing 0.1",
-                 "--dropout 0", "--tokenizer conv", "--pooling seq", "--d-model 16"):
+                 "--dropout 0", "--tokenizer patch", "--pooling seq", "--d-model 16"):
         assert flag in line, line
     saved = yaml.safe_load((out / "config.yaml").read_text())["settings"]
     assert {k: saved[k] for k in ("image_size", "channels", "patch_size", "augment", "label_smoothing", "dropout",
                                   "tokenizer", "pooling", "d_model")} == dict(
         image_size=28, channels=1, patch_size=4, augment="affine", label_smoothing=0.1, dropout=0.0,
-        tokenizer="conv", pooling="seq", d_model=16)
+        tokenizer="patch", pooling="seq", d_model=16)
 
 
 def test_every_flag_overrides_its_default(tmp_path):
     task = get_task("image")
     data = str(_folder(tmp_path / "scans", (28, 28)))
     given = dict(image_size=16, channels=3, patch_size=2, augment="none", label_smoothing=0.0, dropout=0.2, ema=0.5,
-                 heads=2, layers=3, d_model=32, tokenizer="patch", pooling="mean")
+                 heads=2, layers=3, d_model=32, tokenizer="conv", pooling="mean")
     s = task.settings(data=data, **given)
     task.check(s)
     assert {k: s[k] for k in given} == given
     assert set(given) == set(folder_defaults(FolderSurvey(10, 2, 28, True), None, VIT_OPTIONS))     # all of them
-    # --init and --teacher keep the checkpoint's and the teacher's sizes: no folder defaults there
+    # without the flags: what the folder chose
     s = task.settings(data=data)
     task.check(s)
-    assert (s.image_size, s.channels, s.tokenizer) == (28, 1, "conv")
+    assert (s.image_size, s.channels, s.tokenizer, s.pooling) == (28, 1, "patch", "seq")
 
 
 def test_the_digits_defaults_are_unchanged():

@@ -37,7 +37,7 @@ def _photos(root, per_class=8, seed=0, classes=("blue", "red")):
 
 _TINY = ["--image-size", "16", "--patch-size", "4", "--d-model", "32", "--heads", "2", "--layers", "1",
          "--batch-size", "8", "--no-progress"]
-# a model transformers can run (export): patches and the class token, not a folder's default conv tokeniser
+# a model transformers can run (export): the class token, not a folder's default sequence pooling
 _EXPORTABLE = ["--tokenizer", "patch", "--pooling", "cls"]
 
 
