@@ -100,7 +100,7 @@ def image_splits(root: str | Path) -> dict[str, Path] | None:
     return found
 
 
-# ----------------------------------------------------------------------------- augmentations
+# ----------------------------------------------------------------------------- what a folder holds
 @dataclass(frozen=True)
 class FolderSurvey:
     """What a task's defaults follow in an image folder: its ``images`` and ``classes``, the median
@@ -137,6 +137,7 @@ def survey_images(folder: ImageFolder, sample: int = 64) -> FolderSurvey:
     return FolderSurvey(len(folder), len(folder.classes), sides[len(sides) // 2] if sides else 0, grey)
 
 
+# ----------------------------------------------------------------------------- augmentations
 def random_shift(x: Tensor, max_shift: int, generator: torch.Generator) -> Tensor:
     """Each image of the (B, C, H, W) batch moved by a whole number of pixels in [-max_shift,
     max_shift] down and right (each image its own), the uncovered border filled with zeros."""

@@ -66,6 +66,7 @@ from torch import Tensor, nn
 
 from ..data.images import (AUGMENTATIONS, FolderSurvey, ImageFolder, augment, image_splits, read_image_folder,
                            survey_images)
+from .image_defaults import folder_defaults
 from ..processors import ImageProcessor
 from .settings import EvalSettings, Settings
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
@@ -113,41 +114,6 @@ _DYT_ALPHA = {"digits": 4.0, "folder": 0.5}
 # norm's from 0.5 to 1.3), but the digits scored no better: 99.0, 97.5, 96.5, 98.0 % at seeds 0-3 against
 # 98.5, 98.5 % at seeds 0-1 at the plain rate (benchmarks/results/vision.md).
 _DYT_ALPHA_LR = {"digits": 1.0, "folder": 1.0}
-
-
-def folder_defaults(survey: FolderSurvey, budget: float | None, family_options: set[str]) -> dict:
-    """The settings a user's image folder trains with unless a flag gives them, from what it holds
-    (``survey``), the time budget in minutes (None: about ten epochs) and the options the model
-    family takes (``family_options``: a tokenizer or pooling the family lacks is not chosen).
-
-    - Images at their own size when they are small (a side of at most 48 px, rounded to a multiple
-      of 4: 28x28 scans stay 28x28), photos at 32 px; grey images in one channel; patches of 4
-      (of 2 below 16 px).
-    - Sequence pooling where the family has it (CCT, Hassani et al. 2021): the classifier reads an
-      attention-weighted mean of the patches from the first step, where a class token must first
-      learn to gather them; within a few minutes it scored far higher (benchmarks/results/vision.md).
-      The patch embedding stays: CCT's convolutional tokeniser (``--tokenizer conv``) costs about
-      twice the time a step on a CPU, and in budgets of minutes the lost steps cost more than the
-      convolutions gave.
-    - Grey images (scans, drawings) turn, zoom and move a little (``affine``) and are never
-      mirrored, which can change their class (a digit); colour photos take a random crop and a
-      horizontal flip. Label smoothing 0.1, as DeiT and CCT train. Grey images train without
-      dropout (the affine augmentation regularises enough, as on the digits, and dropout costs
-      time); photos, whose folders are small, keep 0.1.
-    - Width: 64 x 4 layers; 128 wide when a budget of 10 minutes or more meets 5,000 images or more
-      (a rule stated ahead of its measurement: benchmarks/results/vision.md says what was measured).
-    """
-    small = survey.side <= 48
-    size = max(8, 4 * round(survey.side / 4)) if small else 32
-    chosen = dict(image_size=size, channels=1 if survey.grey else 3, patch_size=4 if size >= 16 else 2,
-                  augment="affine" if survey.grey else "crop-flip", label_smoothing=0.1,
-                  dropout=0.0 if survey.grey else 0.1, ema=0.0, heads=4, layers=4,
-                  d_model=128 if budget is not None and budget >= 10 and survey.images >= 5000 else 64)
-    if "tokenizer" in family_options:
-        chosen["tokenizer"] = "patch"
-    if "pooling" in family_options:
-        chosen["pooling"] = "seq"
-    return chosen
 
 
 def data_source(s: Settings) -> str:
