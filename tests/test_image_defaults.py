@@ -105,3 +105,12 @@ def test_a_family_option_of_the_vit_is_refused_with_another_family(tmp_path, cap
                  "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2 and f"{flag} applies to --model vit" in err, err
+
+
+def test_a_teacher_keeps_the_earlier_sizes_and_no_label_smoothing(tmp_path):
+    """With --teacher the student must take the teacher's kind of images, and DeiT's losses take no
+    label smoothing: the folder's own choices are not made."""
+    task = get_task("image")
+    s = task.settings(data=str(_folder(tmp_path / "scans", (28, 28))), model="deit", teacher=str(tmp_path / "t"))
+    task.check(s)
+    assert (s.image_size, s.channels, s.augment, s.label_smoothing) == (32, 3, "crop-flip", 0.0)
