@@ -104,6 +104,11 @@ def test_the_conv_tokenizer_alone_and_its_refusals():
     assert tok(x).shape == (2, 9, 8) and tok.patch_size == 4
     with pytest.raises(ValueError, match=r"^ConvTokenizer: img_size \(10, 10\) is not a multiple of 2\^layers = 4$"):
         ConvTokenizer(10, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"^ConvTokenizer: a 14x12 image; its 2 layers need sides that 4 divides$"):
+        tok(torch.randn(1, 3, 14, 12))
+    # another size that 4 divides: the grid a patch embedding gives, so the position table interpolates
+    model = _cct()
+    assert model(torch.randn(1, 1, 24, 24), interpolate_pos_encoding=True).shape == (1, 5)
     with pytest.raises(ValueError, match="patch_size must be 2, 4, 8, ..., got 6"):
         build_config(image_size=12, patch_size=6, in_channels=3, d_model=8, num_heads=2, num_layers=1,
                      tokenizer="conv")

@@ -37,6 +37,8 @@ def _photos(root, per_class=8, seed=0, classes=("blue", "red")):
 
 _TINY = ["--image-size", "16", "--patch-size", "4", "--d-model", "32", "--heads", "2", "--layers", "1",
          "--batch-size", "8", "--no-progress"]
+# a model transformers can run (export): the class token, not a folder's default sequence pooling
+_EXPORTABLE = ["--tokenizer", "patch", "--pooling", "cls"]
 
 
 def _train(capsys, tmp_path, name, *flags, data=None):
@@ -203,7 +205,7 @@ def test_the_plan_gives_each_batch_its_augmentation_and_a_resumed_run_sees_the_s
 @pytest.fixture
 def teacher(tmp_path, capsys):
     data = _photos(tmp_path / "photos")
-    run, _, _ = _train(capsys, tmp_path, "teacher", "--steps", "3", *_TINY, data=data)
+    run, _, _ = _train(capsys, tmp_path, "teacher", "--steps", "3", *_TINY, *_EXPORTABLE, data=data)
     return data, run
 
 
@@ -298,7 +300,7 @@ def test_an_exported_run_gives_the_pipeline_the_probabilities_of_classify(embedd
             Image.fromarray(rng.integers(0, 256, (size, size + i), dtype=np.uint8)).save(files[-1])
     else:
         data = _photos(tmp_path / "photos", per_class=6)
-        run, _, _ = _train(capsys, tmp_path, "run", "--steps", "3", *_TINY, data=data)
+        run, _, _ = _train(capsys, tmp_path, "run", "--steps", "3", *_TINY, *_EXPORTABLE, data=data)
         files = sorted(data.rglob("*.png"))[::3]
     code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
     assert code == 0, err
@@ -331,7 +333,7 @@ def test_a_corrupt_or_non_image_file_in_the_folder_is_named_in_one_line(tmp_path
 
 def test_exporting_a_grey_run_says_the_pipeline_cannot_run_it(tmp_path, capsys):
     data = _photos(tmp_path / "photos", per_class=4)
-    run, _, _ = _train(capsys, tmp_path, "grey", "--steps", "1", "--channels", "1", *_TINY, data=data)
+    run, _, _ = _train(capsys, tmp_path, "grey", "--steps", "1", "--channels", "1", *_TINY, *_EXPORTABLE, data=data)
     code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
     assert code == 0 and "a grey (1-channel) model: transformers' image-classification pipeline makes every " \
         "image RGB and cannot run it" in err, err

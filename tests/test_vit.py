@@ -192,7 +192,8 @@ def test_the_presets_have_transformers_sizes():
     assert sum(p.numel() for p in ours.parameters()) == 22_050_664          # ViT-S/16, 1000 classes
 
 
-@pytest.mark.parametrize("model_type, flags", [("vit", ["--norm", "dyt", "--pooling", "mean"]), ("deit", [])])
+@pytest.mark.parametrize("model_type, flags", [("vit", ["--norm", "dyt", "--pooling", "mean", "--tokenizer", "conv"]),
+                                               ("deit", [])])
 def test_the_image_task_trains_the_family_with_its_options(model_type, flags, tmp_path, capsys):
     import numpy as np
     from PIL import Image
@@ -211,11 +212,12 @@ def test_the_image_task_trains_the_family_with_its_options(model_type, flags, tm
                  "--layers", "1", "--batch-size", "8", "--no-progress", *flags]) == 0
     capsys.readouterr()
     config = open_run(run).config
-    assert (config["norm"], config["pooling"]) == (("dyt", "mean") if flags else ("layernorm", "cls"))
-    # transformers has neither DyT nor mean pooling and would run its defaults on the weights: refused
+    assert (config["norm"], config["pooling"], config.get("tokenizer", "patch")) == (
+        ("dyt", "mean", "conv") if flags else ("layernorm", "cls", "patch"))
+    # transformers has no DyT, mean pooling or conv tokeniser and would run its defaults on the weights: refused
     code = main(["export", str(run), str(tmp_path / "hf")])
     err = capsys.readouterr().err
     if flags:
-        assert code == 2 and "norm='dyt', pooling='mean' has no transformers counterpart" in err, err
+        assert code == 2 and "norm='dyt', pooling='mean', tokenizer='conv' has no transformers counterpart" in err, err
     else:
         assert code == 0 and (tmp_path / "hf" / "preprocessor_config.json").is_file(), err

@@ -63,6 +63,18 @@ def test_rollout_and_head_maps_equal_a_hand_computation_from_transformers(family
     assert rollout[1, 2] == attention_rollout(weights)[0, prefix + 6]
 
 
+def test_tokens_without_a_class_token_give_the_mean_row():
+    """A classifier that pools its patches (a CCT's sequence pooling): the rollout's and each head's
+    mean over the queries, by hand from the weights."""
+    from attnlab.viz.labels import PatchGrid
+    w = torch.softmax(torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0)), -1)
+    grid = PatchGrid((2, 3), 1, prefix=())
+    rollout, heads = class_token_maps(w, grid, layer=0)
+    hand = _hand_rollout([a.double().numpy() for a in w]).mean(0)
+    assert_close_scaled(rollout, torch.from_numpy(hand).float().reshape(2, 3), FP32)
+    assert_close_scaled(heads, w[0].mean(1).reshape(3, 2, 3), FP32)
+
+
 def test_rollout_rows_stay_distributions_and_one_layer_is_the_mixed_identity():
     w = torch.softmax(torch.randn(1, 2, 5, 5, generator=torch.Generator().manual_seed(0)), -1)
     r = attention_rollout(w)

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..processors import IMAGE_SUFFIXES
 
-__all__ = ["ImageFolderError", "ImageFolder", "read_image_folder", "image_splits", "SPLIT_NAMES", "random_shift",
+__all__ = ["ImageFolderError", "ImageFolder", "read_image_folder", "image_splits", "SPLIT_NAMES", "FolderSurvey",
+           "survey_images", "random_shift",
            "random_resized_crop", "random_affine", "augment", "AUGMENTATIONS"]
 
 # the split sub-folders of a split layout, by role, in the order they are looked for
@@ -97,6 +98,43 @@ def image_splits(root: str | Path) -> dict[str, Path] | None:
     if "train" not in found:
         raise ImageFolderError(f"{root}: has {', '.join(p.name for p in found.values())}/ but no train/ folder")
     return found
+
+
+# ----------------------------------------------------------------------------- what a folder holds
+@dataclass(frozen=True)
+class FolderSurvey:
+    """What a task's defaults follow in an image folder: its ``images`` and ``classes``, the median
+    ``side`` (shorter side, pixels) of a sample of them, and whether every sampled image is ``grey``
+    (one channel, or three equal ones)."""
+    images: int
+    classes: int
+    side: int
+    grey: bool
+
+    def describe(self) -> str:
+        return (f"{self.images:,} images of {self.classes} classes, {self.side} px (median shorter side), "
+                f"{'grey' if self.grey else 'colour'}")
+
+
+def survey_images(folder: ImageFolder, sample: int = 64) -> FolderSurvey:
+    """:class:`FolderSurvey` of ``folder`` from ``sample`` of its images spread evenly over it (a
+    header read for the size and mode; the pixels only of a three-channel image, to see whether its
+    channels differ). An unreadable image is passed over: the reader that loads the images names it."""
+    from PIL import Image, UnidentifiedImageError
+    import numpy as np
+    step = max(1, len(folder) // sample)
+    sides, grey = [], True
+    for path in folder.paths[::step][:sample]:
+        try:
+            with Image.open(path) as im:
+                sides.append(min(im.size))
+                if grey and im.mode not in ("L", "LA", "1", "I", "I;16", "F"):
+                    x = np.asarray(im.convert("RGB"), dtype=np.int16)
+                    grey = bool((x[..., 0] == x[..., 1]).all() and (x[..., 1] == x[..., 2]).all())
+        except (OSError, UnidentifiedImageError, ValueError):
+            continue
+    sides.sort()
+    return FolderSurvey(len(folder), len(folder.classes), sides[len(sides) // 2] if sides else 0, grey)
 
 
 # ----------------------------------------------------------------------------- augmentations

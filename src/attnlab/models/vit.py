@@ -352,7 +352,8 @@ OPTIONS = (
     FamilyOption("norm", str, "the normalisation: layernorm, or dyt (dynamic tanh, no statistics)", ("image",),
                  choices=NORMS),
     FamilyOption("pooling", str, "what the classifier reads: the class token (cls), the patches' mean, or their "
-                 "attention-weighted mean (seq: CCT's sequence pooling, no class token)", ("image",), choices=POOLINGS),
+                 "attention-weighted mean (seq: CCT's sequence pooling, no class token); an image folder trains with seq, the "
+                 "digits with cls, unless told", ("image",), choices=POOLINGS),
     FamilyOption("tokenizer", str, "how an image becomes tokens: patch (a linear map of each patch) or conv (CCT's "
                  "3x3 convolution, ReLU and max-pool layers, one per halving of --patch-size: 4 takes two)",
                  ("image",), choices=TOKENIZERS),

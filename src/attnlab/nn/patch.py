@@ -115,6 +115,9 @@ class ConvTokenizer(nn.Module):
         if x.dim() != 4 or x.size(1) != self.in_channels:
             raise ValueError(f"ConvTokenizer: expected pixel values (batch, {self.in_channels}, height, width), got "
                              f"shape {tuple(x.shape)}")
+        if x.size(2) % self.patch_size or x.size(3) % self.patch_size:     # else its grid would not be the patches'
+            raise ValueError(f"ConvTokenizer: a {x.size(2)}x{x.size(3)} image; its {len(self.convs)} layers need "
+                             f"sides that {self.patch_size} divides")
         for conv in self.convs:
             x = F.max_pool2d(F.relu(conv(x)), kernel_size=3, stride=2, padding=1)
         return x.flatten(2).transpose(1, 2)

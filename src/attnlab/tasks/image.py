@@ -64,14 +64,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data.images import AUGMENTATIONS, ImageFolder, augment, image_splits, read_image_folder
+from ..data.images import (AUGMENTATIONS, FolderSurvey, ImageFolder, augment, image_splits, read_image_folder,
+                           survey_images)
+from .image_defaults import folder_defaults
 from ..processors import ImageProcessor
 from .settings import EvalSettings, Settings
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, training_schedule
 from .run import RunError, RunInfo, build_model, inspect_path, load_model, load_processors, resume_point, write_run
 
 __all__ = ["ImageClassification", "ImageClassificationTask", "LoadedImageClassifier", "Teacher", "load_teacher",
-           "label_subset"]
+           "label_subset", "folder_defaults"]
 
 _M, _D, _T = "model", "data and evaluation", "distillation (--model deit)"
 KIND = "image-classifier"
@@ -88,8 +90,10 @@ KIND = "image-classifier"
 # the time of 6,000 with it and gave 99.0, 99.5, 98.5, 99.5 and 99.0 % at seeds 0-4 (mean 99.1; the old
 # default 97.5, 97.0, 98.5 on the same CPU); DyT on that budget 97.8 on average there, 1.3 points below, and
 # level on another CPU (98.6 against 98.5; over the ten seeds 98.2 against 98.8; benchmarks/results/vision.md).
-_SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="affine", dropout=0.0, ema=0.999),
-          "folder": dict(image_size=32, patch_size=4, channels=3, augment="crop-flip", dropout=0.1, ema=0.0)}
+_SIZES = {"digits": dict(image_size=8, patch_size=2, channels=3, augment="affine", dropout=0.0, ema=0.999, d_model=64,
+                         heads=4, layers=4, label_smoothing=0.0),
+          "folder": dict(image_size=32, patch_size=4, channels=3, augment="crop-flip", dropout=0.1, ema=0.0, d_model=64,
+                         heads=4, layers=4, label_smoothing=0.0)}
 _LR = {"digits": 2e-3, "folder": 1e-3}
 _WEIGHT_DECAY = {"digits": 0.1, "folder": None}     # None: the Trainer's default
 DIGIT_STEPS = 8000
@@ -328,20 +332,23 @@ class ImageClassification(TaskDefinition):
         Option("model", str, None, "a registered image-classifier family (default: vit where registered, else the "
                "only one)", group=_M),
         Option("image_size", int, None, "images are resized to this many pixels square (default: 8 for the "
-               "digits, 32 for a folder)", check=positive, group=_M),
+               "digits; a folder's own size when its images are small, rounded to a multiple of 4, else 32)",
+               check=positive, group=_M),
         Option("patch_size", int, None, "pixels per patch side, a divisor of the image size (default: 2 for the "
                "digits, 4 for a folder)", check=positive, group=_M),
-        Option("channels", int, None, "colour channels: 3 (RGB) or 1 (grey) (default: 3, the digits too, as "
-               "transformers' pipeline gives every model RGB images)", choices=(1, 3), group=_M),
-        Option("d_model", int, 64, "model width", check=positive, group=_M),
-        Option("heads", int, 4, "attention heads", check=positive, group=_M),
-        Option("layers", int, 4, "layers", check=positive, group=_M),
+        Option("channels", int, None, "colour channels: 3 (RGB) or 1 (grey) (default: 3 for the digits, as "
+               "transformers' pipeline gives every model RGB images; a folder's: 1 when its images are grey)",
+               choices=(1, 3), group=_M),
+        Option("d_model", int, None, "model width (default: 64; a folder of 5,000 images or more with a budget of "
+               "10 minutes or more: 128)", check=positive, group=_M),
+        Option("heads", int, None, "attention heads (default: 4)", check=positive, group=_M),
+        Option("layers", int, None, "layers (default: 4)", check=positive, group=_M),
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
         Option("dropout", float, None, "dropout on the embeddings, residual branches and attention weights "
-               "(default: 0 for the digits, whose augmentation regularises enough; 0.1 for a folder)", check=fraction,
-               group=_M),
-        Option("label_smoothing", float, 0.0, "label smoothing of the training loss (not with --teacher, "
-               "whose losses are DeiT's)", check=fraction, group=_D),
+               "(default: 0 for the digits and grey folders, whose augmentation regularises enough; 0.1 for "
+               "colour photos)", check=fraction, group=_M),
+        Option("label_smoothing", float, None, "label smoothing of the training loss (not with --teacher, "
+               "whose losses are DeiT's) (default: 0.1 for a folder, 0 for the digits)", check=fraction, group=_D),
         Option("dyt_alpha", str, None, "DyT's initial alpha (--norm dyt), or --layers + 1 of them separated by commas "
                "(each layer's, then the final norm's) (default: 0.5, the DyT paper's for a ViT; for the digits, whose "
                f"small patches start about 8 times weaker, {_DYT_ALPHA['digits']:g} in the first layer, halved in each "
@@ -364,7 +371,8 @@ class ImageClassification(TaskDefinition):
                check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]", group=_D),
         Option("augment", str, None, "augmentation of the training batches: affine (a slight turn, zoom and move, "
                "never a flip: for handwriting), shift (whole pixels), crop-flip (random resized crop and horizontal "
-               "flip: for photos) or none (default: affine for the digits, crop-flip for a folder)",
+               "flip: for photos) or none (default: affine for the digits and grey folders, crop-flip for colour "
+               "photos)",
                choices=AUGMENTATIONS, group=_D),
         Option("teacher", str, None, "an image run or a Hugging Face image-classification directory with the same "
                "labels: the frozen teacher of a DeiT student", metavar="RUN_OR_HF_DIR", group=_T),
@@ -403,9 +411,11 @@ class ImageClassification(TaskDefinition):
             raise ValueError("--valid: give the training images too (--data DIR); the embedded digits have their "
                              "own held-out split")
         kind = data_source(s)
-        for name, value in _SIZES[kind].items():
-            if s[name] is None:
-                s[name] = value
+        if kind == "folder" and s.init is None and s.teacher is None and Path(s.data).is_dir():
+            self._fill(s, folder_defaults(self.survey(s), s.time_budget, self._family_option_names(s)))
+        if s.teacher is not None and s.label_smoothing is None:
+            s.label_smoothing = 0.0          # DeiT's losses: the labels and the teacher's classes
+        self._fill(s, _SIZES[kind])
         if s.norm == "dyt":
             if s.dyt_alpha is None:
                 s.dyt_alpha = _digit_dyt_alphas(s.layers) if kind == "digits" else f"{_DYT_ALPHA[kind]:g}"
@@ -422,6 +432,29 @@ class ImageClassification(TaskDefinition):
         if s.image_size % s.patch_size:
             raise ValueError(f"--image-size {s.image_size} is not a multiple of --patch-size {s.patch_size}")
         self._check_distillation(s)
+
+    @staticmethod
+    def _fill(s: Settings, values: dict) -> None:
+        for name, value in values.items():
+            if s[name] is None:
+                s[name] = value
+
+    def _family_option_names(self, s: Settings) -> set[str]:
+        from ..models.registry import family
+        return {o.name for o in family(s.model).options_for(self.name)}
+
+    def _choices(self, s: Settings) -> str:
+        """The line that shows what the folder's defaults chose (the values in use, which a flag overrides)."""
+        survey = self.survey(s)
+        names = folder_defaults(survey, s.time_budget, self._family_option_names(s))
+        budget = f", a {s.time_budget:g}-minute budget" if s.time_budget is not None else ""
+        return (f"for {survey.describe()}{budget}: "
+                + " ".join(f"--{n.replace('_', '-')} {s[n]:g}" if isinstance(s[n], float) else f"--{n.replace('_', '-')} {s[n]}"
+                           for n in names) + " (each flag overrides its default; all saved in config.yaml)")
+
+    def survey(self, s: Settings) -> FolderSurvey:
+        """What the training images of ``s.data`` hold (:func:`attnlab.data.images.survey_images`)."""
+        return survey_images(self._folders(s)[0])
 
     @staticmethod
     def _check_distillation(s: Settings) -> None:
@@ -563,6 +596,8 @@ class ImageClassification(TaskDefinition):
                  + f"; images {s.image_size}x{s.image_size}, {s.channels} channel(s), patches of "
                    f"{s.patch_size}; augmentation: {s.augment}",
                  describe_training(s, t)]
+        if data_source(s) == "folder" and saved is None and s.init is None and s.teacher is None:
+            lines.insert(2, self._choices(s))
         if teacher is not None:
             lines.append(f"teacher: {type(teacher.model).__name__} from {teacher.where}, frozen; {s.distillation} "
                          "distillation" + (f" (tau {s.distillation_tau:g}, alpha {s.distillation_alpha:g})"

@@ -96,13 +96,15 @@ def image_attention(model: nn.Module, pixel_values: Tensor) -> tuple[Tensor, Pat
 
 def class_token_maps(weights: Tensor, grid: PatchGrid, layer: int = -1) -> tuple[Tensor, Tensor]:
     """(rollout map (rows, cols), per-head map of ``layer`` (H, rows, cols)): the class token's row
-    over the patches, from (L, H, T, T) weights (see the module docstring); ``layer`` 0-based."""
+    over the patches, from (L, H, T, T) weights (see the module docstring); ``layer`` 0-based.
+    Tokens without a class token before them (a classifier that pools the patches) give the mean
+    of the rows instead: what an average of every token's final state reads, and per head the
+    attention each patch receives, averaged over the queries."""
     n = len(grid.prefix)
-    if n == 0:
-        raise ValueError("class_token_maps: the tokens have no class token to read a row of")
-    rollout = attention_rollout(weights)[0, n:].reshape(grid.rows, grid.cols)
-    heads = weights[layer, :, 0, n:].float().reshape(-1, grid.rows, grid.cols)
-    return rollout, heads
+    rollout = attention_rollout(weights)
+    rows = weights[layer].float()                                     # (H, T, T)
+    rollout, heads = (rollout[0], rows[:, 0]) if n else (rollout.mean(0), rows.mean(1))
+    return rollout[n:].reshape(grid.rows, grid.cols), heads[:, n:].reshape(-1, grid.rows, grid.cols)
 
 
 def figure_layout(num_heads: int) -> tuple[int, int, tuple[int, int]]:
