@@ -146,8 +146,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a causal-LM GGUF file or directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--text", type=Path, required=True, help="a UTF-8 text: calibration from its start, held-out from its end")
-    ap.add_argument("--calibration-tokens", type=int, default=1024)
-    ap.add_argument("--eval-tokens", type=int, default=1024)
+    ap.add_argument("--calibration-tokens", type=int, default=16384,
+                    help="tokens from the text's start for GPTQ and Wanda (default 16384: with 1024, fewer than the "
+                         "down projection's 1536 inputs, GPTQ fell behind RTN at Q4_0; see benchmarks/results/compression.md)")
+    ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--groups", default="32,64", help="4-bit group sizes (default 32,64)")

@@ -69,7 +69,10 @@ def test_quantize_writes_what_the_library_gives(tiny, small, tmp_path, capsys, m
     if method == "gptq":
         args += ["--calibration", str(text), "--calibration-tokens", "80"]
     assert main(args) == 0
-    assert f"{out}: Llama as GGUF" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{out}: Llama as GGUF" in err
+    # 80 tokens read, 64 of them in whole sequences, for 64-input layers: GPTQ says that is thin
+    assert ("note: GPTQ on 64 calibration tokens for layers of up to 64 inputs" in err) == (method == "gptq"), err
     model = attnlab.from_pretrained(src)
     stats = calibration_stats(model, _batches(tok, 80)) if method == "gptq" else None
     quantize_model(model, bits, 32, method, symmetric=True if extra else None, calibration=stats)

@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="FILE", help="a UTF-8 text file the model reads once (GPTQ, Wanda)")
-    p.add_argument("--calibration-tokens", type=int, default=2048,
-                   help="tokens of it to read, in sequences of --calibration-length (default 2048)")
+    p.add_argument("--calibration-tokens", type=int, default=16384,
+                   help="tokens of it to read, in sequences of --calibration-length (default 16384; GPTQ wants "
+                        "several times the widest layer's inputs)")
     p.add_argument("--calibration-length", type=int, default=256, help="tokens per sequence (default 256)")
 
 
@@ -101,6 +102,18 @@ def calibration_batches(args: argparse.Namespace, model, tok) -> list:
     return [torch.tensor([ids[i:i + n]]) for i in range(0, len(ids) - n + 1, n)]
 
 
+def _note_thin_calibration(model, tokens: int) -> None:
+    """GPTQ's H = X^T X of a layer with k inputs has rank at most the number of calibration tokens;
+    below a few times k its error compensation fits the calibration text and can end above plain
+    rounding (measured on SmolLM2-135M: benchmarks/results/compression.md). Said once, not refused."""
+    from ..compress import linear_layers
+    widest = max((lin.in_features for _, _, lin in linear_layers(model).values()), default=0)
+    if tokens < 8 * widest:
+        print(f"note: GPTQ on {tokens} calibration tokens for layers of up to {widest} inputs; with fewer than "
+              f"about {8 * widest} it can end above --method rtn (a longer --calibration file helps)",
+              file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
     from . import UserError
@@ -117,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
     check_out(out, gguf_only=True)
     check_calibration(args, args.method == "gptq")
     model, tok = load_lm(args.model, "quantize")
-    stats = calibration_stats(model, calibration_batches(args, model, tok)) if args.calibration else None
+    batches = calibration_batches(args, model, tok) if args.calibration else None
+    stats = calibration_stats(model, batches) if batches else None
+    if args.method == "gptq":
+        _note_thin_calibration(model, sum(b.numel() for b in batches))
     quantize_model(model, args.bits, args.group_size, args.method, symmetric=args.symmetric or None,
                    calibration=stats)
     save_quantized_gguf(model, out, tok if getattr(tok, "hf", None) is not None else None)
