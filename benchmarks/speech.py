@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -29,20 +28,14 @@ from pathlib import Path
 
 import torch
 
-from attnlab.cli import main as attnlab_main
-from attnlab.data.speech import spoken_numbers
-from attnlab.tasks import get_task, open_run
-from attnlab.tasks.speech import word_error_rate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import cpu_name  # noqa: E402
 
+from attnlab.cli import main as attnlab_main  # noqa: E402
+from attnlab.data.speech import spoken_numbers  # noqa: E402
+from attnlab.tasks import get_task, open_run  # noqa: E402
+from attnlab.tasks.speech import word_error_rate  # noqa: E402
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def train_args(a: argparse.Namespace, run: Path) -> list[str]:
