@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import statistics
 import sys
 import time
@@ -32,6 +33,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+
+def cpu_name() -> str:
+    """The CPU model, as /proc/cpuinfo names it (what a result file records beside its figures)."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def sync(device: torch.device | str) -> None:

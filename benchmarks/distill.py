@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import shlex
 import sys
 import tempfile
@@ -35,22 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import render_table  # noqa: E402
+from _util import cpu_name, render_table  # noqa: E402
 
 from attnlab.cli import main as attnlab_main  # noqa: E402
 from attnlab.tasks.lm import load_lm, text_perplexity  # noqa: E402
 
 DATA = "../shared/data/tinyshakespeare.txt"
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def train(args: list[str]) -> tuple[float, str]:

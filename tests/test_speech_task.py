@@ -79,6 +79,25 @@ def test_train_resume_and_transcribe(speech_run, capsys, tmp_path):
     assert code == 0 and len(out.splitlines()) == 1
 
 
+def test_export_is_read_by_transformers(speech_run, capsys, tmp_path):
+    from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq
+    run, _ = speech_run
+    code, _, err = _cli(capsys, "export", run, tmp_path / "hf")
+    assert code == 0, err
+    fe = AutoFeatureExtractor.from_pretrained(tmp_path / "hf")
+    hf = AutoModelForSpeechSeq2Seq.from_pretrained(tmp_path / "hf").eval()
+    speech = get_task("speech").load(open_run(run))
+    wave = speak("seven cats", "en-us", 160)
+    x = speech.extractor([wave])
+    theirs = torch.as_tensor(fe(wave.numpy(), sampling_rate=16000, return_tensors="np").input_features)
+    assert (x - theirs).abs().max() <= 1e-5 * theirs.abs().max()            # the run's front end, as saved
+    ids = torch.tensor([[1, 5, 9]])
+    with torch.no_grad():
+        want = hf(input_features=x, decoder_input_ids=ids).logits
+        got = speech.model(x, ids)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_bad_input_is_one_line(speech_run, capsys, tmp_path):
     run, root = speech_run
     (tmp_path / "notes.wav").write_text("not a sound")

@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if processors["image"].channels == 1:
             note = (f"{out}: a grey (1-channel) model: transformers' image-classification pipeline makes every image "
                     "RGB and cannot run it; call the model on 1-channel pixel_values, or train with --channels 3")
+    if "audio" in processors:                  # preprocessor_config.json, which WhisperFeatureExtractor-style readers take
+        save_processor(processors["audio"], out)
     if "image" not in processors or "text" in processors:       # a model of images and texts has both
         tok = processors.get("text") or processors.get("source") or next(iter(processors.values()))
         why = _tokenizer_files(tok, out, model_context(model), arch.family.special_tokens)

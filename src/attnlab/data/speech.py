@@ -128,21 +128,28 @@ def _file(cache: Path, plan: _Plan, version: str) -> Path:
     return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.wav"
 
 
+def _make(cache: Path, plan: _Plan, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".wav.tmp", dir=cache)       # atomic: never a half-written file
+    os.close(fd)
+    try:
+        write_wav(tmp, speak(plan.text, plan.voice, plan.speed), SAMPLING_RATE)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _render(cache: Path, plans: list[_Plan], version: str) -> list[Utterance]:
-    out = []
-    for plan in plans:
-        path = _file(cache, plan, version)
-        if not path.is_file():
-            fd, tmp = tempfile.mkstemp(suffix=".wav.tmp", dir=cache)     # atomic: never a half-written file
-            os.close(fd)
-            try:
-                write_wav(tmp, speak(plan.text, plan.voice, plan.speed), SAMPLING_RATE)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        out.append(Utterance(path, plan.text, plan.voice, plan.speed))
-    return out
+    """The utterances of ``plans``, each file made where it is missing (espeak-ng processes run
+    side by side: each file depends on its plan alone, so the result does not depend on the order)."""
+    from concurrent.futures import ThreadPoolExecutor
+    paths = [_file(cache, plan, version) for plan in plans]
+    missing = {path: plan for path, plan in zip(paths, plans) if not path.is_file()}
+    if missing:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            for done in [pool.submit(_make, cache, plan, path) for path, plan in missing.items()]:
+                done.result()
+    return [Utterance(path, plan.text, plan.voice, plan.speed) for path, plan in zip(paths, plans)]
 
 
 def default_cache() -> Path:

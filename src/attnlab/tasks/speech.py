@@ -203,6 +203,8 @@ class SpeechTraining(TaskDefinition):
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
         Option("dropout", float, 0.1, "dropout", check=fraction, group=_M),
         Option("mel_bins", int, 40, "mel bands per frame", check=positive, group=_M),
+        Option("hop_length", int, 320, "samples between frames (320: 20 ms at 16 kHz; Whisper's own is 160, 10 ms: "
+               "twice the frames and the encoder's work)", check=positive, group=_M),
         Option("chunk_seconds", int, None, "seconds of audio per input, padded or cut (default: the longest "
                "training utterance's, rounded up)", check=positive, group=_M),
         Option("sentences", int, 2000, "training sentences (each spoken once, in a voice and speed drawn with "
@@ -253,7 +255,7 @@ class SpeechTraining(TaskDefinition):
             from ..processors import read_wav
             longest = max(read_wav(u.path)[0].numel() for u in corpus.train) / 16000
             seconds = s.chunk_seconds or max(1, math.ceil(longest))
-            extractor = LogMelFeatureExtractor(feature_size=s.mel_bins, chunk_length=seconds)
+            extractor = LogMelFeatureExtractor(feature_size=s.mel_bins, chunk_length=seconds, hop_length=s.hop_length)
             tokenizer = _vocabulary(s.max_words)
             from ..models.registry import family
             fam = family(s.model)
