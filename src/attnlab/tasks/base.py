@@ -342,6 +342,16 @@ class TaskDefinition:
                 raise ValueError(f"{found[0][1].flag} applies to --model {' or '.join(owners)}, not "
                                  f"{self.model_in_use(settings)}")
 
+    def check_family_of_kind(self, settings: Settings) -> None:
+        """For a task whose models are any registered family of its ``kind``: ``--model`` defaults to
+        the kind's default family, and a name that is not one of them is refused naming those that are."""
+        from ..models.registry import default_family, families
+        known = [f.model_type for f in families(kind=self.kind)]
+        settings.model = settings.model or default_family(self.kind)
+        if settings.model not in known:
+            raise ValueError(f"--model: {settings.model!r} is not a registered family of kind {self.kind} "
+                             f"({', '.join(known) or 'none registered'})")
+
     def check_once(self, settings: Settings) -> None:
         """:meth:`check`, unless these settings passed it and no value changed since: the train
         command checks them before any data is read, and ``prepare`` (which Python callers call

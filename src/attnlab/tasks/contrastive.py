@@ -239,12 +239,7 @@ class ImagesWithText(TaskDefinition):
     schedule of the digits or of a folder (:data:`_SIZES`), the best checkpoint by accuracy."""
 
     def check(self, s: Settings) -> None:
-        from ..models.registry import default_family, families
-        known = [f.model_type for f in families(kind=self.kind)]
-        s.model = s.model or default_family(self.kind)
-        if s.model not in known:
-            raise ValueError(f"--model: {s.model!r} is not a registered family of kind {self.kind} "
-                             f"({', '.join(known) or 'none registered'})")
+        self.check_family_of_kind(s)
         super().check(s)
         if s.data is None and s.valid is not None:
             raise ValueError("--valid: give the training images too (--data DIR); the digits have their own split")
