@@ -8,7 +8,7 @@
         -> the token embedding transposed (a tied head) -> logits (B, T, V)
 
 The input is what :class:`attnlab.processors.LogMelFeatureExtractor` makes: M mel bands, F
-frames of 10 ms (3000 for 30 s). The stride-2 convolution halves the frames, so the encoder
+frames 10 ms of audio apart (3000 for 30 s, Whisper's own hop of 160 samples). The stride-2 convolution halves the frames, so the encoder
 takes up to 2 * ``max_source_positions`` frames; its positions are a fixed table, [sin | cos]
 over geometrically spaced timescales, stored with the weights as the checkpoints do. Pre-Norm
 LayerNorm blocks with GELU feed-forwards; the key projection has no bias (it would add the same

@@ -203,8 +203,8 @@ class SpeechTraining(TaskDefinition):
         Option("d_ff", int, None, "feed-forward width (default: the family's)", check=positive, group=_M),
         Option("dropout", float, 0.1, "dropout", check=fraction, group=_M),
         Option("mel_bins", int, 40, "mel bands per frame", check=positive, group=_M),
-        Option("hop_length", int, 320, "samples between frames (320: 20 ms at 16 kHz; Whisper's own is 160, 10 ms: "
-               "twice the frames and the encoder's work)", check=positive, group=_M),
+        Option("hop_length", int, 320, "samples between frames (320: 20 ms of audio at 16 kHz; Whisper's own is "
+               "160, 10 ms of audio: twice the frames and the encoder's work)", check=positive, group=_M),
         Option("chunk_seconds", int, None, "seconds of audio per input, padded or cut (default: the longest "
                "training utterance's, rounded up)", check=positive, group=_M),
         Option("sentences", int, 2000, "training sentences (each spoken once, in a voice and speed drawn with "
@@ -223,12 +223,7 @@ class SpeechTraining(TaskDefinition):
     ]
 
     def check(self, s: Settings) -> None:
-        from ..models.registry import default_family, families
-        known = [f.model_type for f in families(kind=self.kind)]
-        s.model = s.model or default_family(self.kind)
-        if s.model not in known:
-            raise ValueError(f"--model: {s.model!r} is not a registered family of kind {self.kind} "
-                             f"({', '.join(known) or 'none registered'})")
+        self.check_family_of_kind(s)
         super().check(s)
         if s.data is not None or s.valid is not None:
             raise ValueError("--data/--valid: the speech task trains on the embedded spoken corpus only")
