@@ -21,8 +21,9 @@ of the explorer's image view (headless Chromium, /usr/bin/chromium through Selen
 digits ViT (``--vision-run DIR``, else ``attnlab train image --steps 800 --seed 0 --image-size 16
 --patch-size 2 --ema 0`` trained here, about three minutes on one idle core). scripts/figures_vision.py
 holds the vision page's figures, scripts/figures_lessons.py those of the sections that had none,
-scripts/figures_multimodal.py the multimodal page's two (from a clip and a vlm run: ``--clip-run``,
-``--vlm-run``, else trained here), scripts/figure_common.py what the modules share.
+scripts/figures_multimodal.py the multimodal page's three (from a clip, a vlm and a speech run:
+``--clip-run``, ``--vlm-run``, ``--speech-run``, else trained here), scripts/figure_common.py what
+the modules share.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ from figures_llms import data_rope_types, draw_rope_types  # noqa: E402,F401
 from figures_compression import (data_distill_temperature, data_prune_error, data_quant_error,  # noqa: E402,F401
                                  draw_distill_temperature, draw_prune_error,
                                  draw_quant_error)
-from figures_multimodal import CLIP_COMMAND, VLM_COMMAND, clip_space, vlm_attention  # noqa: E402,F401
+from figures_multimodal import (CLIP_COMMAND, SPEECH_COMMAND, VLM_COMMAND, clip_space,  # noqa: E402,F401
+                                speech_attention, vlm_attention)
 from figures_vision import (VISION_COMMAND, class_attention, data_mae_masking, data_patches,  # noqa: E402,F401
                             draw_mae_masking, draw_patches, explorer_image_view, position_similarity,
                             position_similarity_data)
@@ -539,9 +541,11 @@ FIGURES_BY_PAGE = {
     "quant_error": "compression.md", "prune_error": "compression.md", "distill_temperature": "compression.md",
 }
 MEASURED = {"alignment": "encoder-decoder.md", "position_similarity": "vision.md", "class_attention": "vision.md",
-            "explorer_image_view": "vision.md", "clip_space": "multimodal.md", "vlm_attention": "multimodal.md"}
+            "explorer_image_view": "vision.md", "clip_space": "multimodal.md", "vlm_attention": "multimodal.md",
+            "speech_attention": "multimodal.md"}
 _MEASURED_RUN = {"alignment": "run", "position_similarity": "vision_run", "class_attention": "vision_run",
-                 "explorer_image_view": "vision_run", "clip_space": "clip_run", "vlm_attention": "vlm_run"}
+                 "explorer_image_view": "vision_run", "clip_space": "clip_run", "vlm_attention": "vlm_run",
+                 "speech_attention": "speech_run"}
 
 
 def fingerprint(data: dict) -> list[float]:
@@ -556,7 +560,7 @@ def _sha256(path: Path) -> str:
 
 
 def build(names: list[str], run: Path | None = None, vision_run: Path | None = None, clip_run: Path | None = None,
-          vlm_run: Path | None = None) -> dict:
+          vlm_run: Path | None = None, speech_run: Path | None = None) -> dict:
     FIGURES.mkdir(parents=True, exist_ok=True)
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
     module = sys.modules[__name__]
@@ -564,7 +568,7 @@ def build(names: list[str], run: Path | None = None, vision_run: Path | None = N
         path = FIGURES / f"{name}.png"
         if name in MEASURED:
             given = {"run": run, "vision_run": vision_run, "clip_run": clip_run,
-                     "vlm_run": vlm_run}[_MEASURED_RUN[name]]
+                     "vlm_run": vlm_run, "speech_run": speech_run}[_MEASURED_RUN[name]]
             entry = {"page": MEASURED[name], **getattr(module, name)(path, given)}
         else:
             data = getattr(module, f"data_{name}")()
@@ -590,12 +594,14 @@ def main(argv=None) -> int:
                    f"embedding-space figure (default: one trained here, attnlab {' '.join(CLIP_COMMAND)})")
     p.add_argument("--vlm-run", type=Path, default=None, help="digits vlm run for its text-to-image attention "
                    f"figure (default: one trained here, attnlab {' '.join(VLM_COMMAND)})")
+    p.add_argument("--speech-run", type=Path, default=None, help="speech run for the multimodal page's frames-as-"
+                   f"tokens figure (default: one trained here, attnlab {' '.join(SPEECH_COMMAND)})")
     args = p.parse_args(argv)
     unknown = sorted(set(args.names) - set(every))
     if unknown:
         p.error(f"unknown figure {', '.join(unknown)}; choose from {', '.join(every)}")
     torch.set_num_threads(1)
-    build(args.names or every, args.run, args.vision_run, args.clip_run, args.vlm_run)
+    build(args.names or every, args.run, args.vision_run, args.clip_run, args.vlm_run, args.speech_run)
     return 0
 
 

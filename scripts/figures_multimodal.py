@@ -1,7 +1,9 @@
-"""The multimodal lesson's figures (docs/multimodal.md), measured from two trained runs on the
-embedded digits: a contrastive image-text model (``attnlab train clip``) and a vision-language
-model (``attnlab train vlm``). Each is ``--clip-run DIR`` / ``--vlm-run DIR`` or trained here with
-:data:`CLIP_COMMAND` / :data:`VLM_COMMAND` (seeded; a few minutes each on one core). Their manifest
+"""The multimodal lesson's figures (docs/multimodal.md), measured from trained runs: on the embedded
+digits a contrastive image-text model (``attnlab train clip``) and a vision-language model
+(``attnlab train vlm``), and a speech recogniser on the spoken numbers (``attnlab train speech``).
+Each is ``--clip-run DIR`` / ``--vlm-run DIR`` / ``--speech-run DIR`` or trained here with
+:data:`CLIP_COMMAND` / :data:`VLM_COMMAND` / :data:`SPEECH_COMMAND` (seeded; a few minutes each on
+one core for the first two, the speech run's 40-minute budget for the third). Their manifest
 entries keep the numbers the page quotes (tests/test_multimodal_page.py checks the page against them).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from figure_common import plt, save_figure
 ROOT = Path(__file__).resolve().parent.parent
 CLIP_COMMAND = ["train", "clip", "--steps", "1500", "--seed", "0", "--no-progress"]
 VLM_COMMAND = ["train", "vlm", "--steps", "1000", "--seed", "0", "--no-progress"]
+SPEECH_COMMAND = ["train", "speech", "--time-budget", "40", "--seed", "0", "--no-progress"]
 QUESTION = "what digit is this?"
 SHOWN_DIGIT = 3                       # the held-out digit whose attention vlm_attention draws
 _RUNS: dict = {}
@@ -108,4 +111,56 @@ def vlm_attention(path: Path, run: Path | None = None) -> dict:
             "answer_position_image_share": [round(float(s), 3) for s in share]}
 
 
-__all__ = ["clip_space", "vlm_attention", "CLIP_COMMAND", "VLM_COMMAND", "np"]
+@torch.no_grad()
+def speech_attention(path: Path, run: Path | None = None) -> dict:
+    """Frames as tokens: the log-mel frames of the first held-out test sentence (spoken in the voice
+    the run never heard) and, below them on the same time axis, where each word the trained speech
+    run writes looks among the encoder's positions (cross-attention, mean of layers and heads)."""
+    from attnlab.data.speech import spoken_numbers
+    from attnlab.tasks import get_task, open_run
+    from attnlab.tasks.speech import BOS_ID, transcribe, word_error_rate
+    from attnlab.viz.record import record_attention
+    run, source = _run("speech", SPEECH_COMMAND, run)
+    import yaml
+    info = open_run(run)
+    s = yaml.safe_load((Path(run) / "config.yaml").read_text())["settings"]     # the corpus the run trained on
+    heard = get_task("speech").load(info, "cpu")
+    test = spoken_numbers(s.get("audio_cache"), n_train=s["sentences"], n_valid=s["eval_size"],
+                          n_test=s["test_size"], seed=s["seed"], max_words=s["max_words"]).test
+    features = heard.features([u.path for u in test])                        # (N, F, M)
+    hypotheses = transcribe(heard.model, heard.tokenizer, features)
+    wer = word_error_rate(hypotheses, [u.text for u in test])
+    x, said, reply = features[:1], test[0].text, hypotheses[0]
+    ids = heard.tokenizer.encode(reply)
+    model = heard.model.eval()
+    memory = model.encode(x)
+    with record_attention(model) as record:
+        model.decode(torch.tensor([[BOS_ID] + ids]), memory)
+    cross = record.stack("cross")[:, 0].mean(dim=(0, 1))                      # (T + 1, S)
+    extractor = heard.extractor
+    seconds_per_frame = extractor.hop_length / extractor.sampling_rate
+    from attnlab.processors import read_wav
+    wave, _ = read_wav(test[0].path)
+    shown = min(x.size(-1), int(len(wave) / extractor.hop_length) + 10)      # the sentence and 0.2 s after it
+    frames = x[0][:, :shown]
+    stride = x.size(-1) / memory.size(1)                                      # frames per encoder position
+    cut = max(1, int(round(frames.size(1) / stride)))
+    words = heard.tokenizer.decode(ids).split() + ["</s>"]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
+    end = frames.size(1) * seconds_per_frame
+    a.imshow(frames.numpy(), origin="lower", aspect="auto", cmap="magma", extent=(0, end, 0, frames.size(0)))
+    a.set_ylabel("mel bin", fontsize=8)
+    a.set_title(f"log-mel frames of '{said}' (a voice the run never heard)", fontsize=9)
+    b.imshow(cross[:len(words), :cut].numpy(), aspect="auto", cmap="viridis", extent=(0, end, len(words) - 0.5, -0.5))
+    b.set_yticks(range(len(words)), words, fontsize=8)
+    b.set_xlabel("seconds", fontsize=8)
+    b.set_title(f"heard: '{reply}' - each word's cross-attention over the audio", fontsize=9)
+    save_figure(fig, path)
+    peaks = cross[:len(words) - 1, :cut].argmax(-1)
+    forward = float((peaks[1:] >= peaks[:-1]).float().mean()) if peaks.numel() > 1 else 1.0
+    return {"source": source, "sentence": said, "heard": reply, "test_wer": round(wer, 1),
+            "test_sentences": len(test), "frames_per_position": round(float(stride), 2),
+            "peaks_moving_forward": round(forward, 2)}
+
+
+__all__ = ["clip_space", "vlm_attention", "speech_attention", "CLIP_COMMAND", "VLM_COMMAND", "SPEECH_COMMAND", "np"]

@@ -42,3 +42,15 @@ def test_every_command_the_page_shows_exists(command):
 def test_the_page_shows_its_figures_and_points_to_speech():
     assert "](figures/clip_space.png)" in PAGE and "](figures/vlm_attention.png)" in PAGE
     assert "## Frames as tokens: speech" in PAGE and "log-mel" in PAGE and "attnlab train speech" in PAGE
+
+
+def test_the_page_quotes_what_the_speech_run_measured():
+    m = MANIFEST["speech_attention"]
+    flat = " ".join(PAGE.split())                                         # the prose with its line breaks undone
+    assert m["page"] == "multimodal.md" and "--time-budget 40" in m["source"]
+    assert f'"{m["sentence"]}" came out as "{m["heard"]}"' in flat
+    assert m["frames_per_position"] == 2.0 and "each encoder position after the stride-2 convolution covers 40 ms of audio" in flat
+    assert f"moves forward at {100 * m['peaks_moving_forward']:.0f} % of the words' steps" in flat
+    assert m["peaks_moving_forward"] > 0.5                                 # "the stretches move forward"
+    assert f"over the {m['test_sentences']} test sentences in the unseen voice is {m['test_wer']:.1f} %" in flat
+    assert "](figures/speech_attention.png)" in PAGE
