@@ -119,7 +119,8 @@ def variants(args, base: nn.Module, stats: dict, groups: list[int]):
     def p(method, pattern=None):
         return lambda: prune_model(copy.deepcopy(base), 0.5, method, pattern=pattern,
                                    calibration=stats if method == "wanda" else None)
-    out = [("fp32 (SmolLM2's Q4_1 values, dequantised)", lambda: base),
+    dense = "fp32 (SmolLM2's Q4_1 values, dequantised)" if args.model is None else "fp32"
+    out = [(dense, lambda: base),
            ("int8 per channel, RTN", q(8, None, "rtn")),
            ("int8 Q8_0 (group 32), RTN", q(8, 32, "rtn"))]
     for g in groups:
