@@ -194,7 +194,7 @@ def test_int8_cache_keeps_greedy_output_with_large_qk_bias(tmp_path):
     few channels. On a Qwen2 with k biases of +-20 on every 5th channel and q biases of +-5 on every
     7th (weights of 0.15: a random model of 0.2 has near-ties that any rounding flips), read in
     lockstep with the full cache over its own greedy run (a prefill of 40, then 39 single steps):
-    the full cache gives transformers' logits (rtol 1e-5); int8 (residual 8, group 8) agrees on
+    the full cache gives transformers' logits (rtol 3e-5 of scale, see below); int8 (residual 8, group 8) agrees on
     the top-1 token at every step and generates the same tokens, with mean KL(full || int8) per step
     below 1e-3 and every logit within 0.1 of the logits' scale (measured: 1.2e-4 and 0.058, the
     keys rotated by RoPE vary by +-20 within a group in the fast channels). Keys quantised per
@@ -219,7 +219,10 @@ def test_int8_cache_keeps_greedy_output_with_large_qk_bias(tmp_path):
         calls = [want[:, :40]] + [want[:, t:t + 1] for t in range(40, 79)]
         a = torch.cat([ours(x, cache=full) for x in calls], 1)
         b = torch.cat([ours(x, cache=int8) for x in calls], 1)
-        assert_close_scaled(a, hf(want[:, :79]).logits, FP32, "full cache against transformers")
+        # 3e-5, not FP32's 1e-5: the +-20 key biases make the scores large, and a cached run (one
+        # row a step) sums in another order than transformers' single pass; measured 1.27e-5 of the
+        # scale on torch's scalar kernels (ATEN_CPU_CAPABILITY=default), below 1e-5 on AVX-512
+        assert_close_scaled(a, hf(want[:, :79]).logits, 3e-5, "full cache against transformers")
     assert torch.equal(b[:, 39:].argmax(-1), want[:, 40:]), "int8 changed a greedy token"
     la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
     kl = (la.exp() * (la - lb)).sum(-1)
