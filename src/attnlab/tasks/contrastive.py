@@ -405,9 +405,7 @@ class ContrastiveTraining(ImagesWithText):
     def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedContrastive:
         from ..nn.linear import prepare_for_inference
         from .run import resolve_device
-        processors = load_processors(run)
-        if "image" not in processors or "text" not in processors:
-            raise RunError(f"{run.path}: the run records no image processor and tokenizer")
+        processors = load_processors(run, {"image": "image processor", "text": "tokenizer"})
         model, _ = prepare_for_inference(load_model(run).to(resolve_device(device)).eval(), dtype)
         return LoadedContrastive(model, processors["image"], processors["text"], list(run.task_options["labels"]),
                                  run.task_options["template"], run.path)

@@ -626,9 +626,7 @@ class ImageClassification(TaskDefinition):
     def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedImageClassifier:
         from ..nn.linear import prepare_for_inference
         from .run import resolve_device
-        processors = load_processors(run)
-        if "image" not in processors:
-            raise RunError(f"{run.path}: the run records no image processor")
+        processors = load_processors(run, {"image": "image processor"})
         model, _ = prepare_for_inference(load_model(run).to(resolve_device(device)).eval(), dtype)
         return LoadedImageClassifier(model, processors["image"], list(run.task_options["labels"]), run.path)
 

@@ -42,7 +42,7 @@ from .base import Option, Setup, TaskDefinition, describe_training, fraction, po
 from .finetune import fine_tuning_start
 from .image import _SIZES as _IMAGE_SIZES
 from .image import IMAGE, data_source
-from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .run import RunInfo, build_model, load_model, load_processors, resume_point, write_run
 from .settings import Settings
 
 __all__ = ["MAEPretraining", "MAETask", "LoadedMAE", "mae_images", "fine_tuning_start"]
@@ -237,9 +237,7 @@ class MAEPretraining(TaskDefinition):
 
     def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedMAE:
         from .run import resolve_device
-        processors = load_processors(run)
-        if "image" not in processors:
-            raise RunError(f"{run.path}: the run records no image processor")
+        processors = load_processors(run, {"image": "image processor"})
         return LoadedMAE(load_model(run).to(resolve_device(device)).eval(), processors["image"], run.path)
 
 

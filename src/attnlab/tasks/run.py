@@ -328,9 +328,13 @@ def load_model(run: RunInfo) -> nn.Module:
     return model
 
 
-def load_processors(run: RunInfo) -> dict:
-    """The run's processors by role (tokenizers, image processors); a file shared by roles is loaded once."""
+def load_processors(run: RunInfo, needs: dict[str, str] | None = None) -> dict:
+    """The run's processors by role (tokenizers, image processors); a file shared by roles is loaded once.
+    ``needs``: role -> what it is called ({"image": "image processor", "text": "tokenizer"}); a run that
+    records none of some of them is refused naming them all (RunError)."""
     from ..processors import load_processor
+    if needs and not set(needs) <= set(run.processors):
+        raise RunError(f"{run.path}: the run records no {' and '.join(needs.values())}")
     loaded: dict[str, object] = {}
     out = {}
     for role, p in run.processors.items():

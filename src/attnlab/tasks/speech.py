@@ -31,7 +31,7 @@ from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, WordTokenizer
 from ..train.losses import label_smoothed_cross_entropy
 from .base import Option, Setup, TaskDefinition, describe_training, fraction, positive, register_task, \
     training_schedule
-from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .run import RunInfo, build_model, load_model, load_processors, resume_point, write_run
 from .settings import Settings
 
 __all__ = ["SpeechTraining", "Transcriber", "word_error_rate", "word_errors", "transcribe", "spec_augment"]
@@ -296,9 +296,7 @@ class SpeechTraining(TaskDefinition):
 
     def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> Transcriber:
         from .run import resolve_device
-        processors = load_processors(run)
-        if "audio" not in processors or "text" not in processors:
-            raise RunError(f"{run.path}: the run records no feature extractor and tokenizer")
+        processors = load_processors(run, {"audio": "feature extractor", "text": "tokenizer"})
         model = load_model(run).to(resolve_device(device)).eval()
         return Transcriber(model, processors["audio"], processors["text"], run.path)
 

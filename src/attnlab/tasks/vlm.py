@@ -33,7 +33,7 @@ from ..tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, WordTokenizer
 from .base import Option, Setup, positive, register_task
 from .contrastive import ImagesWithText
 from .image import _arrays, _bytes, data_source
-from .run import RunError, RunInfo, build_model, load_model, load_processors, resume_point, write_run
+from .run import RunInfo, build_model, load_model, load_processors, resume_point, write_run
 from .settings import Settings
 
 __all__ = ["VisionLanguageTraining", "LoadedVisionLanguage", "QUESTIONS", "IMAGE_TOKEN", "answer", "answer_tokens"]
@@ -273,9 +273,7 @@ class VisionLanguageTraining(ImagesWithText):
 
     def load(self, run: RunInfo, device: str | None = None, dtype: str = "fp32") -> LoadedVisionLanguage:
         from .run import resolve_device
-        processors = load_processors(run)
-        if "image" not in processors or "text" not in processors:
-            raise RunError(f"{run.path}: the run records no image processor and tokenizer")
+        processors = load_processors(run, {"image": "image processor", "text": "tokenizer"})
         model = load_model(run).to(resolve_device(device)).eval()
         return LoadedVisionLanguage(model, processors["image"], processors["text"], list(run.task_options["questions"]),
                                     run.path)
